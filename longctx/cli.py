@@ -1,0 +1,197 @@
+"""The `longctx` command: ingest documents, ask questions, manage the cache store.
+
+Answers go to stdout; progress and information to stderr. Library errors (`LongctxError`) become
+one red line on stderr and exit code 1; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+from rich.table import Table
+
+import longctx
+from longctx.errors import LongctxError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  context_settings={"help_option_names": ["-h", "--help"]},
+                  help="Ask questions of long documents from a compressed, persisted KV cache.")
+err = Console(stderr=True)
+out = Console()
+_state = {"debug": False}
+
+ModelOpt = typer.Option(None, "--model", "-m", envvar="LONGCTX_MODEL",
+                        help="mlx-lm model directory, .gguf file or Hugging Face id (default: SmolLM2-135M-Instruct).")
+
+
+@contextmanager
+def _boundary():
+    """The one place errors are turned into messages and exit codes."""
+    try:
+        yield
+    except LongctxError as e:
+        if _state["debug"]:
+            raise
+        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        err.print("[red]interrupted[/red]")
+        raise typer.Exit(130)
+
+
+def _version(value: bool):
+    if value:
+        out.print(f"longctx {longctx.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+         version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="Show the version and exit.")):
+    """Ask questions of long documents from a compressed, persisted KV cache."""
+    _state["debug"] = debug
+    if longctx.BLAS_STATUS == "missing":
+        err.print("[yellow]warning:[/yellow] OpenBLAS not found; CPU prefill will be slow "
+                  "(Debian/Ubuntu: apt-get install libopenblas0-pthread).")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+@contextmanager
+def _bar(description: str, unit: str):
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn(unit), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
+               TextColumn("ETA"), TimeRemainingColumn()]
+    with Progress(*columns, console=err, transient=False) as bar:
+        task = bar.add_task(description, total=None, rate="")
+
+        def update(done: int, total: int):
+            speed = bar.tasks[task].speed
+            bar.update(task, completed=done, total=total, rate=f"{speed:,.0f} {unit}/s" if speed else "")
+
+        yield update
+
+
+@app.command()
+def ingest(file: str = typer.Argument(..., help="PDF, text or markdown file."),
+           model: Optional[str] = ModelOpt,
+           kv: str = typer.Option("fp16", "--kv", help="KV cache preset."),
+           dry_run: bool = typer.Option(False, "--dry-run", help="Show pages, tokens and cache size; write nothing."),
+           force: bool = typer.Option(False, "--force", help="Rebuild the cache even if it exists."),
+           password: Optional[str] = typer.Option(None, "--password", help="Password of an encrypted PDF."),
+           as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout.")):
+    """Read a document, prefill it once through the model and persist its KV cache."""
+    from longctx import session
+
+    with _boundary():
+        if dry_run:
+            p = session.plan(file, model, kv, password)
+            info = {"document": p.document.name, "pages": p.document.pages,
+                    "estimated_tokens": p.estimated_tokens, "tokens": len(p.tokens),
+                    "model": p.model.model_id, "context_length": p.context_length,
+                    "fits": len(p.tokens) + session.ANSWER_RESERVE <= p.context_length,
+                    "kv_preset": p.preset.name, "estimated_cache_bytes": p.estimated_cache_bytes,
+                    "entry_id": p.entry_id}
+            if as_json:
+                out.print_json(json.dumps(info))
+            else:
+                for k, v in info.items():
+                    shown = _human(v) if k.endswith("bytes") else (f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else v)
+                    err.print(f"{k:>22}: {shown}")
+            return
+        with _bar("prefill", "tok") as update:
+            result = session.ingest(file, model, kv, force=force, password=password, progress=update)
+        e = result.entry
+        if result.reused:
+            err.print(f"[green]cached[/green] {e.name}: {e.tokens:,} tokens already ingested as {e.id} (use --force to rebuild)")
+        else:
+            s = result.stats
+            err.print(f"[green]ingested[/green] {e.name} as {e.id}: {e.tokens:,} tokens in {s.seconds:.1f} s "
+                      f"({s.tokens_per_second:,.0f} tok/s), peak memory {_human(s.peak_bytes)}, "
+                      f"cache {_human(e.bytes)} ({e.bytes_per_token:,.0f} B/token)")
+        if as_json:
+            out.print_json(json.dumps({**e.to_json(), "reused": result.reused}))
+
+
+@app.command()
+def ask(question: str = typer.Argument(..., help="The question."),
+        doc: Optional[str] = typer.Option(None, "--doc", "-d", help="Document name or id (default: the latest ingested)."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="Must match the model of the cache (default: that model)."),
+        max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="Most answer tokens."),
+        temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0 = greedy)."),
+        seed: Optional[int] = typer.Option(None, "--seed", help="Sampler seed."),
+        as_json: bool = typer.Option(False, "--json", help="Print answer and timings as JSON.")):
+    """Answer a question from a stored document's cache, streaming to stdout."""
+    from longctx import session
+
+    with _boundary():
+        answer = session.Answer()
+        for piece in session.ask(question, doc, model, max_tokens, temp, seed, answer=answer):
+            if not as_json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        if as_json:
+            out.print_json(json.dumps({"answer": answer.text, "document": answer.entry.name,
+                                       "id": answer.entry.id, "restore_seconds": answer.restore_seconds,
+                                       "first_token_seconds": answer.first_token_seconds}))
+        else:
+            sys.stdout.write("\n")
+            err.print(f"[dim]{answer.entry.name}: restored in {answer.restore_seconds:.2f} s, "
+                      f"first token after {answer.first_token_seconds:.2f} s[/dim]")
+
+
+@app.command("list")
+def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """List ingested documents, newest first."""
+    from longctx import session
+
+    with _boundary():
+        entries = session.list_entries()
+        if as_json:
+            out.print_json(json.dumps([e.to_json() for e in entries]))
+            return
+        table = Table("id", "name", "pages", "tokens", "model", "kv", "on disk", "B/token")
+        for e in entries:
+            table.add_row(e.id, e.name, str(e.pages), f"{e.tokens:,}", e.model_id, e.kv_preset,
+                          _human(e.bytes), f"{e.bytes_per_token:,.0f}")
+        out.print(table)
+
+
+@app.command()
+def info(doc: Optional[str] = typer.Argument(None, help="Document name or id (default: latest)."),
+         as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """Show one ingested document's cache."""
+    from longctx import session
+
+    with _boundary():
+        e = session.find_entry(doc)
+        data = {**e.to_json(), "bytes_per_token": round(e.bytes_per_token, 1)}
+        if as_json:
+            out.print_json(json.dumps(data))
+            return
+        for k, v in data.items():
+            out.print(f"{k:>18}: {_human(v) if k == 'bytes' else v}", highlight=False)
+
+
+@app.command()
+def rm(doc: str = typer.Argument(..., help="Document name or id.")):
+    """Remove an ingested document's cache and index entry."""
+    from longctx import session
+
+    with _boundary():
+        e = session.remove_entry(doc)
+        err.print(f"removed {e.name} ({e.id}, {_human(e.bytes)})")

@@ -1,0 +1,1 @@
+"""Backend setup and model loading."""

@@ -1,0 +1,46 @@
+"""Load OpenBLAS into the process before mlx, on Linux, so MLX's CPU matmuls use it.
+
+MLX's Linux CPU wheel is linked against a reference BLAS. Symbols resolve to the first library
+loaded with RTLD_GLOBAL, so loading OpenBLAS before `import mlx` makes every sgemm an OpenBLAS one.
+This module must not import mlx.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+# Debian/Ubuntu multiarch paths first (package libopenblas0-pthread), then generic ones.
+_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+)
+
+
+def preload_openblas() -> str:
+    """Load OpenBLAS globally if this is Linux and mlx is not imported yet.
+
+    Returns:
+        "loaded:<path>", "not-linux", "already-imported" (too late to help), "disabled"
+        (LONGCTX_NO_OPENBLAS=1) or "missing" (no OpenBLAS found: CPU matmuls will be slow).
+    """
+    if not sys.platform.startswith("linux"):
+        return "not-linux"
+    if os.environ.get("LONGCTX_NO_OPENBLAS") == "1":
+        return "disabled"
+    if "mlx.core" in sys.modules:
+        return "already-imported"
+    paths = [os.environ["LONGCTX_OPENBLAS"]] if os.environ.get("LONGCTX_OPENBLAS") else []
+    for path in paths + list(_CANDIDATES):
+        if os.path.exists(path):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue
+            return f"loaded:{path}"
+    return "missing"

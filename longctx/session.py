@@ -1,0 +1,238 @@
+"""The library's use cases: ingest a document into a persisted cache, ask questions of it.
+
+Everything here reports through callbacks and return values; the CLI renders. Errors are
+`longctx.errors` subclasses with messages a user can act on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from longctx import engine, kvcache, prompt
+from longctx.documents import Document, read_document
+from longctx.errors import CacheMismatch, ContextLengthError
+from longctx.runtime import models
+from longctx.store import Entry, Store, entry_id
+
+Progress = Callable[[int, int], None]
+ANSWER_RESERVE = 256  # tokens kept free after the prefix for a question and its answer
+
+
+@dataclass
+class Plan:
+    """What ingesting a document would do (the whole of `--dry-run`)."""
+
+    document: Document
+    model: models.ModelRef
+    preset: kvcache.Preset
+    estimated_tokens: int  # tiktoken cl100k, instant
+    tokens: list[int]  # exact, with the model's tokenizer
+    context_length: int
+    bytes_per_token: int
+    entry_id: str
+
+    @property
+    def estimated_cache_bytes(self) -> int:
+        return self.bytes_per_token * len(self.tokens)
+
+
+@dataclass
+class IngestResult:
+    entry: Entry
+    reused: bool
+    stats: engine.PrefillStats | None = None
+
+
+@dataclass
+class Answer:
+    """Filled in while `ask` streams; complete once the iterator is exhausted."""
+
+    entry: Entry | None = None
+    restore_seconds: float = 0.0
+    first_token_seconds: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+def _fp16_bytes_per_token(config: dict) -> int:
+    cfg = config.get("text_config", config)
+    n_kv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * 2 * n_kv * head_dim * cfg["num_hidden_layers"]
+
+
+def _check_fits(doc_name: str, n_tokens: int, context: int, reserve: int) -> None:
+    if n_tokens + reserve > context:
+        raise ContextLengthError(
+            f"'{doc_name}' is {n_tokens:,} tokens but the model's context is {context:,} "
+            f"(with {reserve} kept for the question and answer); use a longer-context model "
+            "(--model) or split the document."
+        )
+
+
+def plan(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAULT_PRESET,
+         password: str | None = None, progress: Progress | None = None) -> Plan:
+    """Read and tokenize a document and work out its cache, without running the model."""
+    from mlx_lm.utils import load_config
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    doc = read_document(path, password=password, progress=progress)
+    ref = models.resolve(model)
+    kv = kvcache.get_preset(preset)
+    tokenizer = load_tokenizer(ref.path)
+    config = load_config(ref.path)
+    lay = prompt.layout(tokenizer, doc.name, doc.text)
+    tokens = prompt.prefix_tokens(tokenizer, lay)
+    cfg = config.get("text_config", config)
+    context = int(cfg.get("max_position_embeddings") or 2048)
+    eid = entry_id(doc.sha256, ref.weights_sha256, ref.tokenizer_sha256, kv.name,
+                   prompt.layout_sha256(tokenizer))
+    return Plan(doc, ref, kv, prompt.estimate_tokens(doc.text), tokens, context,
+                _fp16_bytes_per_token(config), eid)
+
+
+def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAULT_PRESET,
+           force: bool = False, password: str | None = None, model_spec_label: str | None = None,
+           progress: Progress | None = None, chunk: int = engine.DEFAULT_CHUNK) -> IngestResult:
+    """Prefill a document once into a cache and persist it; reuse an identical earlier entry.
+
+    Args:
+        path: PDF, text or markdown file.
+        model: `--model` value (None: `$LONGCTX_MODEL` or the default model).
+        preset: KV preset name.
+        force: rebuild even if an identical entry exists.
+        password: for encrypted PDFs.
+        progress: `progress(done_tokens, total_tokens)` during prefill.
+        chunk: prefill chunk size in tokens.
+    """
+    p = plan(path, model, preset, password)
+    _check_fits(p.document.name, len(p.tokens), p.context_length, ANSWER_RESERVE)
+    store = Store()
+    try:
+        existing = store.get(p.entry_id)
+        if existing and not force and (store.caches / existing.file).exists():
+            store.touch_latest(existing)
+            return IngestResult(existing, reused=True)
+        lm = models.load(p.model)
+        cache = kvcache.make(lm.model, p.preset)
+        stats = engine.prefill(lm.model, p.tokens, cache, chunk=chunk, progress=progress)
+        arrays = kvcache.to_arrays(cache)
+        import mlx.core as mx
+
+        arrays["tokens"] = mx.array(p.tokens, dtype=mx.int32)
+        entry = Entry(
+            id=p.entry_id, name=p.document.name, path=str(Path(path).resolve()),
+            document_sha256=p.document.sha256, kind=p.document.kind, pages=p.document.pages,
+            tokens=len(p.tokens), model_id=p.model.model_id,
+            model_spec=p.model.spec,
+            weights_sha256=p.model.weights_sha256, tokenizer_sha256=p.model.tokenizer_sha256,
+            kv_preset=p.preset.name, file=f"{p.entry_id}.safetensors", bytes=0, created=0.0,
+            prefill_seconds=stats.seconds,
+        )
+        metadata = {
+            "model_id": p.model.model_id, "weights_sha256": p.model.weights_sha256,
+            "tokenizer_sha256": p.model.tokenizer_sha256, "document_sha256": p.document.sha256,
+            "tokens": str(len(p.tokens)), "kv_config": json.dumps(p.preset.to_json()),
+            "document_name": p.document.name,
+        }
+        return IngestResult(store.save(entry, arrays, metadata), reused=False, stats=stats)
+    finally:
+        store.close()
+
+
+def _check_same_model(entry: Entry, ref: models.ModelRef) -> None:
+    if entry.weights_sha256 != ref.weights_sha256 or entry.tokenizer_sha256 != ref.tokenizer_sha256:
+        raise CacheMismatch(
+            f"'{entry.name}' was ingested with model {entry.model_id} "
+            f"(weights {entry.weights_sha256[:12]}), not {ref.model_id} "
+            f"(weights {ref.weights_sha256[:12]}); ask without --model, or ingest it again with "
+            "this model."
+        )
+
+
+def restore(entry: Entry, lm: models.LoadedModel, store: Store) -> list:
+    """Load an entry's cache file and rebuild the per-layer caches, checking it fits the model."""
+    import mlx.core as mx
+
+    arrays, meta = store.load(entry)
+    if meta["weights_sha256"] != lm.ref.weights_sha256 or meta["tokenizer_sha256"] != lm.ref.tokenizer_sha256:
+        _check_same_model(Entry(**{**entry.to_json(), "weights_sha256": meta["weights_sha256"],
+                                   "tokenizer_sha256": meta["tokenizer_sha256"]}), lm.ref)
+    cache = kvcache.from_arrays(arrays, len(kvcache.make(lm.model, kvcache.get_preset(entry.kv_preset))),
+                                mx.float32 if lm.dtype == "float32" else getattr(mx, lm.dtype))
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def ask(question: str, doc: str | None = None, model: str | None = None, max_tokens: int = 256,
+        temperature: float = 0.0, seed: int | None = None,
+        answer: Answer | None = None) -> Iterator[str]:
+    """Answer `question` from a stored document's cache; yields the answer text as it streams.
+
+    Args:
+        question: the question.
+        doc: document name or entry id (None: the most recently ingested).
+        model: `--model`; must be the model the cache was built with (None: that model).
+        max_tokens: the most answer tokens.
+        temperature: 0 for greedy.
+        seed: sampler seed when temperature > 0.
+        answer: filled with timings, token ids and the full text while streaming.
+    """
+    answer = answer if answer is not None else Answer()
+    start = time.perf_counter()
+    store = Store()
+    try:
+        entry = store.find(doc)
+        answer.entry = entry
+        ref = models.resolve(model or entry.model_spec)
+        _check_same_model(entry, ref)
+        lm = models.load(ref)
+        cache = restore(entry, lm, store)
+    finally:
+        store.close()
+    answer.restore_seconds = time.perf_counter() - start
+    lay = prompt.layout(lm.tokenizer, entry.name, "")
+    suffix = prompt.question_tokens(lm.tokenizer, lay, question)
+    room = lm.context_length - entry.tokens
+    if len(suffix) + 1 > room:
+        raise ContextLengthError(
+            f"The question is {len(suffix):,} tokens but only {room:,} of the model's "
+            f"{lm.context_length:,}-token context are left after '{entry.name}'; shorten the question."
+        )
+    max_tokens = min(max_tokens, room - len(suffix))
+    for piece in engine.generate(lm.model, lm.tokenizer, suffix, kvcache.fork(cache),
+                                 max_tokens=max_tokens, temperature=temperature, seed=seed):
+        if not answer.text:
+            answer.first_token_seconds = time.perf_counter() - start
+        answer.text += piece
+        yield piece
+
+
+def list_entries() -> list[Entry]:
+    store = Store()
+    try:
+        return store.entries()
+    finally:
+        store.close()
+
+
+def find_entry(doc: str | None) -> Entry:
+    store = Store()
+    try:
+        return store.find(doc)
+    finally:
+        store.close()
+
+
+def remove_entry(doc: str) -> Entry:
+    store = Store()
+    try:
+        entry = store.find(doc)
+        store.remove(entry)
+        return entry
+    finally:
+        store.close()
