@@ -7,6 +7,7 @@ one red line on stderr and exit code 1; `--debug` shows the traceback instead.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from contextlib import contextmanager
 from typing import Optional
@@ -58,6 +59,8 @@ def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
                                       help="Show the version and exit.")):
     """Ask questions of long documents from a compressed, persisted KV cache."""
     _state["debug"] = debug
+    if not debug:  # pypdf logs recoverable damage ("EOF marker not found") to stderr
+        logging.getLogger("pypdf").setLevel(logging.ERROR)
     if longctx.BLAS_STATUS == "missing":
         err.print("[yellow]warning:[/yellow] OpenBLAS not found; CPU prefill will be slow "
                   "(Debian/Ubuntu: apt-get install libopenblas0-pthread).")

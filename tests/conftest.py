@@ -1,0 +1,83 @@
+"""Shared fixtures: an isolated data dir for every test and a tiny random-weight llama model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import longctx  # noqa: F401  (loads OpenBLAS before mlx)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(autouse=True)
+def longctx_home(tmp_path, monkeypatch):
+    home = tmp_path / "longctx-home"
+    monkeypatch.setenv("LONGCTX_HOME", str(home))
+    monkeypatch.delenv("LONGCTX_MODEL", raising=False)
+    return home
+
+
+def _byte_tokenizer() -> tuple[dict, dict]:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>",
+              "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,
+              "clean_up_tokenization_spaces": False}
+    return json.loads(tok.to_str()), config
+
+
+def make_tiny_model(path: Path, seed: int = 0, context: int = 4096, n_kv_heads: int = 2,
+                    head_dim: int = 32, layers: int = 2) -> Path:
+    """Write a random-weight llama (GQA) mlx-lm directory with a byte-level tokenizer."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    tok_json, tok_config = _byte_tokenizer()
+    vocab = len(tok_json["model"]["vocab"])
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": layers,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": n_kv_heads,
+              "head_dim": head_dim, "rms_norm_eps": 1e-5, "vocab_size": vocab, "rope_theta": 10000.0,
+              "max_position_embeddings": context, "tie_word_embeddings": True, "eos_token_id": 2}
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    # Larger-than-default embeddings make the random model's greedy choices well separated.
+    model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * 0.5
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").write_text(json.dumps(tok_json))
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_other(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-b", seed=1)
+
+
+@pytest.fixture
+def text_doc(tmp_path) -> Path:
+    doc = tmp_path / "facts.txt"
+    doc.write_text("The lighthouse keeper is Ada Quill.\nThe island has 412 sheep.\n" * 6)
+    return doc
