@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from contextlib import contextmanager
 from typing import Optional
@@ -61,6 +62,8 @@ def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     _state["debug"] = debug
     if not debug:  # pypdf logs recoverable damage ("EOF marker not found") to stderr
         logging.getLogger("pypdf").setLevel(logging.ERROR)
+        # transformers warns about sequence length on tokenization alone; we check context ourselves
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if longctx.BLAS_STATUS == "missing":
         err.print("[yellow]warning:[/yellow] OpenBLAS not found; CPU prefill will be slow "
                   "(Debian/Ubuntu: apt-get install libopenblas0-pthread).")

@@ -120,7 +120,7 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
         lm = models.load(p.model)
         cache = kvcache.make(lm.model, p.preset)
         stats = engine.prefill(lm.model, p.tokens, cache, chunk=chunk, progress=progress)
-        arrays = kvcache.to_arrays(cache)
+        arrays = kvcache.to_arrays(cache, p.preset)
         import mlx.core as mx
 
         arrays["tokens"] = mx.array(p.tokens, dtype=mx.int32)
@@ -136,7 +136,8 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
         metadata = {
             "model_id": p.model.model_id, "weights_sha256": p.model.weights_sha256,
             "tokenizer_sha256": p.model.tokenizer_sha256, "document_sha256": p.document.sha256,
-            "tokens": str(len(p.tokens)), "kv_config": json.dumps(p.preset.to_json()),
+            "tokens": str(len(p.tokens)),
+            "kv_config": json.dumps({**p.preset.to_json(), "head_dims": kvcache.head_dims(lm.model)}),
             "document_name": p.document.name,
         }
         return IngestResult(store.save(entry, arrays, metadata), reused=False, stats=stats)
@@ -162,8 +163,8 @@ def restore(entry: Entry, lm: models.LoadedModel, store: Store) -> list:
     if meta["weights_sha256"] != lm.ref.weights_sha256 or meta["tokenizer_sha256"] != lm.ref.tokenizer_sha256:
         _check_same_model(Entry(**{**entry.to_json(), "weights_sha256": meta["weights_sha256"],
                                    "tokenizer_sha256": meta["tokenizer_sha256"]}), lm.ref)
-    cache = kvcache.from_arrays(arrays, len(kvcache.make(lm.model, kvcache.get_preset(entry.kv_preset))),
-                                mx.float32 if lm.dtype == "float32" else getattr(mx, lm.dtype))
+    cache = kvcache.from_arrays(arrays, lm.model, kvcache.get_preset(entry.kv_preset),
+                                getattr(mx, lm.dtype))
     mx.eval([c.state for c in cache])
     return cache
 

@@ -1,0 +1,65 @@
+"""Shared benchmark helpers: environment facts and writing results JSON."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import longctx  # noqa: F401  (OpenBLAS before mlx)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GPL3 = Path("/usr/share/common-licenses/GPL-3")
+
+
+def environment() -> dict:
+    """Machine, backend and versions, recorded with every result."""
+    import importlib.metadata as md
+
+    import mlx.core as mx
+
+    def version(pkg: str) -> str:
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return "-"
+
+    device = mx.default_device()
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.node(), "platform": platform.platform(), "processor": platform.machine(),
+        "cpus": os.cpu_count(), "python": sys.version.split()[0],
+        "backend": str(device), "mlx": version("mlx"), "mlx_lm": version("mlx-lm"),
+        "longctx": longctx.__version__, "blas": longctx.BLAS_STATUS,
+    }
+    if device.type == mx.DeviceType.gpu:
+        try:
+            info["gpu"] = mx.device_info().get("device_name", "gpu")
+        except Exception:  # device_info is best-effort across backends
+            info["gpu"] = "gpu"
+    return info
+
+
+def write(name: str, payload: dict) -> Path:
+    """Write `payload` plus the environment to benchmarks/results/<name>.json."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"environment": environment(), **payload}, indent=1))
+    return path
+
+
+def prose(min_chars: int) -> str:
+    """Real, redistributable prose for benchmarks: the sample report and notes, then GPL-3 text."""
+    from longctx.documents import read_document
+
+    root = Path(__file__).resolve().parent.parent / "samples"
+    parts = [read_document(root / "report.pdf").text, (root / "notes.md").read_text()]
+    if GPL3.exists():
+        parts.append(GPL3.read_text())
+    text = "\n\n".join(parts)
+    while len(text) < min_chars:
+        text += "\n\n" + "\n\n".join(parts)
+    return text

@@ -1,0 +1,73 @@
+"""Named KV cache presets: how keys and values are stored, in memory and on disk.
+
+- `fp16`: mlx-lm's `KVCache`; half precision on disk.
+- `affine8`, `affine4`: mlx-lm's own `QuantizedKVCache` (group 64), for comparison.
+- `tq4`, `tq3`, `tq4k3v`: TurboQuant, rotated Lloyd-Max keys and values at the given bits.
+- `tq3+qjl`: 3-bit keys plus a 1-bit QJL sketch of their residual; 3-bit values.
+- `rvq2+2`: two-stage (2+2 bit) residual keys; 3-bit values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from longctx.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A KV storage recipe. `kind` picks the cache class; the rest configures TurboQuant."""
+
+    name: str
+    kind: str  # "fp16" | "affine" | "turbo"
+    description: str
+    key_bits: int = 0
+    key_bits2: int = 0  # second RVQ stage for keys (0: none)
+    key_qjl: bool = False
+    value_bits: int = 0
+    affine_bits: int = 0
+    window: int = 0  # newest tokens kept uncompressed in memory (never on disk)
+    seed: int = 0x7C0FFEE
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+PRESETS = {p.name: p for p in (
+    Preset("fp16", "fp16", "uncompressed keys and values, half precision"),
+    Preset("affine8", "affine", "mlx-lm 8-bit affine quantized cache (group 64)", affine_bits=8),
+    Preset("affine4", "affine", "mlx-lm 4-bit affine quantized cache (group 64)", affine_bits=4),
+    Preset("tq4", "turbo", "TurboQuant: 4-bit rotated Lloyd-Max keys and values", key_bits=4, value_bits=4),
+    Preset("tq4k3v", "turbo", "TurboQuant: 4-bit keys, 3-bit values", key_bits=4, value_bits=3),
+    Preset("tq3", "turbo", "TurboQuant: 3-bit keys and values", key_bits=3, value_bits=3),
+    Preset("tq3+qjl", "turbo", "TurboQuant: 3-bit keys + 1-bit QJL residual sketch, 3-bit values",
+           key_bits=3, key_qjl=True, value_bits=3),
+    Preset("rvq2+2", "turbo", "TurboQuant: two-stage 2+2-bit keys, 3-bit values",
+           key_bits=2, key_bits2=2, value_bits=3),
+)}
+DEFAULT_PRESET = "fp16"
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called `name`, or a ConfigError listing the known ones."""
+    if name not in PRESETS:
+        raise ConfigError(f"Unknown KV preset '{name}'; choose one of: {', '.join(PRESETS)}.")
+    return PRESETS[name]
+
+
+def bits_per_channel(preset: Preset, head_dim: int, tokens: int | None = None) -> float:
+    """Stored bits per key/value channel, averaged over keys and values, all-in.
+
+    fp16: 16. affine: packed bits plus an fp16 scale and bias per group. turbo: indices, norms,
+    sketches and per-codec constants amortized over `tokens` (see `longctx.quant.bits`).
+    """
+    if preset.kind == "fp16":
+        return 16.0
+    if preset.kind == "affine":
+        group = 64 if head_dim % 64 == 0 else 32
+        return preset.affine_bits + 32 / group
+    from longctx.quant.bits import kv_bits
+    from longctx.quant.codec import QuantSpec
+
+    keys = QuantSpec(bits=preset.key_bits, bits2=preset.key_bits2, qjl=preset.key_qjl)
+    return kv_bits(head_dim, keys, QuantSpec(bits=preset.value_bits), tokens)["average"]

@@ -1,0 +1,248 @@
+"""TurboQuant-compressed KV cache for one attention layer (mlx-lm cache protocol).
+
+Keys and values arrive as (B, H_kv, L, D) after rope. Each vector is normalized (fp16 norm kept),
+rotated by a seeded randomized Hadamard transform and quantized coordinate-wise (see
+`longctx.quant.codec`); keys may add a second RVQ stage and a 1-bit QJL sketch of the residual.
+
+Before quantization, keys and values are centered per head by a mean fixed at the first update
+(`k.mu`, `v.mu`, (B, H_kv, 1, D)): a key mean shifts every score of a query by the same amount,
+which softmax ignores, and a value mean is added back exactly (the weights sum to one). SmolLM2's
+keys keep only 30-70% of their energy after centering, so the same bits give a smaller error.
+
+Storage is two segments of packed arrays, each a dict name -> (B, H_kv, L, ...):
+- `prefix`: read-only (restored from disk, or shared with the parent of a fork);
+- `tail`: private, preallocated in steps of 256 tokens, where new tokens are written;
+plus, when the preset has `window > 0`, the most recent `window` tokens kept uncompressed
+(centered, fp32) and compressed as they age out. `seal()` compresses the window (done before a
+cache is persisted, so files hold compressed tokens only).
+`update_and_fetch` returns a `CompressedKV` view (the segments, not decoded tensors); attention
+is routed to `longctx.kvcache.attention`, which decodes block by block. The class deliberately has
+no `bits` attribute: mlx-lm treats any cache with one as its own affine-quantized cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from longctx.kvcache.presets import Preset
+from longctx.quant.codec import QuantSpec, VectorCodec
+
+
+@dataclass(frozen=True)
+class CompressedKV:
+    """What attention reads: the codecs and the key/value segments (each a dict of arrays)."""
+
+    key_codec: VectorCodec
+    value_codec: VectorCodec
+    segments: tuple  # ((keys_dict, values_dict, length), ...)
+    offset: int  # total tokens
+    value_mean: mx.array  # (B, H_kv, 1, D), added back to the attention output
+    window: tuple | None = None  # (keys, values) (B, H_kv, W, D) centered fp32: the newest tokens
+
+
+_CODECS: dict = {}
+
+
+def codecs_for(preset: Preset, head_dim: int, layer: int) -> tuple[VectorCodec, VectorCodec]:
+    """Key and value codecs of one layer; seeds differ per layer and between keys and values."""
+    key = (preset.name, head_dim, layer)
+    if key not in _CODECS:
+        kspec = QuantSpec(bits=preset.key_bits, bits2=preset.key_bits2, qjl=preset.key_qjl)
+        vspec = QuantSpec(bits=preset.value_bits)
+        seed = preset.seed + 7919 * layer
+        _CODECS[key] = (VectorCodec(head_dim, kspec, seed), VectorCodec(head_dim, vspec, seed + 1))
+    return _CODECS[key]
+
+
+def _slice(d: dict, n: int) -> dict:
+    return {k: v[:, :, :n] for k, v in d.items()}
+
+
+class TurboQuantCache:
+    """One layer's compressed cache. Create with `TurboQuantCache(preset, layer)`."""
+
+    step = 256
+
+    def __init__(self, preset: Preset, layer: int):
+        self.preset = preset
+        self.layer = layer
+        self.prefix: tuple[dict, dict] | None = None
+        self.prefix_len = 0
+        self.tail: tuple[dict, dict] | None = None
+        self.tail_len = 0
+        self.head_dim = 0
+        self.means: tuple[mx.array, mx.array] | None = None  # (k_mu, v_mu), each (B, H_kv, 1, D)
+        self.window: tuple[mx.array, mx.array] | None = None  # newest tokens, uncompressed
+
+    @property
+    def window_len(self) -> int:
+        return self.window[0].shape[2] if self.window is not None else 0
+
+    # -- protocol ----------------------------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        return self.prefix_len + self.tail_len + self.window_len
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def codecs(self) -> tuple[VectorCodec, VectorCodec]:
+        return codecs_for(self.preset, self.head_dim, self.layer)
+
+    def _grow(self, enc_k: dict, enc_v: dict, needed: int) -> None:
+        cap = self.tail[0][next(iter(self.tail[0]))].shape[2] if self.tail else 0
+        if needed <= cap:
+            return
+        new_cap = (needed + self.step - 1) // self.step * self.step
+
+        def grown(old: dict | None, like: dict) -> dict:
+            out = {}
+            for name, arr in like.items():
+                shape = (*arr.shape[:2], new_cap, *arr.shape[3:])
+                buf = mx.zeros(shape, dtype=arr.dtype)
+                if old is not None and self.tail_len:
+                    buf[:, :, : self.tail_len] = old[name][:, :, : self.tail_len]
+                out[name] = buf
+            return out
+
+        old_k, old_v = self.tail if self.tail else (None, None)
+        self.tail = (grown(old_k, enc_k), grown(old_v, enc_v))
+
+    def _append_compressed(self, keys: mx.array, values: mx.array) -> None:
+        """Quantize centered (B, H_kv, n, D) keys/values into the tail."""
+        kc, vc = self.codecs()
+        enc_k, enc_v = kc.encode(keys), vc.encode(values)
+        n = keys.shape[2]
+        self._grow(enc_k, enc_v, self.tail_len + n)
+        lo, hi = self.tail_len, self.tail_len + n
+        for store, enc in zip(self.tail, (enc_k, enc_v)):
+            for name, arr in enc.items():
+                store[name][:, :, lo:hi] = arr
+        self.tail_len = hi
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Append (B, H_kv, L, D) keys/values; return the view attention reads.
+
+        The view holds the compressed tokens as they were before this call plus the window and
+        the new tokens uncompressed: a chunk attends to itself exactly. Afterwards whatever falls
+        out of the window is compressed into the tail.
+        """
+        self.head_dim = keys.shape[-1]
+        if self.means is None:
+            self.means = (keys.astype(mx.float32).mean(axis=2, keepdims=True),
+                          values.astype(mx.float32).mean(axis=2, keepdims=True))
+        k = keys.astype(mx.float32) - self.means[0]
+        v = values.astype(mx.float32) - self.means[1]
+        if self.window is not None:
+            k = mx.concatenate([self.window[0], k], axis=2)
+            v = mx.concatenate([self.window[1], v], axis=2)
+        self.window = (k, v)
+        view = self.view()  # slices of the tail taken now stay valid after the writes below
+        old = k.shape[2] - self.preset.window
+        if old > 0:
+            self.window = None
+            self._append_compressed(k[:, :, :old], v[:, :, :old])
+            self.window = (k[:, :, old:], v[:, :, old:]) if self.preset.window else None
+        return view, view
+
+    def seal(self) -> None:
+        """Compress the uncompressed window, so that every token is stored compressed."""
+        if self.window is not None:
+            self._append_compressed(*self.window)
+            self.window = None
+
+    def view(self) -> CompressedKV:
+        kc, vc = self.codecs()
+        segments = []
+        if self.prefix_len:
+            segments.append((self.prefix[0], self.prefix[1], self.prefix_len))
+        if self.tail_len:
+            segments.append((_slice(self.tail[0], self.tail_len), _slice(self.tail[1], self.tail_len),
+                             self.tail_len))
+        return CompressedKV(kc, vc, tuple(segments), self.offset, self.means[1], self.window)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        from mlx_lm.models.cache import create_attention_mask
+
+        return create_attention_mask(N, offset=self.offset, return_array=return_array,
+                                     window_size=window_size)
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        from_window = min(n, self.window_len)
+        if from_window:
+            keep = self.window_len - from_window
+            self.window = tuple(a[:, :, :keep] for a in self.window) if keep else None
+        n_rest = n - from_window
+        from_tail = min(n_rest, self.tail_len)
+        self.tail_len -= from_tail
+        rest = n_rest - from_tail
+        if rest:
+            self.prefix_len -= rest
+            self.prefix = (_slice(self.prefix[0], self.prefix_len), _slice(self.prefix[1], self.prefix_len))
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for seg_k, seg_v, _ in self.view().segments:
+            total += sum(a.nbytes for a in seg_k.values()) + sum(a.nbytes for a in seg_v.values())
+        return total
+
+    @property
+    def state(self) -> list:
+        """The arrays holding the cache (for `mx.eval`); persistence goes through `arrays()`."""
+        if self.means is None:
+            return []
+        segs = self.view().segments
+        window = list(self.window) if self.window is not None else []
+        return [*self.means, *window,
+                *(a for seg_k, seg_v, _ in segs for a in (*seg_k.values(), *seg_v.values()))]
+
+    @property
+    def meta_state(self) -> tuple:
+        return (self.preset.name, str(self.layer), str(self.head_dim), str(self.offset))
+
+    # -- persistence -------------------------------------------------------------------------
+    def arrays(self) -> dict:
+        """All compressed tokens as one dict: `k.<name>` / `v.<name>` -> (B, H_kv, L, ...), plus
+        the centering means `k.mu` / `v.mu` (B, H_kv, 1, D). Call `seal()` first to include the
+        uncompressed window."""
+        if self.means is None:
+            return {}
+        out = {"k.mu": self.means[0], "v.mu": self.means[1]}
+        for tag, i in (("k", 0), ("v", 1)):
+            parts = [seg[i] for seg in self.view().segments]
+            for name in parts[0] if parts else ():
+                pieces = [p[name] for p in parts]
+                out[f"{tag}.{name}"] = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+        return out
+
+    @classmethod
+    def from_arrays(cls, preset: Preset, layer: int, arrays: dict, head_dim: int) -> "TurboQuantCache":
+        """A cache whose read-only prefix is `arrays` (as produced by `arrays()`)."""
+        cache = cls(preset, layer)
+        cache.head_dim = head_dim
+        if not arrays:
+            return cache
+        cache.means = (arrays["k.mu"], arrays["v.mu"])
+        keys = {k[2:]: v for k, v in arrays.items() if k.startswith("k.") and k != "k.mu"}
+        values = {k[2:]: v for k, v in arrays.items() if k.startswith("v.") and k != "v.mu"}
+        cache.prefix = (keys, values)
+        cache.prefix_len = next(iter(keys.values())).shape[2] if keys else 0
+        return cache
+
+    def fork(self) -> "TurboQuantCache":
+        """Share everything so far as a read-only prefix; new tokens go to a private tail."""
+        child = TurboQuantCache.from_arrays(self.preset, self.layer, self.arrays(), self.head_dim)
+        child.means = self.means
+        child.window = self.window  # immutable arrays: the child's appends concatenate anew
+        return child
