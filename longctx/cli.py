@@ -15,6 +15,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 from rich.table import Table
@@ -41,7 +42,7 @@ def _boundary():
     except LongctxError as e:
         if _state["debug"]:
             raise
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     except KeyboardInterrupt:
         err.print("[red]interrupted[/red]")
@@ -101,10 +102,19 @@ def _bar(description: str, unit: str):
             bar.stop()
 
 
+def _warn_empty_pages(name: str, empty: tuple[int, ...], pages: int) -> None:
+    if empty:
+        listed = ", ".join(map(str, empty[:20])) + (", ..." if len(empty) > 20 else "")
+        err.print(f"[yellow]warning:[/yellow] {escape(name)}: {len(empty)} of {pages} pages have no "
+                  f"extractable text (page{'s' if len(empty) > 1 else ''} {listed}); they are left "
+                  "out (scanned pages need OCR, e.g. `ocrmypdf in.pdf out.pdf`).",
+                  highlight=False, soft_wrap=True)
+
+
 @app.command()
 def ingest(file: str = typer.Argument(..., help="PDF, text or markdown file."),
            model: Optional[str] = ModelOpt,
-           kv: str = typer.Option("fp16", "--kv", help="KV cache preset."),
+           kv: str = typer.Option("tq4", "--kv", help="KV cache preset: fp16, affine8, affine4, tq4, tq4k3v, tq3, tq3+qjl, rvq2+2, tq5k4v."),
            dry_run: bool = typer.Option(False, "--dry-run", help="Show pages, tokens and cache size; write nothing."),
            force: bool = typer.Option(False, "--force", help="Rebuild the cache even if it exists."),
            password: Optional[str] = typer.Option(None, "--password", help="Password of an encrypted PDF."),
@@ -115,6 +125,7 @@ def ingest(file: str = typer.Argument(..., help="PDF, text or markdown file."),
     with _boundary():
         if dry_run:
             p = session.plan(file, model, kv, password)
+            _warn_empty_pages(p.document.name, p.document.empty_pages, p.document.pages)
             info = {"document": p.document.name, "pages": p.document.pages,
                     "estimated_tokens": p.estimated_tokens, "tokens": len(p.tokens),
                     "model": p.model.model_id, "context_length": p.context_length,
@@ -131,11 +142,12 @@ def ingest(file: str = typer.Argument(..., help="PDF, text or markdown file."),
         with _bar("prefill", "tok") as update:
             result = session.ingest(file, model, kv, force=force, password=password, progress=update)
         e = result.entry
+        _warn_empty_pages(e.name, result.empty_pages, e.pages)
         if result.reused:
-            err.print(f"[green]cached[/green] {e.name}: {e.tokens:,} tokens already ingested as {e.id} (use --force to rebuild)")
+            err.print(f"[green]cached[/green] {escape(e.name)}: {e.tokens:,} tokens already ingested as {e.id} (use --force to rebuild)")
         else:
             s = result.stats
-            err.print(f"[green]ingested[/green] {e.name} as {e.id}: {e.tokens:,} tokens in {s.seconds:.1f} s "
+            err.print(f"[green]ingested[/green] {escape(e.name)} as {e.id}: {e.tokens:,} tokens in {s.seconds:.1f} s "
                       f"({s.tokens_per_second:,.0f} tok/s), peak memory {_human(s.peak_bytes)}, "
                       f"cache {_human(e.bytes)} ({e.bytes_per_token:,.0f} B/token)")
         if as_json:
@@ -165,7 +177,7 @@ def ask(question: str = typer.Argument(..., help="The question."),
                                        "first_token_seconds": answer.first_token_seconds}))
         else:
             sys.stdout.write("\n")
-            err.print(f"[dim]{answer.entry.name}: restored in {answer.restore_seconds:.2f} s, "
+            err.print(f"[dim]{escape(answer.entry.name)}: restored in {answer.restore_seconds:.2f} s, "
                       f"first token after {answer.first_token_seconds:.2f} s[/dim]")
 
 
@@ -179,10 +191,10 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
         if as_json:
             out.print_json(json.dumps([e.to_json() for e in entries]))
             return
-        table = Table("id", "name", "pages", "tokens", "model", "kv", "on disk", "B/token")
+        table = Table("id", "name", "pages", "tokens", "model", "kv", "bits/ch", "on disk", "B/token")
         for e in entries:
             table.add_row(e.id, e.name, str(e.pages), f"{e.tokens:,}", e.model_id, e.kv_preset,
-                          _human(e.bytes), f"{e.bytes_per_token:,.0f}")
+                          f"{e.bits_per_channel:.2f}", _human(e.bytes), f"{e.bytes_per_token:,.0f}")
         out.print(table)
 
 
@@ -199,7 +211,24 @@ def info(doc: Optional[str] = typer.Argument(None, help="Document name or id (de
             out.print_json(json.dumps(data))
             return
         for k, v in data.items():
-            out.print(f"{k:>18}: {_human(v) if k == 'bytes' else v}", highlight=False)
+            out.print(f"{k:>18}: {_human(v) if k == 'bytes' else escape(str(v))}", highlight=False)
+
+
+@app.command()
+def export(doc: Optional[str] = typer.Argument(None, help="Document name or id (default: latest)."),
+           out: str = typer.Option(..., "--out", "-o", help="Destination .safetensors file."),
+           fmt: str = typer.Option("mlx-lm", "--format", help="Only 'mlx-lm' for now."),
+           kv: str = typer.Option("fp16", "--kv", help="Stock cache type: fp16, affine8 or affine4.")):
+    """Write a stock mlx-lm prompt cache (`mlx_lm.generate --prompt-cache-file FILE`)."""
+    from longctx import session
+    from longctx.errors import ConfigError
+
+    with _boundary():
+        if fmt != "mlx-lm":
+            raise ConfigError(f"Unknown export format '{fmt}'; only 'mlx-lm' is supported.")
+        path = session.export(doc, out, kv)
+        err.print(f"wrote {escape(str(path))} ({_human(path.stat().st_size)}); answer from it with "
+                  f"`mlx_lm.generate --prompt-cache-file {escape(str(path))} --prompt \"...\"`", highlight=False)
 
 
 @app.command()
@@ -209,4 +238,4 @@ def rm(doc: str = typer.Argument(..., help="Document name or id.")):
 
     with _boundary():
         e = session.remove_entry(doc)
-        err.print(f"removed {e.name} ({e.id}, {_human(e.bytes)})")
+        err.print(f"removed {escape(e.name)} ({e.id}, {_human(e.bytes)})")

@@ -35,6 +35,10 @@ class CacheCorrupt(StoreError):
     """A cache file failed validation; re-ingesting rebuilds it."""
 
 
+class CacheFormatUnsupported(CacheCorrupt):
+    """A cache file was written in another format version (upgrade longctx or re-ingest)."""
+
+
 class CacheMismatch(StoreError):
     """A cache was built with another model, tokenizer or KV preset than the one requested."""
 

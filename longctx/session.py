@@ -14,9 +14,11 @@ from typing import Callable, Iterator
 
 from longctx import engine, kvcache, prompt
 from longctx.documents import Document, read_document
-from longctx.errors import CacheMismatch, ContextLengthError
+from longctx.kvcache.presets import bits_per_channel
+from longctx.errors import CacheCorrupt, CacheMismatch, ConfigError, ContextLengthError
 from longctx.runtime import models
-from longctx.store import Entry, Store, entry_id
+from longctx.store import Entry, Store, entry_id, layout, rebuild_hint
+from longctx.store.failpoints import failpoint
 
 Progress = Callable[[int, int], None]
 ANSWER_RESERVE = 256  # tokens kept free after the prefix for a question and its answer
@@ -45,6 +47,7 @@ class IngestResult:
     entry: Entry
     reused: bool
     stats: engine.PrefillStats | None = None
+    empty_pages: tuple[int, ...] = ()  # PDF pages without text (ingested without them)
 
 
 @dataclass
@@ -111,60 +114,114 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
     """
     p = plan(path, model, preset, password)
     _check_fits(p.document.name, len(p.tokens), p.context_length, ANSWER_RESERVE)
+    empty = p.document.empty_pages
     store = Store()
     try:
-        existing = store.get(p.entry_id)
-        if existing and not force and (store.caches / existing.file).exists():
-            store.touch_latest(existing)
-            return IngestResult(existing, reused=True)
-        lm = models.load(p.model)
-        cache = kvcache.make(lm.model, p.preset)
-        stats = engine.prefill(lm.model, p.tokens, cache, chunk=chunk, progress=progress)
-        arrays = kvcache.to_arrays(cache, p.preset)
-        import mlx.core as mx
+        # One builder per entry: a concurrent ingest of the same document waits here, then reuses.
+        with store.lock(p.entry_id):
+            existing = store.get(p.entry_id)
+            if existing and not force and store.verify(existing):
+                store.touch_latest(existing)
+                return IngestResult(existing, reused=True, empty_pages=empty)
+            failpoint("ingest:locked")
+            lm = models.load(p.model)
+            dims = kvcache.head_dims(lm.model)
+            ratio = bits_per_channel(p.preset, dims[0], len(p.tokens)) / 16
+            store.check_free_space(int(p.estimated_cache_bytes * ratio),
+                                   f"the cache of '{p.document.name}'")
+            cache = kvcache.make(lm.model, p.preset)
+            stats = engine.prefill(lm.model, p.tokens, cache, chunk=chunk, progress=progress)
+            failpoint("ingest:prefilled")
+            arrays = kvcache.to_arrays(cache, p.preset)
+            import mlx.core as mx
 
-        arrays["tokens"] = mx.array(p.tokens, dtype=mx.int32)
-        entry = Entry(
-            id=p.entry_id, name=p.document.name, path=str(Path(path).resolve()),
-            document_sha256=p.document.sha256, kind=p.document.kind, pages=p.document.pages,
-            tokens=len(p.tokens), model_id=p.model.model_id,
-            model_spec=p.model.spec,
-            weights_sha256=p.model.weights_sha256, tokenizer_sha256=p.model.tokenizer_sha256,
-            kv_preset=p.preset.name, file=f"{p.entry_id}.safetensors", bytes=0, created=0.0,
-            prefill_seconds=stats.seconds,
-        )
-        metadata = {
-            "model_id": p.model.model_id, "weights_sha256": p.model.weights_sha256,
-            "tokenizer_sha256": p.model.tokenizer_sha256, "document_sha256": p.document.sha256,
-            "tokens": str(len(p.tokens)),
-            "kv_config": json.dumps({**p.preset.to_json(), "head_dims": kvcache.head_dims(lm.model)}),
-            "document_name": p.document.name,
-        }
-        return IngestResult(store.save(entry, arrays, metadata), reused=False, stats=stats)
+            arrays["tokens"] = mx.array(p.tokens, dtype=mx.int32)
+            heads = [next(int(a.shape[1]) for n, a in arrays.items() if n.startswith(f"{i}.k"))
+                     for i in range(len(dims))]
+            entry = Entry(
+                id=p.entry_id, name=p.document.name, path=str(Path(path).resolve()),
+                document_sha256=p.document.sha256, kind=p.document.kind, pages=p.document.pages,
+                tokens=len(p.tokens), model_id=p.model.model_id,
+                model_spec=p.model.spec,
+                weights_sha256=p.model.weights_sha256, tokenizer_sha256=p.model.tokenizer_sha256,
+                kv_preset=p.preset.name, file=f"{p.entry_id}.safetensors", bytes=0, created=0.0,
+                prefill_seconds=stats.seconds,
+                bits_per_channel=round(bits_per_channel(p.preset, dims[0], len(p.tokens)), 4),
+            )
+            metadata = {
+                "model_id": p.model.model_id, "weights_sha256": p.model.weights_sha256,
+                "tokenizer_sha256": p.model.tokenizer_sha256, "document_sha256": p.document.sha256,
+                "tokens": str(len(p.tokens)),
+                "kv_config": json.dumps({**p.preset.to_json(), "head_dims": dims, "kv_heads": heads,
+                                         **kvcache.window_config(cache)}),
+                "document_name": p.document.name,
+            }
+            return IngestResult(store.save(entry, arrays, metadata), reused=False, stats=stats,
+                                empty_pages=empty)
     finally:
         store.close()
 
 
 def _check_same_model(entry: Entry, ref: models.ModelRef) -> None:
-    if entry.weights_sha256 != ref.weights_sha256 or entry.tokenizer_sha256 != ref.tokenizer_sha256:
+    if entry.weights_sha256 != ref.weights_sha256:
         raise CacheMismatch(
             f"'{entry.name}' was ingested with model {entry.model_id} "
             f"(weights {entry.weights_sha256[:12]}), not {ref.model_id} "
             f"(weights {ref.weights_sha256[:12]}); ask without --model, or ingest it again with "
             "this model."
         )
+    if entry.tokenizer_sha256 != ref.tokenizer_sha256:
+        raise CacheMismatch(
+            f"'{entry.name}' was ingested with the tokenizer of {entry.model_id} "
+            f"(tokenizer {entry.tokenizer_sha256[:12]}), not that of {ref.model_id} "
+            f"(tokenizer {ref.tokenizer_sha256[:12]}); ask without --model, or ingest it again "
+            "with this model."
+        )
+
+
+def _check_cache_fits(entry: Entry, meta: dict, lm: models.LoadedModel,
+                      preset: kvcache.Preset) -> None:
+    """Refuse a (checksum-verified) cache file built for another model, tokenizer or preset."""
+    _check_same_model(Entry(**{**entry.to_json(), "model_id": meta["model_id"],
+                               "weights_sha256": meta["weights_sha256"],
+                               "tokenizer_sha256": meta["tokenizer_sha256"]}), lm.ref)
+    try:
+        cfg = layout.kv_config(meta)
+    except (ValueError, TypeError, RecursionError) as err:
+        raise CacheCorrupt(f"The cache of '{entry.name}' is corrupt (its KV config is invalid: "
+                           f"{err}); {rebuild_hint(entry)}.") from None
+    want = preset.to_json()
+    built = {k: cfg.get(k) for k in want}
+    if built != want:
+        diff = ", ".join(f"{k} {built[k]!r} vs {want[k]!r}" for k in want if built[k] != want[k])
+        raise CacheMismatch(
+            f"The cache of '{entry.name}' was built with KV preset {cfg['name']!r}, which differs "
+            f"from this longctx's preset {preset.name!r} ({diff}); {rebuild_hint(entry)}.")
+    dims = kvcache.head_dims(lm.model)
+    if cfg["head_dims"] != dims:
+        raise CacheMismatch(
+            f"The cache of '{entry.name}' was built for {len(cfg['head_dims'])} layers of head "
+            f"dims {sorted(set(cfg['head_dims']))}, but {lm.ref.model_id} has {len(dims)} layers "
+            f"of head dims {sorted(set(dims))}; {rebuild_hint(entry)}.")
 
 
 def restore(entry: Entry, lm: models.LoadedModel, store: Store) -> list:
-    """Load an entry's cache file and rebuild the per-layer caches, checking it fits the model."""
+    """Load an entry's cache file and rebuild the per-layer caches, checking it fits the model.
+
+    Raises:
+        CacheCorrupt: the file is missing or damaged (nothing of it is used).
+        CacheMismatch: it was built with another model, tokenizer or KV preset.
+    """
     import mlx.core as mx
 
-    arrays, meta = store.load(entry)
-    if meta["weights_sha256"] != lm.ref.weights_sha256 or meta["tokenizer_sha256"] != lm.ref.tokenizer_sha256:
-        _check_same_model(Entry(**{**entry.to_json(), "weights_sha256": meta["weights_sha256"],
-                                   "tokenizer_sha256": meta["tokenizer_sha256"]}), lm.ref)
-    cache = kvcache.from_arrays(arrays, lm.model, kvcache.get_preset(entry.kv_preset),
-                                getattr(mx, lm.dtype))
+    try:
+        preset = kvcache.get_preset(entry.kv_preset)
+    except ConfigError:
+        raise CacheMismatch(
+            f"'{entry.name}' was ingested with KV preset {entry.kv_preset!r}, which this longctx "
+            f"does not know; upgrade longctx, or {rebuild_hint(entry)}.") from None
+    arrays, meta = store.load(entry, lambda m: _check_cache_fits(entry, m, lm, preset))
+    cache = kvcache.from_arrays(arrays, lm.model, preset, getattr(mx, lm.dtype))
     mx.eval([c.state for c in cache])
     return cache
 
@@ -211,6 +268,54 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
             answer.first_token_seconds = time.perf_counter() - start
         answer.text += piece
         yield piece
+
+
+EXPORT_KV = {"fp16": 0, "affine8": 8, "affine4": 4}
+
+
+def export(doc: str | None, out: str | Path, kv: str = "fp16") -> Path:
+    """Write a stock mlx-lm prompt cache of a stored document (`mlx_lm.generate --prompt-cache-file`).
+
+    Args:
+        doc: document name or id (None: the latest).
+        out: destination `.safetensors` file (written atomically).
+        kv: "fp16", "affine8" or "affine4": the stock cache type to write.
+
+    Returns:
+        the path written.
+    """
+    import os
+    import tempfile
+
+    from mlx_lm.models.cache import save_prompt_cache
+
+    if kv not in EXPORT_KV:
+        raise ConfigError(f"Unknown export cache type '{kv}'; choose one of: {', '.join(EXPORT_KV)}.")
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        raise ConfigError(f"The export file must end in .safetensors (mlx-lm's format), not '{out.name}'.")
+    store = Store()
+    try:
+        entry = store.find(doc)
+        ref = models.resolve(entry.model_spec)
+        _check_same_model(entry, ref)
+        lm = models.load(ref)
+        cache = restore(entry, lm, store)
+    finally:
+        store.close()
+    stock = kvcache.to_mlx_lm(cache, EXPORT_KV[kv])
+    metadata = {"model": str(ref.path), "tokenizer_config": "{}", "longctx_document": entry.name,
+                "longctx_entry": entry.id}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=out.parent)
+    os.close(fd)
+    try:
+        save_prompt_cache(tmp, stock, metadata)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
 
 
 def list_entries() -> list[Entry]:

@@ -31,7 +31,7 @@ def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def ingested(tmp_path_factory):
     home = tmp_path_factory.mktemp("e2e-home")
-    run = _cli("ingest", str(REPORT), "--json", home=home)
+    run = _cli("ingest", str(REPORT), "--kv", "fp16", "--json", home=home)
     assert run.returncode == 0, run.stderr
     return home, json.loads(run.stdout)
 
@@ -56,7 +56,7 @@ def test_answers_contain_the_facts(ingested, question, fact):
 
 def test_reingest_reuses_the_entry(ingested):
     home, entry = ingested
-    run = _cli("ingest", str(REPORT), "--json", home=home)
+    run = _cli("ingest", str(REPORT), "--kv", "fp16", "--json", home=home)
     assert run.returncode == 0 and json.loads(run.stdout)["reused"] is True
     assert json.loads(run.stdout)["id"] == entry["id"]
 
@@ -84,3 +84,40 @@ def test_errors_are_one_line_and_exit_1(ingested, tmp_path):
         run = _cli(*args, home=home)
         assert run.returncode == 1, (args, run.stderr)
         assert run.stderr.strip().startswith("error:") and "Traceback" not in run.stderr
+
+
+@pytest.fixture(scope="module")
+def ingested_tq4(ingested):
+    home, _ = ingested
+    run = _cli("ingest", str(REPORT), "--json", home=home)  # the default preset
+    assert run.returncode == 0, run.stderr
+    return home, json.loads(run.stdout)
+
+
+def test_tq4_cache_is_smaller_and_answers_like_fp16(ingested, ingested_tq4):
+    home, fp16 = ingested
+    _, tq4 = ingested_tq4
+    assert tq4["kv_preset"] == "tq4" and tq4["id"] != fp16["id"]
+    assert tq4["bytes"] < fp16["bytes"] / 3.5  # 4.25 vs 16 bits per channel
+    for question, fact in [("Who is the chief engineer of the cooperative?", "Marta Okonkwo"),
+                           ("In what year was the cooperative founded?", "1987")]:
+        answers = {}
+        for entry in (fp16, tq4):
+            run = _cli("ask", question, "--doc", entry["id"], "--max-tokens", "24", home=home)
+            assert run.returncode == 0, run.stderr
+            answers[entry["kv_preset"]] = run.stdout.strip()
+        assert fact in answers["tq4"]
+        assert answers["tq4"] == answers["fp16"]
+
+
+def test_export_to_mlx_lm_prompt_cache(ingested_tq4, tmp_path):
+    from mlx_lm.models.cache import KVCache, load_prompt_cache
+
+    home, tq4 = ingested_tq4
+    out = tmp_path / "report-cache.safetensors"
+    run = _cli("export", tq4["id"], "--out", str(out), home=home)
+    assert run.returncode == 0, run.stderr
+    cache, meta = load_prompt_cache(str(out), return_metadata=True)
+    assert len(cache) == 30 and all(type(c) is KVCache for c in cache)
+    assert cache[0].offset == tq4["tokens"] and meta["longctx_entry"] == tq4["id"]
+    assert Path(meta["model"]).is_dir()

@@ -54,7 +54,8 @@ def test_attention_matches_dense_attention_on_decoded_keys(preset, hq, hkv, lq):
     k, v = _kv(H=hkv, L=150)
     cache = TurboQuantCache(preset, layer=3)
     cache.update_and_fetch(k, v)
-    view = cache.view()  # everything compressed now (the preset keeps no window)
+    cache.seal()
+    view = cache.view()  # everything compressed now
     q = mx.random.normal((1, hq, lq, 64))
     out = compressed_attention(q, view, scale=0.125, mask="causal" if lq > 1 else None, block=64)
     kc, vc = view.key_codec, view.value_codec
@@ -74,6 +75,7 @@ def test_attention_close_to_exact_at_4_bits():
     k, v = _kv(H=2, L=200, seed=5)
     cache = TurboQuantCache(kvcache.get_preset("tq4"), layer=0)
     cache.update_and_fetch(k, v)
+    cache.seal()
     view = cache.view()
     q = mx.random.normal((1, 4, 1, 64)) * 0.3
     out = compressed_attention(q, view, scale=0.125)
@@ -85,7 +87,9 @@ def test_attention_close_to_exact_at_4_bits():
 def test_new_tokens_attend_to_themselves_uncompressed():
     """The view returned by update_and_fetch holds the new chunk exactly; the cache then compresses it."""
     k, v = _kv(H=2, L=40, seed=2)
-    cache = TurboQuantCache(kvcache.get_preset("tq3"), layer=0)
+    from dataclasses import replace
+
+    cache = TurboQuantCache(replace(kvcache.get_preset("tq3"), window=0), layer=0)
     view, _ = cache.update_and_fetch(k, v)
     assert view.segments == () and view.window[0].shape[2] == 40
     q = mx.random.normal((1, 4, 40, 64))
@@ -98,6 +102,7 @@ def test_new_tokens_attend_to_themselves_uncompressed():
 def test_window_keeps_newest_tokens_uncompressed():
     from dataclasses import replace
 
+    assert kvcache.get_preset("tq4").window == 128
     preset = replace(kvcache.get_preset("tq4"), window=16)
     k, v = _kv(L=50)
     cache = TurboQuantCache(preset, layer=0)
@@ -139,6 +144,7 @@ def test_save_restore_gives_identical_arrays_and_attention(tiny_model, text_doc,
     prefix = prompt.prefix_tokens(lm.tokenizer, lay)
     fresh = kvcache.make(lm.model, kvcache.get_preset(name))
     engine.prefill(lm.model, prefix, fresh)
+    kvcache.seal(fresh)
     q = prompt.question_tokens(lm.tokenizer, lay, "How many sheep?")
     a = engine.greedy_tokens(lm.model, q, kvcache.fork(restored), 6)
     b = engine.greedy_tokens(lm.model, q, fresh, 6)

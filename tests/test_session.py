@@ -49,7 +49,10 @@ def test_restored_cache_answers_like_a_fresh_full_prompt(tiny_model, text_doc):
     suffix = prompt.question_tokens(lm.tokenizer, lay, "How many sheep?")
     assert len(prefix) == entry.tokens
     cached = engine.greedy_tokens(lm.model, suffix, kvcache.fork(restored), 8)
-    fresh = engine.greedy_tokens(lm.model, prefix + suffix, kvcache.make(lm.model, kvcache.get_preset("fp16")), 8)
+    fresh_cache = kvcache.make(lm.model, kvcache.get_preset(entry.kv_preset))
+    engine.prefill(lm.model, prefix, fresh_cache)
+    kvcache.seal(fresh_cache)  # ingest seals the prefix: every stored token compressed
+    fresh = engine.greedy_tokens(lm.model, suffix, fresh_cache, 8)
     assert cached == fresh
     # The fork left the restored parent at the prefix length.
     assert all(c.offset == entry.tokens for c in restored)

@@ -4,6 +4,12 @@ Array names in a cache file, per layer i:
 - fp16: `{i}.k`, `{i}.v` (B, H_kv, L, D) float16;
 - affine: `{i}.k.w|s|b`, `{i}.v.w|s|b` (mlx-lm's packed weights, scales, biases);
 - turbo: `{i}.k.<name>`, `{i}.v.<name>` as produced by the codec (see `longctx.quant.codec`).
+
+Sliding-window layers (mlx-lm's `RotatingKVCache`, e.g. Gemma-3's local layers) stay uncompressed
+whatever the preset: `{i}.k`, `{i}.v` (B, H_kv, min(T, window), D) float16, the newest tokens in
+temporal order (plus the cache's `keep` first tokens once the window is full). Restored with
+offset T, the cache continues exactly as the original would: every later step reads only the
+newest window - 1 tokens of it.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from longctx.errors import ConfigError
 from longctx.kvcache.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset
 
 __all__ = ["DEFAULT_PRESET", "PRESETS", "Preset", "get_preset", "make", "to_arrays", "from_arrays",
-           "fork", "head_dims"]
+           "fork", "head_dims", "seal", "to_mlx_lm", "windows", "window_config"]
 
 _AFFINE_PARTS = ("w", "s", "b")
 
@@ -52,10 +58,57 @@ def make(model, preset: Preset) -> list:
     return [TurboQuantCache(preset, i) if type(c) is KVCache else c for i, c in enumerate(base)]
 
 
+def windows(cache: list) -> list[int]:
+    """Per layer, the sliding window of a `RotatingKVCache` layer (its max_size), else 0."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return [c.max_size if type(c) is RotatingKVCache else 0 for c in cache]
+
+
+def window_config(cache: list) -> dict:
+    """`{"windows": windows(cache)}` for a file's KV config if any layer slides, else {} (so files
+    of models without sliding-window layers are unchanged)."""
+    w = windows(cache)
+    return {"windows": w} if any(w) else {}
+
+
+def _rotating_tokens(c) -> tuple:
+    """A RotatingKVCache's live tokens in temporal order: the `keep` first, then the newest."""
+    import mlx.core as mx
+
+    keys, values = c._temporal_order(c.keys), c._temporal_order(c.values)  # (B, H, L, D)
+    n = min(c.offset, c.max_size)
+    if keys.shape[2] > n:
+        tail = n - c.keep
+        keys = mx.concatenate([keys[..., : c.keep, :], keys[..., keys.shape[2] - tail :, :]], axis=2)
+        values = mx.concatenate([values[..., : c.keep, :], values[..., values.shape[2] - tail :, :]], axis=2)
+    return keys, values
+
+
+def _rotating(c, keys, values, offset: int):
+    """A RotatingKVCache like `c` (window, keep) holding `keys`/`values` as its newest tokens."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    f = RotatingKVCache(max_size=c.max_size, keep=c.keep)
+    if keys is not None:
+        f.keys, f.values = keys[..., :, :], values[..., :, :]  # own objects: writes stay here
+        f.offset, f._idx = offset, keys.shape[2]
+    return f
+
+
+def seal(cache: list) -> None:
+    """Compress every compressed layer's uncompressed window (what a persisted cache holds)."""
+    from longctx.kvcache.turbo import TurboQuantCache
+
+    for c in cache:
+        if isinstance(c, TurboQuantCache):
+            c.seal()
+
+
 def to_arrays(cache: list, preset: Preset) -> dict:
     """Flatten a filled cache into named arrays for the store (see the module docstring)."""
     import mlx.core as mx
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
     from longctx.kvcache.turbo import TurboQuantCache
 
@@ -73,14 +126,19 @@ def to_arrays(cache: list, preset: Preset) -> dict:
         elif isinstance(c, TurboQuantCache):
             c.seal()
             arrays.update({f"{i}.{k}": v for k, v in c.arrays().items()})
+        elif type(c) is RotatingKVCache and c.keys is not None:
+            keys, values = _rotating_tokens(c)
+            arrays[f"{i}.k"], arrays[f"{i}.v"] = keys.astype(mx.float16), values.astype(mx.float16)
         else:
             raise ConfigError(f"Layer {i} uses a {type(c).__name__} cache, which cannot be persisted yet.")
     return arrays
 
 
 def from_arrays(arrays: dict, model, preset: Preset, dtype) -> list:
-    """Rebuild per-layer caches from `to_arrays` output; fp16 arrays become `dtype`."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+    """Rebuild per-layer caches from `to_arrays` output; fp16 arrays become `dtype`.
+
+    Sliding-window layers need the prefix length: `arrays["tokens"]` (as the store keeps it)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
     from longctx.kvcache.turbo import TurboQuantCache
 
@@ -98,7 +156,46 @@ def from_arrays(arrays: dict, model, preset: Preset, dtype) -> list:
         elif isinstance(c, TurboQuantCache):
             layer = {k[len(f"{i}."):]: v for k, v in arrays.items() if k.startswith(f"{i}.")}
             c = TurboQuantCache.from_arrays(preset, i, layer, dims[i])
+        elif type(c) is RotatingKVCache:
+            keys, values = arrays[f"{i}.k"], arrays[f"{i}.v"]
+            c = _rotating(c, keys.astype(dtype), values.astype(dtype), int(arrays["tokens"].shape[0]))
         out.append(c)
+    return out
+
+
+def to_mlx_lm(cache: list, affine_bits: int = 0) -> list:
+    """Stock mlx-lm caches holding the same tokens: `KVCache` in fp16, or `QuantizedKVCache`.
+
+    Compressed layers are decoded; affine layers are dequantized first. `affine_bits` (4 or 8)
+    re-quantizes with mlx-lm's own `to_quantized` (group 64, or 32 for small head dims).
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+    from longctx.kvcache.turbo import TurboQuantCache
+
+    out = []
+    for i, c in enumerate(cache):
+        n = c.offset
+        if type(c) is KVCache:
+            keys, values = c.state[0][..., :n, :], c.state[1][..., :n, :]
+        elif type(c) is QuantizedKVCache:
+            keys, values = (mx.dequantize(*(a[..., :n, :] for a in parts), group_size=c.group_size,
+                                          bits=c.bits) for parts in (c.keys, c.values))
+        elif isinstance(c, TurboQuantCache):
+            keys, values = c.dense()
+        elif type(c) is RotatingKVCache:  # stays a rotating fp16 cache (mlx-lm cannot quantize it)
+            keys, values = _rotating_tokens(c)
+            out.append(_rotating(c, keys.astype(mx.float16), values.astype(mx.float16), n))
+            continue
+        else:
+            raise ConfigError(f"Layer {i} uses a {type(c).__name__} cache, which cannot be exported yet.")
+        stock = KVCache()
+        stock.state = (keys.astype(mx.float16), values.astype(mx.float16), n)
+        if affine_bits:
+            group = 64 if keys.shape[-1] % 64 == 0 else 32
+            stock = stock.to_quantized(group_size=group, bits=affine_bits)
+        out.append(stock)
     return out
 
 
@@ -108,7 +205,7 @@ def fork(cache: list) -> list:
     fp16/affine layers hold slices exactly `offset` long, so mlx-lm must allocate (and
     concatenate) on the first append instead of writing into the parent's buffers in place.
     """
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
     from longctx.kvcache.turbo import TurboQuantCache
 
@@ -125,6 +222,8 @@ def fork(cache: list) -> list:
             f.offset = n
         elif isinstance(c, TurboQuantCache):
             f = c.fork()
+        elif type(c) is RotatingKVCache:
+            f = _rotating(c, None, None, 0) if c.keys is None else _rotating(c, *_rotating_tokens(c), n)
         else:
             raise ConfigError(f"A {type(c).__name__} cache cannot be forked yet.")
         out.append(f)

@@ -190,6 +190,17 @@ class TurboQuantCache:
             self.prefix = (_slice(self.prefix[0], self.prefix_len), _slice(self.prefix[1], self.prefix_len))
         return n
 
+    def dense(self) -> tuple[mx.array, mx.array]:
+        """All keys and values decoded to fp32 (B, H_kv, offset, D), means added back (for export)."""
+        kc, vc = self.codecs()
+        view = self.view()
+        keys = [kc.decode(seg_k)[..., : self.head_dim] for seg_k, _, _ in view.segments]
+        values = [vc.decode(seg_v)[..., : self.head_dim] for _, seg_v, _ in view.segments]
+        if self.window is not None:
+            keys.append(self.window[0])
+            values.append(self.window[1])
+        return (mx.concatenate(keys, axis=2) + self.means[0], mx.concatenate(values, axis=2) + self.means[1])
+
     @property
     def nbytes(self) -> int:
         total = 0

@@ -183,11 +183,12 @@ def import_gguf(gguf_path: Path, out_dir: Path, model_id: str, progress=None) ->
         }
         for name, obj in files.items():
             (tmp / name).write_text(json.dumps(obj, indent=1, ensure_ascii=False))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "longctx.json").exists():  # another process finished first: use its copy
+                raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     report(4, steps)
     return out_dir

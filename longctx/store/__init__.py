@@ -1,21 +1,48 @@
-"""The cache store: entries (one per document × model × KV preset) in one data directory.
+"""The cache store: entries (one per document × model × KV preset) in one private data directory.
 
-Files: `caches/<id>.safetensors` (see `format.py`); `index/` is a diskcache index whose values are
-JSON (diskcache's JSONDisk: nothing is ever unpickled). An entry id is content-addressed from the
-document bytes, the model weights and tokenizer, the KV preset and the prompt layout, so ingesting
-the same document again with the same settings finds the existing entry.
+Layout under `<data dir>/store/` (every directory 0700):
+
+- `caches/<id>.safetensors`: one cache file per entry (see `format.py`); the name is the entry's
+  content address, never anything a user typed;
+- `index/`: a diskcache index of JSON values (`index.py`: nothing is ever unpickled);
+- `locks/<id>.lock`: `fcntl.flock` locks, one per entry id (macOS and Linux).
+
+Writers of an entry hold its lock from the moment they decide to build it until the index says so,
+so concurrent ingests of one document build it once and the others reuse it. The order of steps
+keeps the store consistent if a process dies anywhere: a cache file is complete before it is
+renamed into place, it is indexed only after that, and `remove` unindexes before it deletes.
+What a crash can leave (a temp file, a file no entry names) is cleaned when a store is next
+opened, but only under the entry's lock, so a live writer's files are never touched.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import fcntl
 import hashlib
+import os
+import re
+import shlex
+import sqlite3
 import time
+import zlib
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
-from longctx.errors import EntryNotFound, StoreError
+from longctx.errors import CacheCorrupt, EntryNotFound, StoreError
 from longctx.paths import subdir
 from longctx.store import format as fmt
+from longctx.store import layout
+from longctx.store.failpoints import failpoint
+from longctx.store.index import IndexCorrupt, open_index
+
+_ID = re.compile(r"^[0-9a-f]{16}$")
+_CACHE_NAME = re.compile(r"^([0-9a-f]{16})\.safetensors$")
+_TEMP_NAME = re.compile(r"^\.tmp-(?:([0-9a-f]{16})-)?(\d+)-")
+STALE_TEMP_SECONDS = 60  # a temp file no lock vouches for, untouched this long, is abandoned
 
 
 @dataclass(frozen=True)
@@ -34,10 +61,11 @@ class Entry:
     weights_sha256: str
     tokenizer_sha256: str
     kv_preset: str
-    file: str  # cache file name under caches/
+    file: str  # cache file name under caches/ (always `<id>.safetensors`)
     bytes: int
     created: float
     prefill_seconds: float = 0.0
+    bits_per_channel: float = 0.0  # stored bits per key/value channel, all-in
 
     @property
     def bytes_per_token(self) -> float:
@@ -45,6 +73,26 @@ class Entry:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, value: object) -> "Entry | None":
+        """An Entry from an index value, or None if the value is not one (unknown keys ignored)."""
+        if not isinstance(value, dict):
+            return None
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in value:
+                if f.default is dataclasses.MISSING:
+                    return None
+                continue
+            v = value[f.name]
+            ok = {"str": isinstance(v, str), "int": type(v) is int,
+                  "float": type(v) in (int, float)}.get(f.type, True)
+            if not ok:
+                return None
+            kwargs[f.name] = v
+        entry = cls(**kwargs)
+        return entry if _ID.match(entry.id) and entry.file == f"{entry.id}.safetensors" else None
 
 
 def entry_id(document_sha256: str, weights_sha256: str, tokenizer_sha256: str, preset: str,
@@ -54,32 +102,147 @@ def entry_id(document_sha256: str, weights_sha256: str, tokenizer_sha256: str, p
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def rebuild_hint(entry: Entry) -> str:
+    """The command that rebuilds an entry's cache, for error messages."""
+    return f"rebuild it with `longctx ingest --force {shlex.quote(entry.path)}`"
+
+
+def _private_dir(path: Path) -> Path:
+    """Create `path` 0700, or tighten it to 0700 if it is ours and looser."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 class Store:
-    """The index plus the cache files; safe to open from several processes."""
+    """The index plus the cache files; safe to use from several processes at once.
 
-    def __init__(self, root: Path | None = None):
-        import diskcache
+    Args:
+        root: the store directory (default: `<data dir>/store`).
+        cleanup: remove what crashed processes left behind (see `cleanup`).
+    """
 
-        self.root = root or subdir("store")
-        self.caches = self.root / "caches"
-        self.caches.mkdir(parents=True, exist_ok=True, mode=0o700)
+    def __init__(self, root: Path | None = None, cleanup: bool = True):
         try:
-            self.index = diskcache.Cache(str(self.root / "index"), disk=diskcache.JSONDisk)
-        except Exception as err:  # sqlite errors surface as several types
-            raise StoreError(f"Cannot open the index in {self.root}: {err}") from err
+            self.root = _private_dir(root or subdir("store"))
+            self.caches = _private_dir(self.root / "caches")
+            self.locks = _private_dir(self.root / "locks")
+            index_dir = _private_dir(self.root / "index")
+        except OSError as err:
+            raise StoreError(f"Cannot create the store in {root or 'the data directory'}: "
+                             f"{err.strerror or err}; set LONGCTX_HOME to a writable directory.") from err
+        try:
+            self.index = open_index(index_dir)
+        except Exception as err:  # sqlite and settings errors surface as several types
+            raise StoreError(f"Cannot open the index in {index_dir}: {err}") from err
+        try:
+            os.chmod(index_dir / "cache.db", 0o600)
+        except OSError:
+            pass
+        if cleanup:
+            self.cleanup()
 
     def close(self) -> None:
         self.index.close()
 
-    # -- entries -----------------------------------------------------------------------------
+    # -- index access: every failure becomes a StoreError ----------------------------------------
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.OperationalError as err:
+            if "full" in str(err):
+                raise StoreError(f"The disk holding {self.root} is full; free some space or set "
+                                 "LONGCTX_HOME to a directory on a larger disk.") from err
+            raise StoreError(f"The index in {self.root / 'index'} cannot be used ({err}).") from err
+        except (sqlite3.Error, IndexCorrupt, ValueError, TypeError, zlib.error, OSError) as err:
+            raise StoreError(
+                f"The index in {self.root / 'index'} is damaged ({err}); move that directory "
+                "aside and ingest your documents again.") from err
+
+    def _get(self, key: str, default=None):
+        with self._guard():
+            return self.index.get(key, default)
+
+    def _set(self, key: str, value) -> None:
+        with self._guard():
+            self.index.set(key, value)
+
+    def _delete(self, key: str) -> None:
+        with self._guard():
+            self.index.delete(key)
+
+    def _entry_keys(self) -> list[str]:
+        with self._guard():
+            return [k for k in self.index.iterkeys() if k.startswith("entry:")]
+
+    # -- locking ------------------------------------------------------------------------------
+    def _lock_fd(self, eid: str) -> int:
+        if not _ID.match(eid):
+            raise StoreError(f"Invalid entry id {eid!r}.")
+        try:
+            return os.open(self.locks / f"{eid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as err:
+            raise StoreError(f"Cannot create a lock in {self.locks}: {err.strerror or err}.") from err
+
+    def _no_locking(self, err: OSError) -> StoreError:
+        return StoreError(f"Cannot lock files in {self.locks} ({err.strerror or err}); the data "
+                          "directory must be on a local disk: set LONGCTX_HOME to one.")
+
+    @contextmanager
+    def lock(self, eid: str) -> Iterator[None]:
+        """Hold entry `eid`'s exclusive lock (waits for another process holding it)."""
+        fd = self._lock_fd(eid)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as err:
+                raise self._no_locking(err) from err
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    @contextmanager
+    def try_lock(self, eid: str) -> Iterator[bool]:
+        """Take entry `eid`'s lock if nobody holds it; yields whether it was taken."""
+        fd = self._lock_fd(eid)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise self._no_locking(err) from err
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
+
+    # -- entries ------------------------------------------------------------------------------
+    def cache_path(self, eid: str) -> Path:
+        """The cache file of entry `eid` (ids are hex content addresses; nothing else is a path)."""
+        if not _ID.match(eid):
+            raise StoreError(f"Invalid entry id {eid!r}.")
+        return self.caches / f"{eid}.safetensors"
+
     def get(self, eid: str) -> Entry | None:
-        value = self.index.get(f"entry:{eid}")
-        return Entry(**value) if value else None
+        return Entry.from_json(self._get(f"entry:{eid}")) if _ID.match(eid) else None
 
     def entries(self) -> list[Entry]:
-        """All entries, newest first."""
-        found = [Entry(**self.index[k]) for k in self.index.iterkeys() if str(k).startswith("entry:")]
-        return sorted(found, key=lambda e: e.created, reverse=True)
+        """All entries, newest first (unreadable ones are skipped; `cleanup` drops them)."""
+        found = [Entry.from_json(self._get(k)) for k in self._entry_keys()]
+        return sorted((e for e in found if e is not None), key=lambda e: e.created, reverse=True)
 
     def find(self, ref: str | None) -> Entry:
         """The entry named `ref` (document name, id or id prefix), or the latest if `ref` is None."""
@@ -87,10 +250,11 @@ class Store:
         if not entries:
             raise EntryNotFound("No documents ingested yet; run `longctx ingest FILE` first.")
         if ref is None:
-            latest = self.get(self.index.get("latest", "")) if self.index.get("latest") else None
-            return latest or entries[0]
+            latest = self._get("latest")
+            return (self.get(latest) if isinstance(latest, str) else None) or entries[0]
+        ref = ref.strip()
         matches = [e for e in entries if e.id == ref] or [e for e in entries if e.name == ref]
-        matches = matches or [e for e in entries if e.id.startswith(ref)]
+        matches = matches or [e for e in entries if ref and e.id.startswith(ref)]
         if not matches:
             names = ", ".join(sorted({e.name for e in entries})[:8])
             raise EntryNotFound(f"No ingested document matches '{ref}'. Known: {names}.")
@@ -102,22 +266,149 @@ class Store:
         return matches[0]
 
     def save(self, entry: Entry, arrays: dict, metadata: dict[str, str]) -> Entry:
-        """Write the cache file atomically, then record the entry (file first: never a dangling entry)."""
-        size = fmt.write(self.caches / entry.file, arrays, metadata)
-        entry = Entry(**{**entry.to_json(), "bytes": size, "created": time.time()})
-        self.index.set(f"entry:{entry.id}", entry.to_json())
-        self.index.set("latest", entry.id)
+        """Write the cache file atomically, then record the entry. Hold `lock(entry.id)`."""
+        path = self.cache_path(entry.id)
+        size = fmt.write(path, arrays, metadata, tag=entry.id)
+        failpoint("save:written")
+        entry = dataclasses.replace(entry, file=path.name, bytes=size, created=time.time())
+        try:
+            self._set(f"entry:{entry.id}", entry.to_json())
+        except StoreError:
+            try:
+                known = self.get(entry.id) is not None
+            except StoreError:
+                known = False
+            if not known:  # no entry names the file: do not leave it behind
+                path.unlink(missing_ok=True)
+            raise
+        failpoint("save:indexed")
+        self._set("latest", entry.id)
+        failpoint("save:done")
         return entry
 
     def touch_latest(self, entry: Entry) -> None:
-        self.index.set("latest", entry.id)
+        self._set("latest", entry.id)
 
-    def load(self, entry: Entry) -> tuple[dict, dict[str, str]]:
-        return fmt.read(self.caches / entry.file, entry.name)
+    def check_free_space(self, nbytes: int, what: str) -> None:
+        """Raise StoreError unless the store's disk has room for `nbytes` more (plus a margin)."""
+        fmt.check_free_space(self.caches, nbytes, what)
+
+    def load(self, entry: Entry, check: Callable[[dict], None] | None = None) -> tuple[dict, dict]:
+        """An entry's arrays and metadata, every byte verified.
+
+        Args:
+            entry: the entry.
+            check: called with the (checksum-verified) metadata before any array is read; raises
+                to refuse the file (e.g. `CacheMismatch` for another model).
+
+        Raises:
+            CacheCorrupt: the file is missing, damaged, of another format, or not this entry's.
+        """
+        hint = rebuild_hint(entry)
+        with fmt.open_cache(self.cache_path(entry.id), entry.name, hint) as reader:
+            meta = reader.header.meta
+            if check is not None:
+                check(dict(meta))
+            _check_is_entrys(reader, entry)
+            layout.check(reader.header, entry.name, hint)
+            return reader.arrays(), dict(meta)
+
+    def verify(self, entry: Entry) -> bool:
+        """Whether the entry's file is complete and intact (reads it all; keeps nothing)."""
+        hint = rebuild_hint(entry)
+        try:
+            with fmt.open_cache(self.cache_path(entry.id), entry.name, hint) as reader:
+                _check_is_entrys(reader, entry)
+                layout.check(reader.header, entry.name, hint)
+                reader.verify()
+        except CacheCorrupt:
+            return False
+        return True
 
     def remove(self, entry: Entry) -> None:
-        """Delete the index entry, then the file (a crash in between leaves only an orphan file)."""
-        self.index.delete(f"entry:{entry.id}")
-        if self.index.get("latest") == entry.id:
-            self.index.delete("latest")
-        (self.caches / entry.file).unlink(missing_ok=True)
+        """Unindex the entry, then delete its file (a crash in between leaves only an orphan file,
+        which `cleanup` deletes)."""
+        with self.lock(entry.id):
+            self._delete(f"entry:{entry.id}")
+            if self._get("latest") == entry.id:
+                self._delete("latest")
+            failpoint("remove:unindexed")
+            self.cache_path(entry.id).unlink(missing_ok=True)
+
+    # -- recovery -----------------------------------------------------------------------------
+    def cleanup(self) -> dict[str, int]:
+        """Remove what crashed processes left: temp files, files no entry names, entries whose file
+        is gone, unreadable entries. Only under the entry's lock, so live writers are untouched.
+
+        Returns:
+            counts by kind ("temps", "orphans", "dangling", "invalid").
+        """
+        done = {"temps": 0, "orphans": 0, "dangling": 0, "invalid": 0}
+        known: dict[str, Entry] = {}
+        for key in self._entry_keys():
+            with self._guard():
+                try:
+                    value = self.index.get(key)
+                except (ValueError, zlib.error):  # IndexCorrupt too: e.g. a row asking to be
+                    value = {}  # unpickled is never read, only dropped
+            entry = Entry.from_json(value)
+            if entry is not None and key == f"entry:{entry.id}":
+                known[entry.id] = entry
+            elif value is not None:
+                self._delete(key)
+                done["invalid"] += 1
+        try:
+            names = os.listdir(self.caches)
+        except OSError:
+            names = []
+        for name in names:
+            path = self.caches / name
+            temp, cache = _TEMP_NAME.match(name), _CACHE_NAME.match(name)
+            if temp and temp.group(1):
+                with self.try_lock(temp.group(1)) as free:
+                    if free:  # its writer would hold the lock until the rename
+                        done["temps"] += _unlink(path)
+            elif temp or name.startswith(fmt.TEMP_PREFIX):
+                pid = int(temp.group(2)) if temp else None
+                if (pid is not None and not _pid_alive(pid)) or _age(path) > STALE_TEMP_SECONDS:
+                    done["temps"] += _unlink(path)
+            elif cache and cache.group(1) not in known:
+                with self.try_lock(cache.group(1)) as free:
+                    if free and self.get(cache.group(1)) is None:
+                        done["orphans"] += _unlink(path)
+        for eid, entry in known.items():
+            if not self.cache_path(eid).exists():
+                with self.try_lock(eid) as free:
+                    if free and not self.cache_path(eid).exists():
+                        self._delete(f"entry:{eid}")
+                        done["dangling"] += 1
+        return done
+
+
+_IDENTITY = ("document_sha256", "tokens", "model_id", "weights_sha256", "tokenizer_sha256")
+
+
+def _check_is_entrys(reader: fmt.Reader, entry: Entry) -> None:
+    """Raise CacheCorrupt unless the file's metadata agrees with the index entry that names it."""
+    meta = reader.header.meta
+    differ = [k for k in _IDENTITY if meta[k] != str(getattr(entry, k))]
+    if differ:
+        raise reader.corrupt(f"the file is not this entry's: its {', '.join(differ)} differ "
+                             f"(it holds '{meta.get('document_name', '?')}', {meta['tokens']} tokens)")
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _unlink(path: Path) -> int:
+    try:
+        path.unlink()
+        return 1
+    except FileNotFoundError:
+        return 0
+    except OSError:
+        return 0

@@ -1,22 +1,95 @@
-"""The on-disk cache file: a safetensors container with string metadata, written atomically.
+"""The on-disk cache file: a safetensors container in which every byte is checksummed.
 
-Metadata keys (all strings): `format_version`, `model_id`, `weights_sha256`, `tokenizer_sha256`,
-`document_sha256`, `tokens`, `kv_config` (JSON), `layout_sha256`. Arrays: `tokens` (int32 prefix
-token ids) plus the cache's own arrays. Writers use a temp file in the same directory, fsync and
-rename, so a reader never sees half a file.
+Layout (standard safetensors, readable by any safetensors reader): an 8-byte little-endian header
+length N, N bytes of JSON header (padded with spaces to a multiple of 8), then the arrays' bytes,
+contiguous and in header order. The header's string metadata holds `format_version`, `model_id`,
+`weights_sha256`, `tokenizer_sha256`, `document_sha256`, `tokens`, `kv_config` (JSON), plus:
+
+- `checksums`: JSON {array name: sha256 hex of its bytes};
+- `header_sha256`: sha256 of the header JSON as written, with this field's value set to 64 zeros.
+
+A reader (`open_cache`) checks the header before allocating anything: bounded size, JSON whose
+canonical serialization is byte-for-byte the header (so a changed byte cannot hide in padding,
+whitespace or a duplicate key), its checksum, the version, known dtypes, shapes that match byte
+sizes, offsets that tile the data region exactly up to the end of the file. `Reader.arrays()` then
+reads each array once and checks its sha256 before handing it to MLX. Every byte of the file is
+covered, so a truncated, bit-flipped or edited file is refused with `CacheCorrupt`; nothing is
+ever unpickled or memory-mapped (a file truncated under a mapping would crash the reader with
+SIGBUS). sha256 rather than a CRC: OpenSSL's SHA-NI / ARMv8 code runs at ~1.5 GB/s, hashlib
+releases the GIL, and it rules out accidental collisions outright.
+
+Writers stream the arrays (hashing each on the way) into a temp file
+`.tmp-<tag>-<pid>-<random>.safetensors` in the same directory (the tag is the entry id, so a
+cleaner can tell whose it is), write the header last, fsync, rename, fsync the directory: readers
+see the old file or the new one, never half of one.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import io
+import json
+import math
 import os
+import shutil
+import stat
+import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from longctx.errors import CacheCorrupt, StoreError
+from longctx.errors import CacheCorrupt, CacheFormatUnsupported, StoreError
+from longctx.store.failpoints import failpoint
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 REQUIRED_META = ("format_version", "model_id", "weights_sha256", "tokenizer_sha256",
-                 "document_sha256", "tokens", "kv_config")
+                 "document_sha256", "tokens", "kv_config", "checksums", "header_sha256")
+MAX_HEADER_BYTES = 16 << 20  # ~100 bytes per array: room for 100k+ arrays
+MAX_NDIM = 8
+FREE_SPACE_MARGIN = 64 << 20  # left free after a write, for the index and everything else
+TEMP_PREFIX = ".tmp-"
+_ZERO_SHA = "0" * 64
+
+# safetensors dtype -> (bytes per element, numpy dtype used to carry the bytes into MLX)
+DTYPES = {"BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"), "U16": (2, "uint16"),
+          "I16": (2, "int16"), "U32": (4, "uint32"), "I32": (4, "int32"), "U64": (8, "uint64"),
+          "I64": (8, "int64"), "F16": (2, "float16"), "BF16": (2, "uint16"), "F32": (4, "float32")}
+_MX_NAMES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
+             "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64", "float16": "F16",
+             "bfloat16": "BF16", "float32": "F32"}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One array's header entry."""
+
+    name: str
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+    begin: int  # offsets within the data region
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    """A validated header: metadata (strings), tensors in file order, and where data starts."""
+
+    meta: dict[str, str]
+    tensors: dict[str, Tensor]
+    data_start: int
+    file_size: int
+    checksums: dict[str, str]
+
+
+def _canonical(header: dict) -> bytes:
+    """The header JSON exactly as `write` lays it out, padded to a multiple of 8 bytes."""
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return raw + b" " * (-len(raw) % 8)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -26,58 +99,307 @@ def _fsync_dir(path: Path) -> None:
         return
     try:
         os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
+        pass
     finally:
         os.close(fd)
 
 
-def write(path: Path, arrays: dict, metadata: dict[str, str]) -> int:
-    """Write `arrays` + `metadata` to `path` atomically.
+def _raw_bytes(arr) -> memoryview:
+    """An MLX array's bytes in C order (bfloat16 carried as uint16)."""
+    import mlx.core as mx
+    import numpy as np
+
+    if arr.dtype == mx.bfloat16:
+        arr = arr.view(mx.uint16)
+    return memoryview(np.ascontiguousarray(np.asarray(arr))).cast("B")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def check_free_space(directory: Path, nbytes: int, what: str) -> None:
+    """Raise StoreError unless `directory`'s disk has `nbytes` plus a margin free."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return  # cannot tell; the write itself will report ENOSPC
+    if free < nbytes + FREE_SPACE_MARGIN:
+        raise StoreError(
+            f"Not enough disk space for {what}: it needs {_human(nbytes)} (plus a "
+            f"{_human(FREE_SPACE_MARGIN)} margin) but {directory} has {_human(free)} free; free "
+            "some space or set LONGCTX_HOME to a directory on a larger disk.")
+
+
+def write(path: Path, arrays: dict, metadata: dict[str, str], tag: str = "") -> int:
+    """Write `arrays` + `metadata` to `path` atomically, every byte checksummed.
+
+    Args:
+        path: the destination `.safetensors` file.
+        arrays: name -> MLX array.
+        metadata: string metadata (values are converted with `str`).
+        tag: goes into the temp file's name (the entry id, for the store's cleaner).
 
     Returns:
         bytes written.
+
+    Raises:
+        StoreError: not enough free space, or the write failed (nothing is left behind).
     """
     import mlx.core as mx
 
-    metadata = {"format_version": FORMAT_VERSION, **{k: str(v) for k, v in metadata.items()}}
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
-    os.close(fd)
+    mx.eval(list(arrays.values()))
+    tensors, offset = {}, 0
+    for name, arr in arrays.items():
+        dtype = _MX_NAMES.get(str(arr.dtype).rsplit(".", 1)[-1])
+        if dtype is None:
+            raise StoreError(f"Cannot store array {name} of dtype {arr.dtype}.")
+        tensors[name] = {"dtype": dtype, "shape": list(arr.shape),
+                         "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    meta = {**{k: str(v) for k, v in metadata.items()}, "format_version": FORMAT_VERSION,
+            "checksums": "", "header_sha256": _ZERO_SHA}
+
+    def header_bytes(checksums: dict[str, str]) -> bytes:
+        meta["checksums"] = json.dumps(checksums, separators=(",", ":"), sort_keys=True)
+        meta["header_sha256"] = _ZERO_SHA
+        header = {"__metadata__": meta, **tensors}
+        meta["header_sha256"] = hashlib.sha256(_canonical(header)).hexdigest()
+        return _canonical(header)
+
+    # Digests have a fixed length, so the header's size is known before the arrays are hashed:
+    # arrays stream to disk one at a time (memory: one array), the header goes in last.
+    head_len = len(header_bytes({name: _ZERO_SHA for name in tensors}))
+    size = 8 + head_len + offset
+    check_free_space(path.parent, size, f"the cache file {path.name}")
+
+    tmp = None
     try:
-        mx.save_safetensors(tmp, arrays, metadata)
-        with open(tmp, "rb+") as f:
+        fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{tag + '-' if tag else ''}{os.getpid()}-",
+                                   suffix=".safetensors", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            failpoint("write:opened")
+            f.write(bytes(8 + head_len))  # placeholder: a crash here leaves an unreadable file
+            checksums = {}
+            for i, (name, arr) in enumerate(arrays.items()):
+                blob = _raw_bytes(arr)
+                checksums[name] = hashlib.sha256(blob).hexdigest()
+                f.write(blob)
+                del blob
+                if i == len(arrays) // 2:
+                    f.flush()
+                    failpoint("write:mid")
+            f.flush()
+            failpoint("write:arrays")
+            head = header_bytes(checksums)
+            if len(head) != head_len:
+                raise StoreError(f"Internal error: the header of {path.name} changed size.")
+            f.seek(0)
+            f.write(struct.pack("<Q", head_len) + head)
+            f.flush()
+            failpoint("write:written")
             os.fsync(f.fileno())
-        size = os.path.getsize(tmp)
+        failpoint("write:synced")
         os.replace(tmp, path)
+        tmp = None
+        failpoint("write:renamed")
         _fsync_dir(path.parent)
     except OSError as err:
-        raise StoreError(f"Cannot write cache file {path}: {err.strerror or err}") from err
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreError(f"The disk filled up while writing the cache file {path.name} "
+                             f"({_human(size)}) in {path.parent}; nothing was kept. Free some "
+                             "space or set LONGCTX_HOME to a directory on a larger disk.") from err
+        raise StoreError(f"Cannot write the cache file {path}: {err.strerror or err}; nothing "
+                         "was kept.") from err
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     return size
 
 
-def read(path: Path, doc_label: str) -> tuple[dict, dict[str, str]]:
-    """Load a cache file's arrays (lazily, as MLX does) and metadata, checking the basics.
+# -- reading ------------------------------------------------------------------------------------
+class Reader:
+    """An open, header-validated cache file. Use through `open_cache` (a context manager)."""
+
+    def __init__(self, path: Path, label: str, hint: str):
+        self.path, self.label, self.hint = path, label, hint
+        try:
+            # O_NONBLOCK: a FIFO planted in place of the file must not hang the open.
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise CacheCorrupt(f"The cache file of '{label}' is missing ({path}); {hint}.") from None
+        except OSError as err:
+            raise self.corrupt(f"cannot be opened ({err.strerror or err})") from err
+        self.file = io.FileIO(fd, "rb", closefd=True)
+        try:
+            self.header = self._read_header()
+        except BaseException:
+            self.file.close()
+            raise
+
+    def corrupt(self, problem: str) -> CacheCorrupt:
+        return CacheCorrupt(f"The cache of '{self.label}' is corrupt ({problem}); {self.hint}.")
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _read_into(self, view: memoryview, offset: int, what: str) -> None:
+        """Fill `view` from `offset`; a short read means the file shrank under us."""
+        self.file.seek(offset)
+        done = 0
+        while done < len(view):
+            got = self.file.readinto(view[done:])
+            if not got:
+                raise self.corrupt(f"truncated inside {what}")
+            done += got
+
+    def _read_exact(self, offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        self._read_into(memoryview(buf), offset, "the header")
+        return bytes(buf)
+
+    def _read_header(self) -> Header:
+        st = os.fstat(self.file.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise self.corrupt("not a regular file")
+        size = st.st_size
+        if size < 8:
+            raise self.corrupt(f"truncated to {size} bytes")
+        (n,) = struct.unpack("<Q", self._read_exact(0, 8))
+        if n < 2 or n > MAX_HEADER_BYTES:
+            raise self.corrupt(f"header length {n} is impossible")
+        if n > size - 8:
+            raise self.corrupt(f"truncated: {size} bytes, shorter than its own header")
+        raw = self._read_exact(8, n)
+        try:
+            header = json.loads(raw.decode("ascii"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise self.corrupt("the header is not valid JSON") from None
+        if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+            raise self.corrupt("the header has no metadata")
+        meta = header["__metadata__"]
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+            raise self.corrupt("the metadata holds non-string values")
+        self._check_version(meta.get("format_version"))
+        if _canonical(header) != raw:
+            raise self.corrupt("the header's bytes were altered")
+        missing = [k for k in REQUIRED_META if k not in meta]
+        if missing:
+            raise self.corrupt(f"the header lacks {', '.join(missing)}")
+        stored = meta["header_sha256"]
+        zeroed = {**header, "__metadata__": {**meta, "header_sha256": _ZERO_SHA}}
+        if hashlib.sha256(_canonical(zeroed)).hexdigest() != stored:
+            raise self.corrupt("the header fails its checksum")
+        tensors = self._tensors(header, size - 8 - n)
+        checksums = self._checksums(meta["checksums"], tensors)
+        return Header(meta, tensors, 8 + n, size, checksums)
+
+    def _check_version(self, version) -> None:
+        if version == FORMAT_VERSION:
+            return
+        if isinstance(version, str) and version.isdigit() and len(version) < 6:
+            newer = int(version) > int(FORMAT_VERSION)
+            raise CacheFormatUnsupported(
+                f"The cache of '{self.label}' was written by {'a newer' if newer else 'an older'} "
+                f"longctx (cache format {version}; this one reads format {FORMAT_VERSION}); "
+                f"{'upgrade longctx, or ' if newer else ''}{self.hint}.")
+        raise self.corrupt("the header has no valid format version")
+
+    def _tensors(self, header: dict, data_size: int) -> dict[str, Tensor]:
+        found = []
+        for name, spec in header.items():
+            if name == "__metadata__":
+                continue
+            if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+                raise self.corrupt(f"array {name!r} has a malformed entry")
+            dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+            if dtype not in DTYPES:
+                raise self.corrupt(f"array {name!r} has unknown dtype {dtype!r}")
+            if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+                    or not all(type(d) is int and d >= 0 for d in shape)):
+                raise self.corrupt(f"array {name!r} has an invalid shape")
+            if (not isinstance(offsets, list) or len(offsets) != 2
+                    or not all(type(o) is int for o in offsets)):
+                raise self.corrupt(f"array {name!r} has invalid offsets")
+            begin, end = offsets
+            if not 0 <= begin <= end:
+                raise self.corrupt(f"array {name!r} has invalid offsets")
+            if end > data_size:
+                raise self.corrupt(f"truncated, or array {name!r} lies outside the file")
+            if math.prod(shape) * DTYPES[dtype][0] != end - begin:
+                raise self.corrupt(f"array {name!r}: shape {shape} does not match its byte size")
+            found.append(Tensor(name, dtype, tuple(shape), begin, end))
+        # The arrays must tile the data region: no gaps, no overlaps, nothing after the last.
+        pos = 0
+        for t in sorted(found, key=lambda t: (t.begin, t.end)):
+            if t.begin != pos:
+                raise self.corrupt(f"array {t.name!r} {'overlaps another' if t.begin < pos else 'leaves a gap'}")
+            pos = t.end
+        if pos != data_size:
+            raise self.corrupt(f"{data_size - pos} unexplained bytes after the arrays")
+        return {t.name: t for t in found}
+
+    def _checksums(self, text: str, tensors: dict[str, Tensor]) -> dict[str, str]:
+        try:
+            sums = json.loads(text)
+        except (ValueError, RecursionError):
+            raise self.corrupt("the checksum table is not valid JSON") from None
+        if (not isinstance(sums, dict) or set(sums) != set(tensors)
+                or not all(isinstance(v, str) and len(v) == 64 for v in sums.values())):
+            raise self.corrupt("the checksum table does not list exactly the file's arrays")
+        return sums
+
+    def _read_verified(self, t: Tensor):
+        import numpy as np
+
+        buf = np.empty(t.nbytes, dtype=np.uint8)
+        self._read_into(memoryview(buf), self.header.data_start + t.begin, f"array {t.name!r}")
+        if hashlib.sha256(buf).hexdigest() != self.header.checksums[t.name]:
+            raise self.corrupt(f"array {t.name!r} fails its checksum")
+        return buf
+
+    def verify(self) -> None:
+        """Check every array's checksum without keeping anything (reuse check on ingest)."""
+        for t in self.header.tensors.values():
+            self._read_verified(t)
+
+    def arrays(self) -> dict:
+        """Every array, read once, checksum-verified, as MLX arrays (in file order)."""
+        import mlx.core as mx
+        import numpy as np
+
+        out = {}
+        for t in self.header.tensors.values():
+            buf = self._read_verified(t).view(np.dtype(DTYPES[t.dtype][1])).reshape(t.shape)
+            arr = mx.array(buf)
+            out[t.name] = arr.view(mx.bfloat16) if t.dtype == "BF16" else arr
+        return out
+
+
+def open_cache(path: Path, label: str, hint: str) -> Reader:
+    """Open `path` and validate its header (no array is read yet).
 
     Args:
         path: the `.safetensors` file.
-        doc_label: the document's name, for error messages.
-    """
-    import mlx.core as mx
+        label: the document's name, for messages.
+        hint: what to do about a bad file ("rebuild it with `longctx ingest --force FILE`").
 
-    hint = f"re-ingest it with `longctx ingest --force` to rebuild the cache"
-    if not path.is_file():
-        raise CacheCorrupt(f"The cache file of '{doc_label}' is missing ({path}); {hint}.")
-    try:
-        arrays, meta = mx.load(str(path), return_metadata=True)
-    except (RuntimeError, ValueError, OSError) as err:
-        raise CacheCorrupt(f"The cache of '{doc_label}' is unreadable ({err}); {hint}.") from err
-    missing = [k for k in REQUIRED_META if k not in meta]
-    if missing:
-        raise CacheCorrupt(f"The cache of '{doc_label}' lacks {', '.join(missing)}; {hint}.")
-    if meta["format_version"] != FORMAT_VERSION:
-        raise CacheCorrupt(
-            f"The cache of '{doc_label}' has format version {meta['format_version']}, this longctx "
-            f"reads version {FORMAT_VERSION}; upgrade longctx or {hint}."
-        )
-    return arrays, meta
+    Raises:
+        CacheCorrupt: the file is missing or fails any check (`CacheFormatUnsupported` for
+            another format version).
+    """
+    return Reader(path, label, hint)

@@ -1,0 +1,146 @@
+"""Time to the first answer token for an N-token document, three ways, in one run:
+
+(a) full re-prefill of document + question;
+(b) mlx-lm's own prompt cache: `save_prompt_cache` / `load_prompt_cache` (the model's native cache
+    dtype, fp32 on the CPU, and mlx-lm's affine8), then the question;
+(c) longctx: restore the stored cache of each preset, then the question.
+
+In-process times exclude model loading (the same for all three); the whole `longctx ask` process
+(python start, imports, model load, restore, question, first token on stdout) is timed separately.
+
+Usage: python benchmarks/restore.py [--tokens 1024 4096] [--presets fp16 tq4 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import prose, write  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+
+from longctx import engine, kvcache, prompt, session  # noqa: E402
+from longctx.runtime import models  # noqa: E402
+from longctx.store import Store  # noqa: E402
+
+QUESTION = "What does the document say about the chief engineer?"
+
+
+def first_token_after(lm, cache: list, tokens: list[int]) -> float:
+    """Seconds to prefill `tokens` into `cache` and produce the first answer token."""
+    start = time.perf_counter()
+    engine.greedy_tokens(lm.model, tokens, cache, 1)
+    return time.perf_counter() - start
+
+
+def best_of(fn, repeat: int) -> float:
+    return min(fn() for _ in range(repeat))
+
+
+def process_first_token(home: Path, doc: str) -> float:
+    """Wall time from starting `longctx ask` to its first answer byte on stdout."""
+    env = {**os.environ, "LONGCTX_HOME": str(home)}
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "longctx", "ask", QUESTION, "--doc", doc,
+                             "--max-tokens", "8"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    proc.stdout.read(1)
+    elapsed = time.perf_counter() - start
+    proc.stdout.read()
+    proc.wait()
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--presets", nargs="+", default=["fp16", "tq4", "tq4k3v", "tq3"])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--process", action="store_true", help="also time whole `longctx ask` processes")
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+
+    home = Path(tempfile.mkdtemp(prefix="longctx-bench-"))
+    os.environ["LONGCTX_HOME"] = str(home)
+    lm = models.load(models.resolve(None))
+    words = prose(max(args.tokens) * 8).split(" ")
+    rows = []
+    for n in args.tokens:
+        # A text document of about n prefix tokens.
+        lo, hi = 1, len(words)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lay = prompt.layout(lm.tokenizer, f"doc{n}.txt", " ".join(words[:mid]))
+            if len(prompt.prefix_tokens(lm.tokenizer, lay)) < n:
+                lo = mid + 1
+            else:
+                hi = mid
+        doc = home / f"doc{n}.txt"
+        doc.write_text(" ".join(words[:lo]))
+        lay = prompt.layout(lm.tokenizer, doc.name, doc.read_text())
+        prefix = prompt.prefix_tokens(lm.tokenizer, lay)
+        question = prompt.question_tokens(lm.tokenizer, lay, QUESTION)
+        row = {"tokens": len(prefix)}
+
+        # (a) full re-prefill, once (it is the slow one)
+        fresh = kvcache.make(lm.model, kvcache.get_preset("fp16"))
+        row["a_reprefill_s"] = first_token_after(lm, fresh, prefix + question)
+
+        # (b) mlx-lm prompt cache files
+        from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+        base = make_prompt_cache(lm.model)
+        engine.prefill(lm.model, prefix, base)
+        for label, bits in (("native", 0), ("affine8", 8)):
+            cache = base if not bits else [c.to_quantized(group_size=64, bits=bits) for c in base]
+            path = home / f"mlxlm-{n}-{label}.safetensors"
+            save_prompt_cache(str(path), cache)
+
+            def run_b(path=path):
+                start = time.perf_counter()
+                loaded = load_prompt_cache(str(path))
+                return time.perf_counter() - start + first_token_after(lm, loaded, question)
+
+            row[f"b_{label}_s"] = best_of(run_b, args.repeat)
+            row[f"b_{label}_bytes"] = path.stat().st_size
+
+        # (c) longctx restore per preset
+        for name in args.presets:
+            entry = session.ingest(doc, preset=name).entry
+
+            def run_c(entry=entry):
+                start = time.perf_counter()
+                store = Store()
+                cache = session.restore(entry, lm, store)
+                store.close()
+                return time.perf_counter() - start + first_token_after(lm, kvcache.fork(cache), question)
+
+            row[f"c_{name}_s"] = best_of(run_c, args.repeat)
+            row[f"c_{name}_bytes"] = entry.bytes
+            row[f"c_{name}_bits_per_channel"] = entry.bits_per_channel
+            if args.process:
+                row[f"c_{name}_process_s"] = min(process_first_token(home, entry.id) for _ in range(2))
+        rows.append(row)
+        print(f"N={row['tokens']}: re-prefill {row['a_reprefill_s']:.2f}s | mlx-lm native "
+              f"{row['b_native_s']:.3f}s ({row['b_native_bytes'] / 2**20:.1f} MiB), affine8 "
+              f"{row['b_affine8_s']:.3f}s ({row['b_affine8_bytes'] / 2**20:.1f} MiB)")
+        for name in args.presets:
+            c = row[f"c_{name}_s"]
+            proc = f", process {row[f'c_{name}_process_s']:.2f}s" if args.process else ""
+            print(f"   longctx {name:>8}: {c:.3f}s ({row[f'c_{name}_bytes'] / 2**20:.1f} MiB, "
+                  f"{row[f'c_{name}_bits_per_channel']:.2f} b/ch) a/c {row['a_reprefill_s'] / c:.0f}x, "
+                  f"b_native/c {row['b_native_s'] / c:.2f}x, b_affine8/c {row['b_affine8_s'] / c:.2f}x{proc}")
+    device = "cpu" if lm.dtype == "float32" else "gpu"
+    out = write(args.name or f"restore_{device}", {"model": lm.ref.model_id, "dtype": lm.dtype,
+                                                  "question": QUESTION, "rows": rows})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
