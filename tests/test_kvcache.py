@@ -61,8 +61,11 @@ def test_attention_matches_dense_attention_on_decoded_keys(preset, hq, hkv, lq):
     kc, vc = view.key_codec, view.value_codec
     seg_k, seg_v, _ = view.segments[0]
     k_mu, v_mu = cache.means
-    k_hat = kc.decode(seg_k) + k_mu
-    v_hat = vc.decode(seg_v) + v_mu
+    sink_k, sink_v = (a.astype(mx.float32) for a in cache.sink)  # the first tokens, exact
+    assert sink_k.shape[2] == preset.sink == 4
+    np.testing.assert_allclose(np.array(sink_k + k_mu), np.array(k[:, :, :4]), atol=2e-2)
+    k_hat = mx.concatenate([sink_k, kc.decode(seg_k)], axis=2) + k_mu
+    v_hat = mx.concatenate([sink_v, vc.decode(seg_v)], axis=2) + v_mu
     if preset.key_qjl:  # with QJL the scores differ from decoded keys by the correction: compare loosely
         ref = _dense_attention(q, k, v, 0.125, lq > 1)
         assert np.abs(np.array(out - ref)).max() < 0.5
@@ -96,7 +99,7 @@ def test_new_tokens_attend_to_themselves_uncompressed():
     out = compressed_attention(q, view, scale=0.125, mask="causal")
     exact = _dense_attention(q, k, v, 0.125, True)
     np.testing.assert_allclose(np.array(out), np.array(exact), atol=1e-4, rtol=1e-3)
-    assert cache.window is None and cache.tail_len == 40  # compressed after the step
+    assert cache.window is None and cache.sink_len + cache.tail_len == 40  # compressed after the step
 
 
 def test_window_keeps_newest_tokens_uncompressed():
@@ -108,7 +111,7 @@ def test_window_keeps_newest_tokens_uncompressed():
     cache = TurboQuantCache(preset, layer=0)
     cache.update_and_fetch(k[:, :, :30], v[:, :, :30])
     cache.update_and_fetch(k[:, :, 30:], v[:, :, 30:])
-    assert cache.window_len == 16 and cache.tail_len == 34 and cache.offset == 50
+    assert cache.window_len == 16 and cache.sink_len + cache.tail_len == 34 and cache.offset == 50
     np.testing.assert_allclose(np.array(cache.window[0] + cache.means[0]), np.array(k[:, :, 34:]), atol=1e-5)
     assert cache.trim(20) == 20 and cache.window_len == 0 and cache.offset == 30
     cache.seal()

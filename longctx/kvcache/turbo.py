@@ -13,7 +13,9 @@ Storage is two segments of packed arrays, each a dict name -> (B, H_kv, L, ...):
 - `prefix`: read-only (restored from disk, or shared with the parent of a fork);
 - `tail`: private, preallocated in steps of 256 tokens, where new tokens are written;
 plus, when the preset has `window > 0`, the most recent `window` tokens kept uncompressed
-(centered, fp32) and compressed as they age out. `seal()` compresses the window (done before a
+(centered, fp32) and compressed as they age out; and, when the preset has `sink > 0`, the first
+`sink` tokens of the sequence kept uncompressed for good (stored as fp16): attention sinks take a
+large share of every query's attention, so an error in their keys shifts every distribution. `seal()` compresses the window (done before a
 cache is persisted, so files hold compressed tokens only).
 `update_and_fetch` returns a `CompressedKV` view (the segments, not decoded tensors); attention
 is routed to `longctx.kvcache.attention`, which decodes block by block. The class deliberately has
@@ -40,6 +42,7 @@ class CompressedKV:
     offset: int  # total tokens
     value_mean: mx.array  # (B, H_kv, 1, D), added back to the attention output
     window: tuple | None = None  # (keys, values) (B, H_kv, W, D) centered fp32: the newest tokens
+    sink: tuple | None = None  # (keys, values) (B, H_kv, S, D) centered: the first tokens, exact
 
 
 _CODECS: dict = {}
@@ -75,6 +78,11 @@ class TurboQuantCache:
         self.head_dim = 0
         self.means: tuple[mx.array, mx.array] | None = None  # (k_mu, v_mu), each (B, H_kv, 1, D)
         self.window: tuple[mx.array, mx.array] | None = None  # newest tokens, uncompressed
+        self.sink: tuple[mx.array, mx.array] | None = None  # first tokens, never compressed
+
+    @property
+    def sink_len(self) -> int:
+        return self.sink[0].shape[2] if self.sink is not None else 0
 
     @property
     def window_len(self) -> int:
@@ -83,7 +91,7 @@ class TurboQuantCache:
     # -- protocol ----------------------------------------------------------------------------
     @property
     def offset(self) -> int:
-        return self.prefix_len + self.tail_len + self.window_len
+        return self.sink_len + self.prefix_len + self.tail_len + self.window_len
 
     def size(self) -> int:
         return self.offset
@@ -117,7 +125,19 @@ class TurboQuantCache:
         self.tail = (grown(old_k, enc_k), grown(old_v, enc_v))
 
     def _append_compressed(self, keys: mx.array, values: mx.array) -> None:
-        """Quantize centered (B, H_kv, n, D) keys/values into the tail."""
+        """Quantize centered (B, H_kv, n, D) keys/values into the tail (the first `sink` tokens
+        of the sequence go to the exact sink instead)."""
+        room = self.preset.sink - self.sink_len if self.prefix_len + self.tail_len == 0 else 0
+        if room > 0:
+            take = min(room, keys.shape[2])
+            head_k, head_v = keys[:, :, :take], values[:, :, :take]
+            if self.sink is not None:
+                head_k = mx.concatenate([self.sink[0], head_k], axis=2)
+                head_v = mx.concatenate([self.sink[1], head_v], axis=2)
+            self.sink = (head_k.astype(mx.float16), head_v.astype(mx.float16))
+            keys, values = keys[:, :, take:], values[:, :, take:]
+            if keys.shape[2] == 0:
+                return
         kc, vc = self.codecs()
         enc_k, enc_v = kc.encode(keys), vc.encode(values)
         n = keys.shape[2]
@@ -167,7 +187,7 @@ class TurboQuantCache:
         if self.tail_len:
             segments.append((_slice(self.tail[0], self.tail_len), _slice(self.tail[1], self.tail_len),
                              self.tail_len))
-        return CompressedKV(kc, vc, tuple(segments), self.offset, self.means[1], self.window)
+        return CompressedKV(kc, vc, tuple(segments), self.offset, self.means[1], self.window, self.sink)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         from mlx_lm.models.cache import create_attention_mask
@@ -185,6 +205,10 @@ class TurboQuantCache:
         from_tail = min(n_rest, self.tail_len)
         self.tail_len -= from_tail
         rest = n_rest - from_tail
+        if rest > self.prefix_len:  # trimming into the sink
+            keep = self.sink_len - (rest - self.prefix_len)
+            self.sink = tuple(a[:, :, :keep] for a in self.sink) if keep else None
+            rest = self.prefix_len
         if rest:
             self.prefix_len -= rest
             self.prefix = (_slice(self.prefix[0], self.prefix_len), _slice(self.prefix[1], self.prefix_len))
@@ -196,6 +220,9 @@ class TurboQuantCache:
         view = self.view()
         keys = [kc.decode(seg_k)[..., : self.head_dim] for seg_k, _, _ in view.segments]
         values = [vc.decode(seg_v)[..., : self.head_dim] for _, seg_v, _ in view.segments]
+        if self.sink is not None:
+            keys.insert(0, self.sink[0].astype(mx.float32))
+            values.insert(0, self.sink[1].astype(mx.float32))
         if self.window is not None:
             keys.append(self.window[0])
             values.append(self.window[1])
@@ -215,6 +242,7 @@ class TurboQuantCache:
             return []
         segs = self.view().segments
         window = list(self.window) if self.window is not None else []
+        window += list(self.sink) if self.sink is not None else []
         return [*self.means, *window,
                 *(a for seg_k, seg_v, _ in segs for a in (*seg_k.values(), *seg_v.values()))]
 
@@ -230,6 +258,8 @@ class TurboQuantCache:
         if self.means is None:
             return {}
         out = {"k.mu": self.means[0], "v.mu": self.means[1]}
+        if self.sink is not None:
+            out["k.sink"], out["v.sink"] = self.sink
         for tag, i in (("k", 0), ("v", 1)):
             parts = [seg[i] for seg in self.view().segments]
             for name in parts[0] if parts else ():
@@ -245,8 +275,11 @@ class TurboQuantCache:
         if not arrays:
             return cache
         cache.means = (arrays["k.mu"], arrays["v.mu"])
-        keys = {k[2:]: v for k, v in arrays.items() if k.startswith("k.") and k != "k.mu"}
-        values = {k[2:]: v for k, v in arrays.items() if k.startswith("v.") and k != "v.mu"}
+        if "k.sink" in arrays:
+            cache.sink = (arrays["k.sink"], arrays["v.sink"])
+        special = ("mu", "sink")
+        keys = {k[2:]: v for k, v in arrays.items() if k.startswith("k.") and k[2:] not in special}
+        values = {k[2:]: v for k, v in arrays.items() if k.startswith("v.") and k[2:] not in special}
         cache.prefix = (keys, values)
         cache.prefix_len = next(iter(keys.values())).shape[2] if keys else 0
         return cache
@@ -255,5 +288,6 @@ class TurboQuantCache:
         """Share everything so far as a read-only prefix; new tokens go to a private tail."""
         child = TurboQuantCache.from_arrays(self.preset, self.layer, self.arrays(), self.head_dim)
         child.means = self.means
+        child.sink = self.sink
         child.window = self.window  # immutable arrays: the child's appends concatenate anew
         return child

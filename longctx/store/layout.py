@@ -6,8 +6,10 @@ the names, dtypes and shapes of every array follow (naming as in `longctx.kvcach
 - `tokens`: int32 (T,);
 - fp16: `{i}.k`, `{i}.v` float16 (1, H, T, D);
 - affine: `{i}.{k,v}.w` uint32 (1, H, T, D*bits/32), `.s`/`.b` float (1, H, T, D/group);
-- turbo: `{i}.{k,v}.mu` float32 (1, H, 1, D), plus the codec's arrays (1, H, T, ...) as
-  `longctx.quant.codec` documents them, sized with the quant modules' own shape functions;
+- turbo: `{i}.{k,v}.mu` float32 (1, H, 1, D), the exact first tokens `{i}.{k,v}.sink` float16
+  (1, H, S, D) when the preset keeps S = min(T, sink) > 0, plus the codec's arrays
+  (1, H, T - S, ...) as `longctx.quant.codec` documents them, sized with the quant modules' own
+  shape functions;
 - sliding-window layers (optional `windows`: per layer W > 0, else 0), whatever the kind:
   `{i}.k`, `{i}.v` float16 (1, H, min(T, W), D).
 
@@ -44,7 +46,7 @@ def kv_config(meta: dict[str, str]) -> dict:
             or any(_int(d, 2, MAX_HEAD_DIM) is None for d in dims)
             or any(_int(h, 1, MAX_KV_HEADS) is None for h in heads)):
         raise ValueError("kv_config has invalid head_dims / kv_heads")
-    for key in ("key_bits", "key_bits2", "value_bits", "affine_bits", "seed", "window"):
+    for key in ("key_bits", "key_bits2", "value_bits", "affine_bits", "seed", "window", "sink"):
         if _int(cfg.get(key, 0), 0, 1 << 32) is None:
             raise ValueError(f"kv_config has an invalid {key}")
     windows = cfg.get("windows", [0] * len(dims))
@@ -106,8 +108,11 @@ def expected(meta: dict[str, str]) -> dict[str, tuple[tuple[str, ...], tuple]]:
             else:
                 parts = _turbo_parts(cfg, d)[0 if tag == "k" else 1]
                 out[f"{i}.{tag}.mu"] = (("F32",), (1, h, 1, d))
+                sink = min(tokens, cfg.get("sink", 0))
+                if sink:
+                    out[f"{i}.{tag}.sink"] = (("F16",), (1, h, sink, d))
                 for name, (dtype, trailing) in parts.items():
-                    out[f"{i}.{tag}.{name}"] = ((dtype,), (1, h, tokens, *trailing))
+                    out[f"{i}.{tag}.{name}"] = ((dtype,), (1, h, tokens - sink, *trailing))
     return out
 
 
