@@ -1,19 +1,30 @@
-"""Attention over a compressed cache, in blocks with an online softmax (the pure-MLX path).
+"""Attention over a compressed cache, in blocks with an online softmax.
 
 Queries are rotated once into the key codec's frame (keys are stored centered; the mean's score
-shift is the same for every key of a query, so softmax needs no correction); each block of keys is decoded in that frame
-(plus the QJL correction when the keys carry one), scores go through a running-max softmax, and
-values are accumulated in the value codec's rotated frame and rotated back once at the end. Only
-one block of keys and values is ever decoded at a time, so a 128k cache is never expanded in full.
+shift is the same for every key of a query, so softmax needs no correction); each block of keys is
+decoded in that frame (plus the QJL correction when the keys carry one), scores go through a
+running-max softmax, and values are accumulated in the value codec's rotated frame and rotated
+back once at the end. Only one block of keys and values is ever decoded at a time, so a 128k cache
+is never expanded in full.
+
+Two paths produce the (m, l, acc) state of a compressed segment:
+- pure MLX (the CPU path, and the oracle): decode a block, matmul, softmax, matmul;
+- fused (GPU, a few query tokens): `longctx.kernels.decode_attend` reads the packed segment
+  directly and returns the segment's softmax state, merged here like any other block.
+The uncompressed window always takes the MLX path.
 """
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
+import numpy as np
 
 from longctx.kvcache.turbo import CompressedKV
 
 BLOCK = 2048
+FUSED_MAX_LQ = 8  # query tokens up to which the fused kernel is used (decode, short questions)
 
 
 def _block_mask(mask, q_pos: mx.array, k_lo: int, k_hi: int, lq: int):
@@ -29,8 +40,45 @@ def _block_mask(mask, q_pos: mx.array, k_lo: int, k_hi: int, lq: int):
     return block > -1e30  # additive masks: -inf (or very negative) means masked
 
 
+@functools.lru_cache(maxsize=256)
+def kernel_table(codec) -> mx.array:
+    """The fused kernel's centroid table of a codec: c1, or c1[i1] + c2[i1, i2] at (i1 << b2) | i2.
+
+    Each entry is the same float32 sum `VectorCodec.decode_rotated` computes, so both paths decode
+    identical key values.
+    """
+    c1 = codec.codebook.centroids.astype(np.float32)
+    if codec.rvq is None:
+        return mx.array(c1)
+    c2 = codec.rvq.stage2.centroids.astype(np.float32)  # (2^b1, 2^b2)
+    return mx.array((c1[:, None] + c2).ravel())
+
+
+def use_fused(mask, lq: int) -> bool:
+    """Whether compressed segments go to the fused kernel: on a GPU backend, few query tokens,
+    and a mask the kernel expresses (none, or causal)."""
+    from longctx.kernels import backend
+
+    return backend() != "cpu" and lq <= FUSED_MAX_LQ and _kernel_mask(mask)
+
+
+def _kernel_mask(mask) -> bool:
+    return mask is None or (isinstance(mask, str) and mask == "causal")
+
+
+def _merge(state, m2: mx.array, l2: mx.array, acc2: mx.array):
+    """Online-softmax merge of two (m, l, acc) states (m = -inf, l = 0: nothing seen yet)."""
+    m, l, acc = state
+    if acc is None:  # nothing seen yet
+        return m2, l2, acc2
+    m_new = mx.maximum(m, m2)
+    m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # rows with nothing visible yet
+    c1, c2 = mx.exp(m - m_safe), mx.exp(m2 - m_safe)
+    return m_new, l * c1 + l2 * c2, acc * c1 + acc2 * c2
+
+
 def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask=None,
-                         block: int = BLOCK) -> mx.array:
+                         block: int = BLOCK, fused: bool | None = None) -> mx.array:
     """Softmax attention of `queries` over a compressed cache.
 
     Args:
@@ -38,7 +86,9 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
         kv: the cache view returned by `TurboQuantCache.update_and_fetch`.
         scale: score scale (usually D ** -0.5).
         mask: None, "causal" (queries are the last L_q positions), or an mlx-lm mask array.
-        block: keys decoded per step.
+        block: keys decoded per step on the MLX path.
+        fused: send compressed segments to `longctx.kernels.decode_attend` (None: `use_fused`).
+            On the CPU that function runs its pure-MLX reference.
 
     Returns:
         (B, H_q, L_q, D) in the queries' dtype.
@@ -51,29 +101,17 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
     q_rot = q_rot.reshape(B, Hkv, r * Lq, q_rot.shape[-1])  # query heads grouped by KV head
     q_proj = kc.qjl_project(q_rot) if kc.spec.qjl else None
     q_pos = mx.arange(kv.offset - Lq, kv.offset)
+    if fused is None:
+        fused = use_fused(mask, Lq)
+    elif fused and not _kernel_mask(mask):
+        raise ValueError("the fused kernel takes mask None or 'causal'")
 
-    m = mx.full((B, Hkv, r * Lq, 1), -mx.inf, dtype=mx.float32)
-    l = mx.zeros((B, Hkv, r * Lq, 1), dtype=mx.float32)
-    acc = None
+    state = None  # (m, l, acc) once a block or segment has been seen
 
-    def blocks():
-        """(rotated keys, rotated values, first position) per block, oldest first."""
-        pos = 0
-        for seg_k, seg_v, length in kv.segments:
-            for lo in range(0, length, block):
-                hi = min(lo + block, length)
-                bk = {k: v[:, :, lo:hi] for k, v in seg_k.items()}
-                bv = {k: v[:, :, lo:hi] for k, v in seg_v.items()}
-                k_rot = kc.decode_rotated(bk)
-                if q_proj is not None:
-                    yield k_rot, vc.decode_rotated(bv), pos + lo, kc.qjl_correction(q_proj, bk)
-                else:
-                    yield k_rot, vc.decode_rotated(bv), pos + lo, None
-            pos += length
-        if kv.window is not None:  # the newest tokens, uncompressed
-            yield kc.rotate(kv.window[0]), vc.rotate(kv.window[1]), pos, None
-
-    for k_rot, v_rot, start, correction in blocks():
+    def add_block(state, k_rot, v_rot, start, correction):
+        if state is None:
+            state = (mx.full((B, Hkv, r * Lq, 1), -mx.inf, dtype=mx.float32),
+                     mx.zeros((B, Hkv, r * Lq, 1), dtype=mx.float32), None)
         n = k_rot.shape[2]
         s = q_rot @ k_rot.swapaxes(-1, -2)  # (B, Hkv, r*Lq, n)
         if correction is not None:
@@ -83,15 +121,53 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
         if allowed is not None:
             s = s.reshape(B, Hkv, r, Lq, n)
             s = mx.where(allowed, s, -mx.inf).reshape(B, Hkv, r * Lq, n)
+        m, l, acc = state
         m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
         m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # rows with nothing visible yet
         p = mx.exp(s - m_safe)
         corr = mx.exp(m - m_safe)
-        l = l * corr + p.sum(axis=-1, keepdims=True)
         pv = p @ v_rot  # (B, Hkv, r*Lq, Dpv)
-        acc = pv if acc is None else acc * corr + pv
-        m = m_new
+        return m_new, l * corr + p.sum(axis=-1, keepdims=True), pv if acc is None else acc * corr + pv
+
+    pos = 0
+    if kv.sink is not None:  # the first tokens of the sequence, kept exact
+        sink_k, sink_v = (a.astype(mx.float32) for a in kv.sink)
+        state = add_block(state, kc.rotate(sink_k), vc.rotate(sink_v), 0, None)
+        pos = sink_k.shape[2]
+    for seg_k, seg_v, length in kv.segments:  # oldest first
+        if fused:
+            # Causal masking only matters if a key of the segment follows the first query.
+            last_q = kv.offset - Lq
+            causal = mask is not None and pos + length - 1 > last_q
+            seg = _fused_segment(kv, q_rot, q_proj, seg_k, seg_v, scale, Lq,
+                                 last_q - pos if causal else None)
+            state = seg if state is None else _merge(state, *seg)
+        else:
+            for lo in range(0, length, block):
+                hi = min(lo + block, length)
+                bk = {k: v[:, :, lo:hi] for k, v in seg_k.items()}
+                bv = {k: v[:, :, lo:hi] for k, v in seg_v.items()}
+                corr = kc.qjl_correction(q_proj, bk) if q_proj is not None else None
+                state = add_block(state, kc.decode_rotated(bk), vc.decode_rotated(bv), pos + lo, corr)
+        pos += length
+    if kv.window is not None:  # the newest tokens, uncompressed
+        state = add_block(state, kc.rotate(kv.window[0]), vc.rotate(kv.window[1]), pos, None)
+    if state is None:
+        raise ValueError("attention over an empty cache view (no segment, no window)")
+    _, l, acc = state
     out = acc / mx.maximum(l, 1e-30)
     out = vc.unrotate(out.reshape(B, Hkv, r, Lq, out.shape[-1]))[..., :D]  # (B, Hkv, r, Lq, D)
     out = out + kv.value_mean[:, :, None]  # values were stored centered
     return out.reshape(B, Hq, Lq, D).astype(queries.dtype)
+
+
+def _fused_segment(kv: CompressedKV, q_rot, q_proj, seg_k: dict, seg_v: dict, scale: float,
+                   lq: int, causal_base):
+    """(m, l, acc) of one compressed segment from the fused kernel."""
+    from longctx.kernels.decode_attend import decode_attend
+
+    kc, vc = kv.key_codec, kv.value_codec
+    return decode_attend(q_rot, seg_k, seg_v, kernel_table(kc), kernel_table(vc),
+                         key_bits=kc.spec.bits, key_bits2=kc.spec.bits2 if kc.rvq else 0,
+                         value_bits=vc.spec.bits, scale=scale, q_proj=q_proj, lq=lq,
+                         causal_base=causal_base)

@@ -1,0 +1,18 @@
+"""GPU kernels for TurboQuant (installed as `longctx.kernels`): one kernel per module.
+
+    pack             bit pack / unpack (packing.py's layout)
+    scalar_quant     nearest-centroid quantize / dequantize
+    hadamard_quant   normalize + randomized Hadamard + quantize + pack (VectorCodec.encode, scalar)
+    qjl_encode       QJL sign sketch + residual norm
+    decode_attend    fused decode + attention over a compressed segment (flash-decoding)
+    split_combine    merge of flash-decoding partials
+
+Each module holds a kernel body written once for Metal and CUDA (see `_prelude`), a pure-MLX
+`*_reference` (the CPU path and the test oracle) and one public function that checks shapes and
+dispatches to Metal, CUDA or the reference; import it from its module
+(`from longctx.kernels.decode_attend import decode_attend`). This package imports only mlx.
+"""
+
+from ._prelude import backend
+
+__all__ = ["backend"]

@@ -1,0 +1,295 @@
+"""Run the kernels' bodies on the CPU, and compile them as MLX's CUDA JIT would (dev tools).
+
+- `emulator()`: an executor for `longctx.kernels._prelude.executor`. Each kernel body is compiled
+  with g++ under an emulation prelude: the threads of a threadgroup are OS threads meeting at a
+  std::barrier, threadgroup memory is function-static (threadgroups run one after another), warp
+  operations go through a per-warp exchange buffer. Inputs of kernels that read strides are
+  embedded in larger buffers, so the strides are not the contiguous ones. Outputs start poisoned.
+  This checks indexing, layout, barriers placement and the arithmetic, not GPU speed.
+- `cuda_source()` / `nvcc_check()`: the exact source `mx.fast.cuda_kernel` hands NVRTC (the
+  signature MLX generates around the body), compiled for sm_90 with nvcc against a stub of MLX's
+  device header, returning ptxas' register / spill report.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from longctx.kernels import _prelude
+
+BUILD = Path(tempfile.gettempdir()) / "longctx_kernel_emu"
+
+EMU_HEADER = r"""
+#include <cstdint>
+#include <cmath>
+#include <math.h>
+#include <barrier>
+#include <thread>
+#include <vector>
+#include <memory>
+typedef _Float16 lc_half_t;
+struct LcWarp { std::barrier<>* bar; float f[32]; uint32_t u[32]; };
+static LcWarp lc_warps[32];
+static std::barrier<>* lc_group_bar;
+static thread_local uint32_t lc_e_tid, lc_e_tg, lc_e_gid;
+#define LC_EMU 1
+#define LC_SHARED static
+#define LC_DEVICE
+#define LC_BARRIER() lc_group_bar->arrive_and_wait()
+#define LC_INF INFINITY
+#define LC_H2F(x) ((float)(x))
+#define LC_F2H(x) ((lc_half_t)(x))
+#define LC_EXP(x) expf(x)
+#define LC_EXP2(x) exp2f(x)
+#define LC_SQRT(x) sqrtf(x)
+#define LC_MAX(a, b) fmaxf((a), (b))
+#define LC_MIN(a, b) fminf((a), (b))
+#define LC_FN static inline
+#define LC_UNROLL
+#include <cstring>
+struct lc_u4 { uint32_t x, y, z, w; };
+static inline lc_u4 lc_ld_u4(const uint32_t* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 16) __builtin_trap();  // the GPU would fault
+  lc_u4 t; std::memcpy(&t, p, 16); return t;
+}
+#define LC_U4 lc_u4
+#define LC_LD_U4(p, off) lc_ld_u4((p) + (off))
+static inline float lc_xchg(float x, uint32_t src) {
+  LcWarp& w = lc_warps[lc_e_tid >> 5];
+  w.f[lc_e_tid & 31u] = x;
+  w.bar->arrive_and_wait();
+  const float r = w.f[src];
+  w.bar->arrive_and_wait();
+  return r;
+}
+static inline float lc_simd_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += lc_xchg(x, (lc_e_tid & 31u) ^ (uint32_t)o);
+  return x;
+}
+static inline float lc_simd_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, lc_xchg(x, (lc_e_tid & 31u) ^ (uint32_t)o));
+  return x;
+}
+static inline uint32_t lc_simd_ballot(bool p, uint32_t lane) {
+  LcWarp& w = lc_warps[lc_e_tid >> 5];
+  w.u[lane] = p ? 1u : 0u;
+  w.bar->arrive_and_wait();
+  uint32_t r = 0u;
+  for (uint32_t i = 0; i < 32u; ++i) r |= w.u[i] << i;
+  w.bar->arrive_and_wait();
+  return r;
+}
+"""
+
+EMU_IDS = r"""
+  const uint32_t lc_tid = lc_e_tid;
+  const uint32_t lc_tg = lc_e_tg;
+  const uint32_t lc_gid = lc_e_gid;
+  const uint32_t lc_lane = lc_e_tid & 31u;
+  const uint32_t lc_warp = lc_e_tid >> 5;
+"""
+
+_C_TYPES = {mx.uint8: "uint8_t", mx.uint32: "uint32_t", mx.int32: "int32_t",
+            mx.float32: "float", mx.float16: "lc_half_t"}
+_CUDA_TYPES = {mx.uint8: "uint8_t", mx.uint32: "uint32_t", mx.int32: "int32_t",
+               mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
+_NP = {mx.uint8: np.uint8, mx.uint32: np.uint32, mx.int32: np.int32, mx.float32: np.float32,
+       mx.float16: np.float16}
+MAXD = 8
+
+
+def available() -> bool:
+    return shutil.which("g++") is not None
+
+
+def _emu_source(spec, launch) -> str:
+    header, body = _prelude.assemble(spec, "emu", {"emu": (EMU_HEADER, EMU_IDS)})
+    params, call = [], []
+    for i, (name, arr) in enumerate(zip(spec.inputs, launch.inputs)):
+        t = _C_TYPES[arr.dtype]
+        params += [f"const {t}* {name}", f"const int32_t* {name}_shape",
+                   f"const int64_t* {name}_strides"]
+        call += [f"(const {t}*)bufs[{i}]", f"shapes + {i * MAXD}", f"strides + {i * MAXD}"]
+    n_in = len(launch.inputs)
+    for j, (name, dt) in enumerate(zip(spec.outputs, launch.output_dtypes)):
+        params.append(f"{_C_TYPES[dt]}* {name}")
+        call.append(f"({_C_TYPES[dt]}*)bufs[{n_in + j}]")
+    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in launch.template)
+    return (f"{header}\nstatic void lc_kernel({', '.join(params)}) {{\n{consts}{body}\n}}\n"
+            "extern \"C\" void lc_launch(void** bufs, const int32_t* shapes, const int64_t* strides,"
+            " int n_tg, int nt) {\n"
+            "  std::barrier<> gb(nt);\n  lc_group_bar = &gb;\n"
+            "  std::vector<std::unique_ptr<std::barrier<>>> wb;\n"
+            "  for (int w = 0; w < nt / 32; ++w) {\n"
+            "    wb.emplace_back(new std::barrier<>(32));\n    lc_warps[w].bar = wb.back().get();\n  }\n"
+            "  std::vector<std::thread> ts;\n"
+            "  for (int t = 0; t < nt; ++t) ts.emplace_back([=, &gb]() {\n"
+            "    lc_e_tid = (uint32_t)t;\n"
+            "    for (int g = 0; g < n_tg; ++g) {\n"
+            "      lc_e_tg = (uint32_t)g;\n      lc_e_gid = (uint32_t)(g * nt + t);\n"
+            f"      lc_kernel({', '.join(call)});\n"
+            "      gb.arrive_and_wait();\n    }\n  });\n"
+            "  for (auto& th : ts) th.join();\n}\n")
+
+
+_LIBS: dict = {}
+
+
+def _compile(src: str):
+    digest = hashlib.sha1(src.encode()).hexdigest()[:16]
+    if digest in _LIBS:
+        return _LIBS[digest]
+    BUILD.mkdir(parents=True, exist_ok=True)
+    so = BUILD / f"k_{digest}.so"
+    if not so.exists():
+        cpp = BUILD / f"k_{digest}.cpp"
+        cpp.write_text(src)
+        tmp = BUILD / f"k_{digest}.{os.getpid()}.so"
+        res = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
+                              "-Wno-unused-variable", "-o", str(tmp), str(cpp)],
+                             capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"g++ failed for the emulated kernel:\n{res.stderr[-6000:]}")
+        tmp.rename(so)
+    lib = ctypes.CDLL(str(so))
+    lib.lc_launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_int, ctypes.c_int]
+    _LIBS[digest] = lib
+    return lib
+
+
+def _embed(a: np.ndarray) -> np.ndarray:
+    """A view of `a` with the same values inside a larger buffer (padded along axis -2)."""
+    if a.ndim < 2:
+        return a
+    shape = list(a.shape)
+    shape[-2] += 3
+    big = np.full(shape, 0x5A if a.dtype.kind in "ui" else np.nan, dtype=a.dtype)
+    view = big[..., 1:1 + a.shape[-2], :]
+    view[...] = a
+    return view
+
+
+def _poison(shape, dt) -> np.ndarray:
+    npdt = _NP[dt]
+    if np.issubdtype(npdt, np.floating):
+        return np.full(shape, np.nan, dtype=npdt)
+    return np.full(shape, np.iinfo(npdt).max, dtype=npdt)
+
+
+def emulator(strided: bool = True):
+    """An executor running kernels on the CPU (see the module docstring)."""
+
+    def execute(spec, launch):
+        lib = _compile(_emu_source(spec, launch))
+        ins = []
+        for a in launch.inputs:
+            x = np.array(a)
+            ins.append(_embed(x) if strided and not spec.row_contiguous else np.ascontiguousarray(x))
+        outs = [_poison(s, d) for s, d in zip(launch.output_shapes, launch.output_dtypes)]
+        shapes = np.zeros((len(ins), MAXD), dtype=np.int32)
+        strides = np.zeros((len(ins), MAXD), dtype=np.int64)
+        for i, x in enumerate(ins):
+            shapes[i, :x.ndim] = x.shape
+            strides[i, :x.ndim] = [s // x.itemsize for s in x.strides]
+        bufs = (ctypes.c_void_p * (len(ins) + len(outs)))(
+            *[x.ctypes.data for x in ins], *[o.ctypes.data for o in outs])
+        tx = launch.threadgroup[0]
+        assert tx % 32 == 0 and launch.threadgroup[1:] == (1, 1) and launch.grid[1:] == (1, 1)
+        lib.lc_launch(bufs, shapes.ctypes.data, strides.ctypes.data, -(-launch.grid[0] // tx), tx)
+        return [mx.array(o) for o in outs]
+
+    return execute
+
+
+# --- CUDA: the source MLX's cuda_kernel builds, compiled with nvcc --------------------------
+
+_MLX_DEVICE_STUB = r"""#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+#include <cuda/std/tuple>
+#define MAX_NDIM 10
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}
+"""
+
+
+def cuda_source(spec, launch) -> str:
+    """What `mx.fast.cuda_kernel` compiles for this spec and launch (mlx 0.32 build_kernel)."""
+    header, body = _prelude.assemble(spec, "cuda")
+    src = ('#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+           "#define inf cuda::std::numeric_limits<float>::infinity()\n\n")
+    src += header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    src += f"__global__ void custom_kernel_{spec.name}(\n"
+    for name, arr in zip(spec.inputs, launch.inputs):
+        src += f"    const {_CUDA_TYPES[arr.dtype]}* {name},\n"
+        if arr.ndim > 0:
+            if f"{name}_shape" in body:
+                src += f"    const __grid_constant__ Shape {name}_shape,\n"
+            if f"{name}_strides" in body:
+                src += f"    const __grid_constant__ Strides {name}_strides,\n"
+            if f"{name}_ndim" in body:
+                src += f"    const __grid_constant__ int {name}_ndim,\n"
+    outs = [f"    {_CUDA_TYPES[d]}* {n}" for n, d in zip(spec.outputs, launch.output_dtypes)]
+    src += ",\n".join(outs) + ") {\n"
+    src += "".join(f"  constexpr int {k} = {v};\n" for k, v in launch.template) + "\n"
+    return src + body + "\n}\n\n} // namespace mlx::core::cu\n"
+
+
+def nvcc_check(spec, launch, arch: str = "sm_90") -> str:
+    """Compile the CUDA source with nvcc; return ptxas' resource report (raises on errors)."""
+    BUILD.mkdir(parents=True, exist_ok=True)
+    inc = BUILD / "stub_include" / "mlx" / "backend" / "cuda" / "device"
+    inc.mkdir(parents=True, exist_ok=True)
+    (inc / "utils.cuh").write_text(_MLX_DEVICE_STUB)
+    src = cuda_source(spec, launch)
+    digest = hashlib.sha1(src.encode()).hexdigest()[:16]
+    cu = BUILD / f"c_{digest}.cu"
+    cu.write_text(src)
+    res = subprocess.run(["nvcc", "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v",
+                          "-I", str(BUILD / "stub_include"), "-o", str(BUILD / f"c_{digest}.cubin"),
+                          str(cu)], capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"nvcc failed:\n{res.stderr[-6000:]}")
+    return res.stderr
+
+
+def nvrtc_check(spec, launch, libnvrtc: str, cccl_include: str | None = None,
+                cuda_include: str = "/usr/local/cuda/include", arch: str = "sm_90") -> str:
+    """Compile with NVRTC itself, as MLX's JIT does (same options; MLX's device header stubbed).
+
+    Returns NVRTC's log; raises with the log on failure.
+    """
+    lib = ctypes.CDLL(libnvrtc)
+    prog = ctypes.c_void_p()
+    src = cuda_source(spec, launch).encode()
+    headers = (ctypes.c_char_p * 1)(_MLX_DEVICE_STUB.encode())
+    names = (ctypes.c_char_p * 1)(b"mlx/backend/cuda/device/utils.cuh")
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"k.cu", 1, headers, names):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    opts = [f"--gpu-architecture={arch}".encode(), f"--include-path={cuda_include}".encode()]
+    if cccl_include:
+        opts.append(f"--include-path={cccl_include}".encode())
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value + 1)
+    lib.nvrtcGetProgramLog(prog, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    if rc:
+        raise RuntimeError(f"NVRTC failed:\n{log.value.decode(errors='replace')[-6000:]}")
+    return log.value.decode(errors="replace")

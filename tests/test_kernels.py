@@ -1,0 +1,357 @@
+"""GPU kernels: references vs the library's pure-MLX code (CPU), kernels vs references (GPU).
+
+On the CPU (CI) the references are checked against `longctx.quant` / `longctx.kvcache.attention`
+and the dispatchers' launch plans are checked with a recording executor. The `gpu` tests run each
+kernel against its reference on the same device over a shape grid (head_dim 64/128/256, GQA
+1/4/8, lengths 1/17/4095 and 32k/128k, every turbo preset) and skip cleanly without a GPU.
+`tests/test_kernels_emulated.py` runs the kernel bodies themselves on the CPU (opt-in).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+# GPU runs: references in full fp32 (no TF32 matmuls), and one MLX JIT cache per xdist worker
+# (concurrent writers of one cache file can hand a reader half a module).
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), f"mlx_ptx_{os.environ['PYTEST_XDIST_WORKER']}"))
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from kernel_cases import TURBO, preset_bits, random_segment, state_errors, tables
+
+from longctx import kvcache
+from longctx.kernels import _prelude
+from longctx.kernels import decode_attend as da
+from longctx.kernels import hadamard_quant as hq
+from longctx.kernels import pack as kp
+from longctx.kernels import qjl_encode as qe
+from longctx.kernels import scalar_quant as sq
+from longctx.kernels import split_combine as sc
+from longctx.kvcache.attention import compressed_attention, kernel_table
+from longctx.kvcache.turbo import TurboQuantCache
+from longctx.quant import packing, scalar
+from longctx.quant.codebooks import as_mx, lloyd_max
+from longctx.quant.codec import QuantSpec, VectorCodec
+from longctx.quant.qjl import QJLSketch
+
+ON_GPU = _prelude.backend() in ("metal", "cuda")
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a Metal or CUDA device")
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+# --- references vs the library (CPU and GPU) -------------------------------------------------
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_reference_is_packing_layout(bits):
+    for n in (1, 17, 32, 100, 256):
+        x = mx.array(_rng(bits * n).integers(0, 1 << bits, size=(2, 3, n)).astype(np.uint8))
+        words = kp.pack_reference(x, bits)
+        assert mx.array_equal(words, packing.pack(x, bits))
+        assert mx.array_equal(kp.unpack_reference(words, bits, n), packing.unpack(words, bits, n))
+
+
+def test_pack_reference_documented_example():
+    """packing.py's docstring example: 3-bit 0..7 repeated gives 0x88FAC688, 0xC688FAC6, ..."""
+    x = mx.array(np.tile(np.arange(8, dtype=np.uint8), 4))
+    assert np.array(kp.pack_reference(x, 3)).tolist() == [0x88FAC688, 0xC688FAC6, 0xFAC688FA]
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_scalar_reference_is_library_quantizer(bits):
+    cb = lloyd_max(128, bits)
+    cents, bounds = as_mx(cb)
+    x = mx.array(_rng(bits).normal(size=(5, 301)).astype(np.float32) * 0.12)
+    idx = sq.quantize_reference(x, bounds)
+    assert mx.array_equal(idx, scalar.quantize(x, cb))
+    assert mx.array_equal(sq.dequantize_reference(idx, cents), scalar.dequantize(idx, cb))
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_hadamard_reference_is_codec_encode(dim, bits):
+    codec = VectorCodec(dim, QuantSpec(bits), seed=11 + dim)
+    x = mx.array(_rng(dim + bits).normal(size=(2, 3, 17, dim)).astype(np.float32))
+    enc = codec.encode(x)
+    idx, norm = hq.hadamard_quantize_reference(x, codec.rotation.signs, as_mx(codec.codebook)[1])
+    assert mx.array_equal(idx, enc["idx"]) and mx.array_equal(norm, enc["norm"])
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_qjl_reference_is_sketch(dim):
+    sketch = QJLSketch(dim, seed=5)
+    r = mx.array(_rng(dim).normal(size=(3, 19, dim)).astype(np.float32))
+    signs, rnorm = qe.qjl_encode_reference(r, sketch._st)
+    want_signs, want_rnorm = sketch.sketch(r)
+    assert mx.array_equal(signs, want_signs) and mx.array_equal(rnorm, want_rnorm)
+
+
+def _two_segment_view(preset, hkv, d, seed=0):
+    """A view with a read-only prefix, a private tail and (from the last chunk) a window."""
+    mx.random.seed(seed)
+    k, v = mx.random.normal((1, hkv, 330, d)), mx.random.normal((1, hkv, 330, d))
+    parent = TurboQuantCache(preset, layer=2)
+    parent.update_and_fetch(k[:, :, :200], v[:, :, :200])
+    child = parent.fork()
+    child.update_and_fetch(k[:, :, 200:300], v[:, :, 200:300])
+    view, _ = child.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
+    assert len(view.segments) == 2 and view.window is not None
+    return view
+
+
+@pytest.mark.parametrize("name", list(TURBO))
+@pytest.mark.parametrize("hq_,hkv,lq,d", [(8, 2, 1, 64), (4, 4, 1, 128), (8, 1, 3, 64)])
+def test_fused_attention_path_matches_mlx_path(name, hq_, hkv, lq, d):
+    """compressed_attention with segments through decode_attend (its reference on the CPU, the
+    kernel on a GPU) equals the blocked pure-MLX path."""
+    view = _two_segment_view(kvcache.get_preset(name), hkv, d)
+    q = mx.random.normal((1, hq_, lq, d))
+    mask = "causal" if lq > 1 else None
+    a = compressed_attention(q, view, d ** -0.5, mask=mask, fused=False, block=64)
+    b = compressed_attention(q, view, d ** -0.5, mask=mask, fused=True)
+    err = float(mx.abs(a - b).max() / mx.abs(a).max())
+    assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("name", ["tq3", "tq3+qjl", "rvq2+2"])
+def test_decode_attend_reference_causal_is_dense_softmax(name):
+    """Causal rows against a dense softmax over the codec's own decoded keys and values."""
+    preset = kvcache.get_preset(name)
+    cache = TurboQuantCache(preset, layer=0)
+    mx.random.seed(3)
+    k, v = mx.random.normal((1, 2, 90, 64)), mx.random.normal((1, 2, 90, 64))
+    cache.update_and_fetch(k, v)
+    cache.seal()  # compress the uncompressed window too
+    view = cache.view()
+    seg_k, seg_v, length = view.segments[0]
+    kc, vc = view.key_codec, view.value_codec
+    lq, r = 3, 2
+    q_rot = mx.random.normal((1, 2, r * lq, 64))
+    q_proj = kc.qjl_project(q_rot) if kc.spec.qjl else None
+    causal_base = 40
+    m, l, acc = da.decode_attend_reference(
+        q_rot, seg_k, seg_v, kernel_table(kc), kernel_table(vc), key_bits=kc.spec.bits,
+        key_bits2=kc.spec.bits2, value_bits=vc.spec.bits, scale=0.125, q_proj=q_proj, lq=lq,
+        causal_base=causal_base, block=32)
+    s = q_rot @ kc.decode_rotated(seg_k).swapaxes(-1, -2)
+    if q_proj is not None:
+        s = s + kc.qjl_correction(q_proj, seg_k)
+    s = s * 0.125
+    allowed = mx.arange(length)[None, :] <= causal_base + (mx.arange(r * lq) % lq)[:, None]
+    p = mx.softmax(mx.where(allowed, s, -mx.inf), axis=-1)
+    want = p @ vc.decode_rotated(seg_v)
+    np.testing.assert_allclose(np.array(acc / l), np.array(want), rtol=1e-4, atol=1e-5)
+
+
+def test_split_combine_reference_merges_splits():
+    q, qp, keys, values, kt, vt = random_segment(1, 2, 4, 64, 300, 3, 0, 3, False)
+    kw = dict(key_bits=3, value_bits=3, scale=0.125)
+    whole = da.decode_attend_reference(q, keys, values, kt, vt, **kw)
+    parts = [da.decode_attend_reference(q, {k: a[:, :, lo:hi] for k, a in keys.items()},
+                                        {k: a[:, :, lo:hi] for k, a in values.items()}, kt, vt,
+                                        **kw) for lo, hi in ((0, 100), (100, 250), (250, 300))]
+    stack = [mx.stack([p[i].reshape(2, 4, -1) for p in parts], axis=1) for i in range(3)]
+    m, l, acc = sc.split_combine_reference(stack[0][..., 0], stack[1][..., 0], stack[2])
+    errs = state_errors((m[..., None].reshape(1, 2, 4, 1), l.reshape(1, 2, 4, 1),
+                         acc.reshape(1, 2, 4, 64)), whole)
+    assert errs["out_rel"] < 1e-6 and errs["l_rel"] < 1e-5
+
+
+# --- dispatch on the CPU ------------------------------------------------------------------
+
+def test_public_functions_use_references_on_cpu():
+    if ON_GPU:
+        pytest.skip("CPU dispatch")
+    x = mx.array(_rng().integers(0, 8, size=(4, 40)).astype(np.uint8))
+    assert mx.array_equal(kp.pack(x, 3), packing.pack(x, 3))
+    assert mx.array_equal(kp.unpack(kp.pack(x, 3), 3, 40), x)
+    q, qp, keys, values, kt, vt = random_segment(1, 1, 2, 64, 50, 3, 0, 3, True)
+    kw = dict(key_bits=3, value_bits=3, scale=0.125, q_proj=qp)
+    for a, b in zip(da.decode_attend(q, keys, values, kt, vt, **kw),
+                    da.decode_attend_reference(q, keys, values, kt, vt, **kw)):
+        assert mx.array_equal(a, b)
+
+
+class _Recorder:
+    """An executor that records launches and returns zero outputs."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __call__(self, spec, launch):
+        self.launches.append((spec, launch))
+        return [mx.zeros(s, dtype=d) for s, d in zip(launch.output_shapes, launch.output_dtypes)]
+
+
+def _geometry(launch):
+    (gx, gy, gz), (tx, ty, tz) = launch.grid, launch.threadgroup
+    assert gy == gz == ty == tz == 1 and gx % tx == 0  # MLX's grid counts threads
+    return gx // tx, tx
+
+
+def test_launch_plans():
+    rec = _Recorder()
+    with _prelude.executor(rec):
+        kp.pack(mx.zeros((3, 5, 100), dtype=mx.uint8), 3)  # 15 rows x 12 words
+        hq.hadamard_quantize(mx.zeros((7, 128)), mx.ones((128,)), mx.zeros((15,)))
+        qe.qjl_encode(mx.zeros((9, 64)), mx.zeros((64, 64)))
+        q, qp, keys, values, kt, vt = random_segment(2, 3, 20, 64, 1000, 4, 0, 3, False)
+        m, l, acc = da.decode_attend(q, keys, values, kt, vt, key_bits=4, value_bits=3, scale=1.0)
+    (pk, pl), (hs, hl), (qs, ql) = rec.launches[:3]
+    assert _geometry(pl) == (1, 256) and pl.output_shapes == [(15, 12)]
+    assert _geometry(hl) == (7, 128) and hl.output_shapes == [(7, 16), (7,)]
+    assert _geometry(ql) == (9, 64) and ql.output_shapes == [(9, 2), (9,)]
+    # decode_attend: 20 rows > max_rows(64) = 16 -> two launches (16 + 4 rows), each + combine.
+    names = [s.name for s, _ in rec.launches[3:]]
+    assert names == ["lc_decode_attend", "lc_split_combine"] * 2
+    main = [lt for s, lt in rec.launches[3:] if s.name == "lc_decode_attend"]
+    for launch, rows in zip(main, (16, 4)):
+        groups_, threads = _geometry(launch)
+        t = dict(launch.template)
+        chunk, splits = int(launch.inputs[-1][1]), int(launch.inputs[-1][3])
+        assert threads == da.NT and groups_ == 2 * 3 * splits and t["R"] == rows
+        assert chunk % da.NT == 0 and (splits - 1) * chunk < 1000 <= splits * chunk
+        assert t["DPT"] * t["BV"] <= 32 and t["DPT"] * rows <= 32
+    assert m.shape == (2, 3, 20, 1) and acc.shape == (2, 3, 20, 64)
+    assert not da._SPEC.row_contiguous  # slices of the cache's tail are read in place
+
+
+def test_shape_errors():
+    q, qp, keys, values, kt, vt = random_segment(1, 2, 4, 64, 30, 3, 0, 3, False)
+    with pytest.raises(ValueError, match="keys"):
+        da.decode_attend(q, keys, values, kt, vt, key_bits=4, value_bits=3, scale=1.0)
+    with pytest.raises(ValueError, match="tables"):
+        da.decode_attend(q, keys, values, vt[:4], vt, key_bits=3, value_bits=3, scale=1.0)
+    with pytest.raises(ValueError):
+        kp.unpack(mx.zeros((2, 5), dtype=mx.uint32), 3, 64)
+
+
+# --- kernels vs references on the GPU ----------------------------------------------------------
+
+@gpu
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n", [1, 17, 128, 4095])
+def test_gpu_pack_unpack(bits, n):
+    x = mx.array(_rng(n).integers(0, 1 << bits, size=(33, n)).astype(np.uint8))
+    words = kp.pack(x, bits)
+    assert mx.array_equal(words, kp.pack_reference(x, bits))
+    assert mx.array_equal(kp.unpack(words, bits, n), x)
+
+
+@gpu
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_gpu_scalar_quantize(bits):
+    cents, bounds = as_mx(lloyd_max(128, bits))
+    x = mx.array(_rng(bits).normal(size=(4095, 17)).astype(np.float32) * 0.1)
+    idx = sq.quantize(x, bounds)
+    assert mx.array_equal(idx, sq.quantize_reference(x, bounds))
+    assert mx.array_equal(sq.dequantize(idx, cents), sq.dequantize_reference(idx, cents))
+
+
+def _assert_fp16_close(got, want):
+    """fp16 norms: equal, or one fp16 step apart (the fp32 sum of squares associates differently
+    in the kernel, which can move the value across an fp16 rounding boundary)."""
+    a, b = (np.array(x).astype(np.float16).view(np.int16).astype(np.int32) for x in (got, want))
+    assert np.abs(a - b).max() <= 1 and (a != b).mean() < 0.01
+
+
+@gpu
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_gpu_hadamard_quantize(dim, bits):
+    codec = VectorCodec(dim, QuantSpec(bits), seed=7)
+    bounds = as_mx(codec.codebook)[1]
+    x = mx.array(_rng(dim).normal(size=(4095, dim)).astype(np.float32))
+    idx, norm = hq.hadamard_quantize(x, codec.rotation.signs, bounds)
+    ref_idx, ref_norm = hq.hadamard_quantize_reference(x, codec.rotation.signs, bounds)
+    _assert_fp16_close(norm, ref_norm)
+    got, want = (np.array(kp.unpack_reference(i, bits, dim)) for i in (idx, ref_idx))
+    y = np.array(codec.rotation.forward(x / mx.linalg.norm(x, axis=-1, keepdims=True)))
+    gap = np.abs(y[..., None] - np.array(bounds)).min(axis=-1)  # distance to nearest boundary
+    assert np.all(gap[got != want] < 1e-5), "a code differs away from a cell boundary"
+    assert (got != want).mean() < 1e-4
+
+
+@gpu
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_gpu_qjl_encode(dim):
+    sketch = QJLSketch(dim, seed=9)
+    r = mx.array(_rng(dim).normal(size=(4095, dim)).astype(np.float32) * 0.1)
+    signs, rnorm = qe.qjl_encode(r, sketch._st)
+    ref_signs, ref_rnorm = qe.qjl_encode_reference(r, sketch._st)
+    _assert_fp16_close(rnorm, ref_rnorm)
+    got, want = (np.array(kp.unpack_reference(s, 1, sketch.m)) for s in (signs, ref_signs))
+    dots = np.abs(np.array(r @ sketch._st))
+    assert np.all(dots[got != want] < 1e-5), "a sign differs away from zero"
+
+
+def _gpu_decode_case(name, p, gqa, length, lq=1, causal_base=None, capacity=None, seed=0):
+    b1, b2, qjl, bv = preset_bits(name)
+    q, qp, keys, values, kt, vt = random_segment(1, 8, gqa * lq, p,
+                                                  length, b1, b2, bv, qjl, seed=seed,
+                                                  capacity=capacity)
+    kw = dict(key_bits=b1, key_bits2=b2, value_bits=bv, scale=p ** -0.5, q_proj=qp, lq=lq,
+              causal_base=causal_base)
+    out = da.decode_attend(q, keys, values, kt, vt, **kw)
+    ref = da.decode_attend_reference(q, keys, values, kt, vt, **kw)
+    errs = state_errors(out, ref)
+    assert errs["finite"] and errs["unseen_ok"], errs
+    assert errs["out_rel"] < 2e-5 and errs["l_rel"] < 1e-4 and errs["m_abs"] < 1e-4, errs
+
+
+@gpu
+@pytest.mark.parametrize("name", list(TURBO))
+@pytest.mark.parametrize("p", [64, 128, 256])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+def test_gpu_decode_attend(name, p, gqa):
+    for length in (1, 17, 4095):  # one kernel variant (compile) per test, three lengths
+        _gpu_decode_case(name, p, gqa, length, seed=length)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["tq4", "tq3", "tq3+qjl", "rvq2+2"])
+@pytest.mark.parametrize("gqa", [4, 8])
+@pytest.mark.parametrize("length", [32768, 131072])
+def test_gpu_decode_attend_long(name, gqa, length):
+    _gpu_decode_case(name, 128, gqa, length)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["tq4", "tq3+qjl", "rvq2+2"])
+def test_gpu_decode_attend_causal_and_strided(name):
+    """Lq = 3 with keys masked per row (whole splits masked), read in place from tail slices."""
+    _gpu_decode_case(name, 128, 4, 3000, lq=3, causal_base=900, capacity=3328)
+    _gpu_decode_case(name, 64, 8, 517, lq=2, causal_base=-1, capacity=768)  # a row sees nothing
+
+
+@gpu
+@pytest.mark.parametrize("name", list(TURBO))
+def test_gpu_fused_attention_end_to_end(name):
+    view = _two_segment_view(kvcache.get_preset(name), 8, 128, seed=4)
+    q = mx.random.normal((1, 32, 1, 128))
+    a = compressed_attention(q, view, 128 ** -0.5, fused=False)
+    b = compressed_attention(q, view, 128 ** -0.5)  # auto: fused on a GPU
+    assert float(mx.abs(a - b).max() / mx.abs(a).max()) < 1e-4
+
+
+def test_kernel_tables_are_codec_values():
+    """The fused kernel's tables decode exactly what VectorCodec.decode_rotated decodes."""
+    for spec in (QuantSpec(3), QuantSpec(2, bits2=2)):
+        codec = VectorCodec(64, spec, seed=1)
+        x = mx.array(_rng().normal(size=(5, 64)).astype(np.float32))
+        enc = codec.encode(x)
+        codes = kp.unpack_reference(enc["idx"], spec.bits, 64).astype(mx.uint32)
+        if spec.bits2:
+            codes = (codes << spec.bits2) | kp.unpack_reference(enc["idx2"], spec.bits2, 64)
+        got = mx.take(kernel_table(codec), codes) * enc["norm"].astype(mx.float32)[:, None]
+        assert mx.array_equal(got, codec.decode_rotated(enc))
+    kt, _ = tables(64, 2, 2, 3)
+    assert kt.shape == (16,) and math.isfinite(float(kt.sum()))

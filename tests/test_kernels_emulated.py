@@ -1,0 +1,139 @@
+"""The kernel bodies themselves, run on the CPU by an emulator, and compiled with nvcc (opt-in).
+
+Set LONGCTX_KERNEL_EMU=1 to run (g++ needed; each kernel variant compiles in ~2 s, so this is
+a development check, not CI). With nvcc on the PATH the exact sources MLX would hand NVRTC are
+also compiled for sm_90 and must not spill registers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from kernel_cases import preset_bits, random_segment, state_errors
+
+from longctx.kernels import _prelude
+from longctx.kernels import decode_attend as da
+from longctx.kernels import hadamard_quant as hq
+from longctx.kernels import pack as kp
+from longctx.kernels import qjl_encode as qe
+from longctx.kernels import scalar_quant as sq
+from longctx.quant.codebooks import as_mx, lloyd_max
+from longctx.quant.codec import QuantSpec, VectorCodec
+from longctx.quant.qjl import QJLSketch
+
+kernel_emu = pytest.importorskip("kernel_emu")
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("LONGCTX_KERNEL_EMU") != "1" or not kernel_emu.available(),
+    reason="opt-in: LONGCTX_KERNEL_EMU=1 and g++")
+
+
+@pytest.fixture
+def emulated():
+    with _prelude.executor(kernel_emu.emulator()):
+        yield
+
+
+def test_pack_unpack(emulated):
+    rng = np.random.default_rng(0)
+    for bits in (1, 2, 3, 5, 8):
+        x = mx.array(rng.integers(0, 1 << bits, size=(5, 100)).astype(np.uint8))
+        words = kp.pack(x, bits)
+        assert mx.array_equal(words, kp.pack_reference(x, bits))
+        assert mx.array_equal(kp.unpack(words, bits, 100), x)
+
+
+def test_scalar(emulated):
+    for bits in (2, 4, 6):
+        cents, bounds = as_mx(lloyd_max(128, bits))
+        x = mx.array(np.random.default_rng(bits).normal(size=(3, 77)).astype(np.float32) * 0.1)
+        idx = sq.quantize(x, bounds)
+        assert mx.array_equal(idx, sq.quantize_reference(x, bounds))
+        assert mx.array_equal(sq.dequantize(idx, cents), sq.dequantize_reference(idx, cents))
+
+
+@pytest.mark.parametrize("dim,bits", [(64, 3), (128, 4), (256, 2)])
+def test_hadamard_quantize(emulated, dim, bits):
+    codec = VectorCodec(dim, QuantSpec(bits), seed=3)
+    x = mx.array(np.random.default_rng(dim).normal(size=(6, dim)).astype(np.float32))
+    idx, norm = hq.hadamard_quantize(x, codec.rotation.signs, as_mx(codec.codebook)[1])
+    enc = codec.encode(x)
+    assert mx.array_equal(norm, enc["norm"])
+    assert mx.array_equal(idx, enc["idx"])  # a boundary tie is possible in principle, not here
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_qjl_encode(emulated, dim):
+    sketch = QJLSketch(dim, 5)
+    r = mx.array(np.random.default_rng(dim).normal(size=(5, dim)).astype(np.float32))
+    signs, rnorm = qe.qjl_encode(r, sketch._st)
+    want = sketch.sketch(r)
+    assert mx.array_equal(signs, want[0]) and mx.array_equal(rnorm, want[1])
+
+
+CASES = [  # B, H, R, P, L, preset, lq, causal_base, target_groups, kpt
+    (1, 2, 4, 128, 300, "tq4", 1, None, None, 0),
+    (1, 1, 3, 64, 200, "tq3+qjl", 1, None, None, 0),
+    (2, 2, 8, 64, 130, "rvq2+2", 2, None, None, 0),
+    (1, 2, 6, 128, 260, "tq3", 3, 250, None, 0),
+    (1, 1, 20, 64, 129, "tq4k3v", 4, None, None, 0),  # 20 rows: two launches
+    (1, 1, 2, 256, 150, "tq4", 1, None, None, 0),
+    (1, 2, 4, 128, 1000, "tq4", 1, None, 2, 0),  # chunks of several tiles: rescaling
+    (1, 2, 4, 128, 1000, "tq3+qjl", 1, None, 2, 2),
+    (1, 1, 6, 64, 700, "rvq2+2", 3, 40, 3, 0),  # later splits fully masked
+    (1, 1, 4, 64, 300, "tq4", 2, -1, None, 1),  # row 0 of each head sees nothing
+    (1, 2, 4, 128, 300, "tq5k4v", 1, None, None, 0),  # 5-bit keys straddle words
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[5]}-P{c[3]}-R{c[2]}-L{c[4]}")
+def test_decode_attend(emulated, monkeypatch, case):
+    B, H, R, P, L, name, lq, causal_base, target, kpt = case
+    b1, b2, qjl, bv = preset_bits(name)
+    q, qp, keys, values, kt, vt = random_segment(B, H, R, P, L, b1, b2, bv, qjl, seed=L)
+    if target:
+        monkeypatch.setattr(da, "TARGET_GROUPS", target)
+    monkeypatch.setattr(da, "KPT", kpt)
+    kw = dict(key_bits=b1, key_bits2=b2, value_bits=bv, scale=P ** -0.5, q_proj=qp, lq=lq,
+              causal_base=causal_base)
+    errs = state_errors(da.decode_attend(q, keys, values, kt, vt, **kw),
+                        da.decode_attend_reference(q, keys, values, kt, vt, **kw))
+    assert errs["finite"] and errs["unseen_ok"], errs
+    assert errs["out_rel"] < 1e-5 and errs["l_rel"] < 1e-5 and errs["m_abs"] < 1e-5, errs
+
+
+class _Capture:
+    def __init__(self):
+        self.launches = {}
+
+    def __call__(self, spec, launch):
+        self.launches[(spec.name, tuple(launch.template))] = (spec, launch)
+        return [mx.zeros(s, dtype=d) for s, d in zip(launch.output_shapes, launch.output_dtypes)]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_cuda_sources_compile_without_spills():
+    cap = _Capture()
+    with _prelude.executor(cap):
+        kp.pack(mx.zeros((4, 128), dtype=mx.uint8), 3)
+        kp.unpack(mx.zeros((4, 12), dtype=mx.uint32), 3, 128)
+        sq.quantize(mx.zeros((10,)), mx.zeros((15,)))
+        sq.quantize(mx.zeros((10,)), mx.zeros((63,)))
+        sq.dequantize(mx.zeros((10,), dtype=mx.uint8), mx.zeros((16,)))
+        hq.hadamard_quantize(mx.zeros((4, 256)), mx.ones((256,)), mx.zeros((15,)))
+        qe.qjl_encode(mx.zeros((4, 128)), mx.zeros((128, 128)))
+        for name in ("tq4", "tq3+qjl", "rvq2+2"):
+            for p, r in ((128, 4), (128, 8), (64, 16), (256, 4)):
+                b1, b2, qjl, bv = preset_bits(name)
+                q, qp, keys, values, kt, vt = random_segment(1, 1, r, p, 40, b1, b2, bv, qjl)
+                da.decode_attend(q, keys, values, kt, vt, key_bits=b1, key_bits2=b2,
+                                 value_bits=bv, scale=0.1, q_proj=qp, causal_base=7)
+    for (name, template), (spec, launch) in cap.launches.items():
+        report = kernel_emu.nvcc_check(spec, launch)
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+        assert spills and all(a == "0" and b == "0" for a, b in spills), (name, template, report)
