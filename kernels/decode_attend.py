@@ -24,9 +24,9 @@ Thread plan (GPU). The dispatcher pre-multiplies q (and q_proj) by scale * log2(
 works in base 2 (exp2). Grid: one threadgroup of NT = 128 threads per (b, h, split); a split is a
 chunk of keys (a multiple of 128; chosen so about TARGET_GROUPS threadgroups cover the sequence). A
 threadgroup stages its rows' q (transposed, [d][row]) and the two tables in threadgroup memory and
-walks its chunk in tiles of 128 keys:
+walks its chunk in tiles of NT * KPT keys:
   1. scores: thread t owns keys t + j * 128 (j < KPT) of the tile: it reads each key's packed
-     words (whole rows through 16-byte loads when they fit in 32 registers), decodes 32 codes
+     words (optionally whole rows through 16-byte loads, VECTOR_ROWS), decodes 32 codes
      per group with compile-time shifts (a 3-bit code may straddle two words), looks each code up
      in the table and accumulates R dot products (q read as a broadcast from threadgroup memory);
      then norm, QJL term, causal mask.
@@ -40,6 +40,13 @@ Two barriers per tile. At the end the G groups' accumulators are summed through 
 and each split writes (m, l, acc) partials; `split_combine` merges the splits (a second kernel).
 Limits: P in 32/64/128/256; rows per launch <= min(16, 1024 / max(P, M)) (more rows are split
 into several launches); b1 + b2 <= 8, bv <= 8.
+
+Measured (H200, MLX 0.32.4 CUDA, Llama-3.1-8B shapes, 128k, tq4; benchmarks/results/attend_h200*):
+the kernel takes ~0.2 ms where its 138 MB of packed cache would take ~0.03 ms at copy bandwidth.
+ncu: ~79M warp instructions (~20 per key-dim pair for K and V together: unpack, table lookup and
+q / weight reads from threadgroup memory, 4 FMAs, 64-bit strided addressing), issued at ~1.6 per
+SM-cycle; 128 registers cap occupancy at 25%, and half the stall cycles wait on the per-thread key
+row loads (L1TEX scoreboard). DRAM ran at 15% of peak: this kernel is issue/latency bound.
 """
 
 from __future__ import annotations
@@ -54,8 +61,13 @@ from .split_combine import split_combine
 
 LOG2E = 1.4426950408889634
 NT = 128  # threads per threadgroup = keys per tile
-TARGET_GROUPS = 1024  # threadgroups per launch to aim for (132 SMs on an H200; see the sweep)
-KPT = 0  # keys per thread in the score phase; 0: `_kpt(rows)` (a knob for benchmarks)
+# Launch knobs. Defaults = the fastest of the 18 configurations benchmarks/attend.py swept on an
+# H200 at 128k, tq4, 4 rows (results/attend_h200.json "sweep"): 512 groups, KPT 4, scalar loads
+# 0.213 ms per pipelined step; 16-byte row loads with KPT 1 0.215; with KPT 2 (142 registers,
+# 17% occupancy) 0.305, the slowest.
+TARGET_GROUPS = 512  # threadgroups per launch to aim for (132 SMs on an H200)
+KPT = 0  # keys per thread in the score phase; 0: `_kpt(rows)`
+VECTOR_ROWS = False  # whole key rows through 16-byte loads where they fit in 32 registers
 
 _SPEC = KernelSpec(
     name="lc_decode_attend",
@@ -72,7 +84,7 @@ _SPEC = KernelSpec(
   constexpr int WK = B1 * P / 32;   // words of a key's stage-1 row
   constexpr int WK2 = B2X * P / 32;
   // Whole key rows in registers through 16-byte loads, when they fit (<= 32 words per thread).
-  constexpr bool VROW = (WK % 4 == 0) && (B2 == 0 || WK2 % 4 == 0)
+  constexpr bool VROW = VEC && (WK % 4 == 0) && (B2 == 0 || WK2 % 4 == 0)
                         && (WK + (B2 > 0 ? WK2 : 0)) * KPT <= 32;
   constexpr uint32_t MASK1 = (1u << B1) - 1u;
   constexpr uint32_t MASK2 = (1u << B2X) - 1u;
@@ -397,9 +409,8 @@ def _dpt(p: int, rows: int, value_bits: int) -> int | None:
 
 
 def _kpt(rows: int) -> int:
-    """Keys per thread in the score phase: each q read serves KPT keys; <= 8 score registers
-    (KPT 4 took 128 registers per thread on an H200: 25% occupancy)."""
-    return max(1, min(2, 8 // rows))
+    """Keys per thread in the score phase: each q read serves KPT keys; <= 16 score registers."""
+    return max(1, min(4, 16 // rows))
 
 
 def max_rows(p: int, m_qjl: int = 0) -> int:
@@ -532,7 +543,8 @@ def _launch(q, qp, keys, values, key_table, value_table, key_bits, key_bits2, va
     template = [("P", P), ("R", R), ("LQ", lq), ("B1", key_bits), ("B2", key_bits2),
                 ("BV", value_bits), ("QJL", int(qp is not None)), ("M", m_qjl),
                 ("CAUSAL", int(causal_base is not None)), ("NT", NT),
-                ("DPT", _dpt(P, R, value_bits)), ("KPT", KPT if KPT else _kpt(R))]
+                ("DPT", _dpt(P, R, value_bits)), ("KPT", KPT if KPT else _kpt(R)),
+                ("VEC", int(VECTOR_ROWS))]
     n = B * H * splits
     m_p, l_p, acc_p = run(_SPEC, Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
                                         [(B * H, splits, R), (B * H, splits, R),

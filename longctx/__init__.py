@@ -1,9 +1,13 @@
 """longctx: long-document question answering over a compressed, cached KV prefix."""
 
+import os
+
 from longctx.runtime.blas import preload_openblas
 
 # Must run before anything imports mlx: loads OpenBLAS so MLX's CPU matmuls use it.
 BLAS_STATUS = preload_openblas()
+# fp32 matmuls (rotated scores, QJL projections) stay fp32 on CUDA instead of MLX's default TF32.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 __version__ = "0.1.0"
 

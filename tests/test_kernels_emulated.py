@@ -107,6 +107,19 @@ def test_decode_attend(emulated, monkeypatch, case):
     assert errs["out_rel"] < 1e-5 and errs["l_rel"] < 1e-5 and errs["m_abs"] < 1e-5, errs
 
 
+@pytest.mark.parametrize("name,kpt", [("tq4", 2), ("rvq2+2", 1), ("tq3", 1)])
+def test_decode_attend_vector_rows(emulated, monkeypatch, name, kpt):
+    """The optional 16-byte whole-row key loads (off by default) compute the same state."""
+    b1, b2, qjl, bv = preset_bits(name)
+    q, qp, keys, values, kt, vt = random_segment(1, 2, 4, 128, 300, b1, b2, bv, qjl, seed=1)
+    monkeypatch.setattr(da, "VECTOR_ROWS", True)
+    monkeypatch.setattr(da, "KPT", kpt)
+    kw = dict(key_bits=b1, key_bits2=b2, value_bits=bv, scale=0.1, q_proj=qp)
+    errs = state_errors(da.decode_attend(q, keys, values, kt, vt, **kw),
+                        da.decode_attend_reference(q, keys, values, kt, vt, **kw))
+    assert errs["finite"] and errs["out_rel"] < 1e-5 and errs["l_rel"] < 1e-5, errs
+
+
 class _Capture:
     def __init__(self):
         self.launches = {}

@@ -1,0 +1,261 @@
+"""One decode step of attention over a long cache: fp16 SDPA vs quantized caches vs the fused kernel.
+
+Llama-3.1-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, batch 1, one query token)
+at S = 4k, 8k, 32k, 128k cached tokens. Methods, all measured in one run:
+
+- fp16_sdpa:        mx.fast.scaled_dot_product_attention on fp16 K/V;
+- mlxlm_qsdpa_a8/a4: mlx-lm's quantized_scaled_dot_product_attention (affine, group 64);
+- dequant_sdpa_a8/a4: mx.dequantize of the affine cache, then SDPA;
+- dequant_sdpa_tq4/tq3: our cache decoded to fp16 (rotated frame), SDPA, rotated back;
+- fused_tq4/tq3/...: `compressed_attention` on the GPU: rotate q, the fused decode-attend kernel
+  over the packed cache, split merge, rotate back, add the value mean (the whole step);
+- kernel_tq4/tq3: the two kernels alone (decode_attend + split_combine) on a rotated query.
+
+Timing: `sync` is the median wall time of a step followed by mx.eval (what the anchors in
+shared/ANCHORS.md report; ~0.1 ms is the floor there); `pipelined` is the time per step of 30
+steps issued back to back with mx.async_eval and one final eval (a decode loop's steady state).
+GB/s counts the bytes of the cache representation the method reads (fp16 K/V, packed words +
+norms, affine words + scales + biases), not what a method writes in between. A knob sweep
+(threadgroups per launch, keys per thread) runs at 128k for tq4.
+
+Usage: python benchmarks/attend.py [--lengths 4096 8192 32768 131072] [--name attend_h200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write  # noqa: E402  (imports longctx first: OpenBLAS before mlx)
+
+import mlx.core as mx  # noqa: E402
+
+from longctx.kernels import _prelude  # noqa: E402
+from longctx.kernels import decode_attend as da  # noqa: E402
+from longctx.kvcache.attention import compressed_attention, kernel_table  # noqa: E402
+from longctx.kvcache.presets import get_preset  # noqa: E402
+from longctx.kvcache.turbo import CompressedKV, codecs_for  # noqa: E402
+
+HQ, HKV, D, B = 32, 8, 128, 1
+TQ = ("tq4", "tq3", "tq3+qjl", "rvq2+2")
+PEAK_GBS = 4800.0
+ANCHORS_MS = {"fp16_sdpa": {4096: 0.102, 8192: 0.095, 32768: 0.130, 131072: 0.221},
+              "mlxlm_qsdpa_a8": {4096: 0.186, 8192: 0.208, 32768: 0.585, 131072: 2.453},
+              "mlxlm_qsdpa_a4": {4096: 0.194, 8192: 0.345, 32768: 0.816, 131072: 2.974},
+              "dequant_sdpa_a8": {4096: 0.148, 8192: 0.163, 32768: 0.391, 131072: 1.303},
+              "dequant_sdpa_a4": {4096: 0.117, 8192: 0.151, 32768: 0.339, 131072: 0.908}}
+
+
+def sync_ms(fn, warmup=10, iters=60) -> float:
+    for _ in range(warmup):
+        mx.eval(fn())
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def pipelined_ms(fn, steps=30, reps=7) -> float:
+    def burst():
+        outs = []
+        t = time.perf_counter()
+        for _ in range(steps):
+            o = fn()
+            mx.async_eval(o)
+            outs.append(o)
+        mx.eval(outs)
+        return (time.perf_counter() - t) / steps
+
+    burst()
+    return 1e3 * statistics.median(burst() for _ in range(reps))
+
+
+def nbytes(arrays) -> int:
+    return sum(a.nbytes for a in arrays)
+
+
+def setup(s: int, seed: int = 0, presets=TQ, affine=True) -> dict:
+    """Random fp16 K/V, their affine and TurboQuant encodings, one query."""
+    mx.random.seed(seed)
+    k = mx.random.normal((B, HKV, s, D)).astype(mx.float16)
+    v = mx.random.normal((B, HKV, s, D)).astype(mx.float16)
+    q = mx.random.normal((B, HQ, 1, D)).astype(mx.float16)
+    env = {"q": q, "k": k, "v": v}
+    for bits in (8, 4) if affine else ():
+        env[f"a{bits}"] = (mx.quantize(k, group_size=64, bits=bits),
+                           mx.quantize(v, group_size=64, bits=bits))
+    for name in presets:
+        kc, vc = codecs_for(get_preset(name), D, layer=0)
+        view = CompressedKV(kc, vc, ((kc.encode(k), vc.encode(v), s),), s,
+                            mx.zeros((B, HKV, 1, D), dtype=mx.float32))
+        env[name] = view
+    mx.eval([q, k, v] + [env[a] for a in ("a8", "a4") if a in env]
+            + [list(env[n].segments[0][i].values()) for n in presets for i in (0, 1)])
+    return env
+
+
+def methods(env: dict, s: int) -> dict:
+    """name -> (step function, bytes of cache read)."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention as qsdpa
+
+    q, k, v = env["q"], env["k"], env["v"]
+    scale = D ** -0.5
+    out = {"fp16_sdpa": (lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
+                         k.nbytes + v.nbytes)}
+    for bits in (8, 4):
+        qk, qv = env[f"a{bits}"]
+        out[f"mlxlm_qsdpa_a{bits}"] = (
+            # mlx-lm scales its queries in place (queries *= scale): give it a fresh array.
+            lambda qk=qk, qv=qv, bits=bits: qsdpa(q * 1.0, qk, qv, scale, None, 64, bits),
+            nbytes(qk) + nbytes(qv))
+        out[f"dequant_sdpa_a{bits}"] = (
+            lambda qk=qk, qv=qv, bits=bits: mx.fast.scaled_dot_product_attention(
+                q, mx.dequantize(*qk, group_size=64, bits=bits),
+                mx.dequantize(*qv, group_size=64, bits=bits), scale=scale),
+            nbytes(qk) + nbytes(qv))
+    for name in TQ:
+        view = env[name]
+        seg_k, seg_v, _ = view.segments[0]
+        cache_bytes = nbytes(seg_k.values()) + nbytes(seg_v.values())
+        out[f"fused_{name}"] = (lambda view=view: compressed_attention(q, view, scale),
+                                cache_bytes)
+        if name in ("tq4", "tq3"):
+            out[f"dequant_sdpa_{name}"] = (lambda view=view: _dequant_sdpa(q, view, scale),
+                                           cache_bytes)
+            out[f"kernel_{name}"] = (_kernel_only(q, view, scale), cache_bytes)
+    return out
+
+
+def _dequant_sdpa(q, view, scale):
+    """Decode the whole cache to fp16 in the rotated frames, SDPA, rotate back."""
+    kc, vc = view.key_codec, view.value_codec
+    seg_k, seg_v, _ = view.segments[0]
+    q_rot = kc.rotate(q).astype(mx.float16)
+    k_hat = kc.decode_rotated(seg_k).astype(mx.float16)
+    v_hat = vc.decode_rotated(seg_v).astype(mx.float16)
+    o = mx.fast.scaled_dot_product_attention(q_rot, k_hat, v_hat, scale=scale)
+    return vc.unrotate(o)
+
+
+def _kernel_only(q, view, scale):
+    kc, vc = view.key_codec, view.value_codec
+    seg_k, seg_v, _ = view.segments[0]
+    q_rot = kc.rotate(q.astype(mx.float32)).reshape(B, HKV, HQ // HKV, kc.padded_dim)
+    mx.eval(q_rot)
+    kt, vt = kernel_table(kc), kernel_table(vc)
+    kw = dict(key_bits=kc.spec.bits, value_bits=vc.spec.bits, scale=scale)
+    return lambda: da.decode_attend(q_rot, seg_k, seg_v, kt, vt, **kw)
+
+
+def check(env) -> float:
+    """Max relative difference of the fused step vs the pure-MLX path on the same cache."""
+    view = env["tq4"]
+    a = compressed_attention(env["q"], view, D ** -0.5, fused=True)
+    b = compressed_attention(env["q"], view, D ** -0.5, fused=False)
+    return float(mx.abs(a - b).max() / mx.abs(b).max())
+
+
+def sweep(env, scale=D ** -0.5) -> list:
+    """Kernel-only time at this length for a few launch shapes (tq4)."""
+    rows = []
+    fn = _kernel_only(env["q"], env["tq4"], scale)
+    saved = da.TARGET_GROUPS, da.KPT, da.VECTOR_ROWS
+    try:
+        for vec in (True, False):
+            for kpt in (1, 2, 4):
+                for groups in (512, 1024, 2048):
+                    da.TARGET_GROUPS, da.KPT, da.VECTOR_ROWS = groups, kpt, vec
+                    rows.append({"vector_rows": vec, "kpt": kpt, "target_groups": groups,
+                                 "pipelined_ms": pipelined_ms(fn, steps=20, reps=5)})
+                    print("sweep", rows[-1], flush=True)
+    finally:
+        da.TARGET_GROUPS, da.KPT, da.VECTOR_ROWS = saved
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 32768, 131072])
+    ap.add_argument("--name", default=None, help="results file name (default attend_<backend>)")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="only run the tq4 kernels at the largest length (for ncu), no output")
+    args = ap.parse_args()
+    backend = _prelude.backend()
+    if args.profile:
+        env = setup(max(args.lengths), presets=("tq4",), affine=False)
+        fn = _kernel_only(env["q"], env["tq4"], D ** -0.5)
+        for _ in range(8):
+            mx.eval(fn())
+        return
+    rows, sweeps, checks = [], {}, {}
+    for s in args.lengths:
+        env = setup(s)
+        checks[s] = check(env)
+        for name, (fn, cache_bytes) in methods(env, s).items():
+            t_sync, t_pipe = sync_ms(fn), pipelined_ms(fn)
+            rows.append({"S": s, "method": name, "sync_ms": t_sync, "pipelined_ms": t_pipe,
+                         "cache_bytes": cache_bytes,
+                         "gbs_sync": cache_bytes / t_sync / 1e6,
+                         "gbs_pipelined": cache_bytes / t_pipe / 1e6,
+                         "anchor_ms": ANCHORS_MS.get(name, {}).get(s)})
+            r = rows[-1]
+            print(f"S={s:>6} {name:<20} sync {t_sync:7.3f} ms  pipelined {t_pipe:7.3f} ms  "
+                  f"{r['gbs_pipelined']:7.0f} GB/s ({100 * r['gbs_pipelined'] / PEAK_GBS:4.1f}% "
+                  f"of {PEAK_GBS:.0f})", flush=True)
+        if s == max(args.lengths) and not args.no_sweep and backend != "cpu":
+            sweeps[s] = sweep(env)
+        del env
+    ratios = _ratios(rows)
+    _table(rows, ratios)
+    path = write(args.name or f"attend_{backend}", {
+        "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "batch": B, "query_tokens": 1},
+        "kernel_backend": backend, "peak_gbs": PEAK_GBS, "rows": rows, "ratios": ratios,
+        "fused_vs_mlx_path_max_rel_diff": checks, "sweep": sweeps,
+        "knobs": {"TARGET_GROUPS": da.TARGET_GROUPS, "NT": da.NT, "KPT": da.KPT or "auto",
+                  "VECTOR_ROWS": da.VECTOR_ROWS}})
+    print(f"wrote {path}")
+
+
+def _ratios(rows) -> list:
+    """Speedups of the fused step over the other methods, measured in this run."""
+    t = {(r["S"], r["method"]): r for r in rows}
+    out = []
+    for (s, name), r in t.items():
+        if not name.startswith("fused_tq"):
+            continue
+        for other, target in (("fp16_sdpa", 2.0), ("mlxlm_qsdpa_a8", 5.0), ("mlxlm_qsdpa_a4", 5.0),
+                              ("dequant_sdpa_a8", 1.5), ("dequant_sdpa_a4", 1.5),
+                              (f"dequant_sdpa_{name[6:]}", 1.5)):
+            if (s, other) not in t:
+                continue
+            for mode in ("sync_ms", "pipelined_ms"):
+                out.append({"S": s, "fused": name, "vs": other, "mode": mode[:-3],
+                            "speedup": t[(s, other)][mode] / r[mode], "target": target})
+    return out
+
+
+def _table(rows, ratios) -> None:
+    print("\n| S | method | sync ms | pipelined ms | GB/s (pipelined) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['S']} | {r['method']} | {r['sync_ms']:.3f} | {r['pipelined_ms']:.3f} | "
+              f"{r['gbs_pipelined']:.0f} |")
+    print("\n| S | fused | vs | sync speedup | pipelined speedup | target |")
+    print("|---|---|---|---|---|---|")
+    pairs = {}
+    for x in ratios:
+        pairs.setdefault((x["S"], x["fused"], x["vs"], x["target"]), {})[x["mode"]] = x["speedup"]
+    for (s, f, vs, target), v in pairs.items():
+        print(f"| {s} | {f} | {vs} | {v.get('sync', 0):.2f}x | {v.get('pipelined', 0):.2f}x | "
+              f">= {target}x |")
+
+
+if __name__ == "__main__":
+    main()
