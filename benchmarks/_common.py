@@ -52,13 +52,16 @@ def write(name: str, payload: dict) -> Path:
 
 
 def prose(min_chars: int) -> str:
-    """Real, redistributable prose for benchmarks: the sample report and notes, then GPL-3 text."""
+    """Real, redistributable prose for benchmarks: the sample report and notes, the GPL-3 text
+    where the system has it (Debian's common-licenses), then samples/haystack/*.md; repeated only
+    if still shorter than `min_chars`."""
     from longctx.documents import read_document
 
     root = Path(__file__).resolve().parent.parent / "samples"
     parts = [read_document(root / "report.pdf").text, (root / "notes.md").read_text()]
     if GPL3.exists():
         parts.append(GPL3.read_text())
+    parts += [f.read_text() for f in sorted((root / "haystack").glob("*.md"))]
     text = "\n\n".join(parts)
     while len(text) < min_chars:
         text += "\n\n" + "\n\n".join(parts)
