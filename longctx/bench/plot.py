@@ -1,0 +1,68 @@
+"""Depth x length heatmaps of NIAH results, one PNG per preset with the fp16 baseline beside it.
+
+matplotlib is optional (`pip install 'longctx[bench]'`); `heatmaps` raises ImportError without it,
+and callers skip the pictures with a warning.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from longctx.bench.niah import BASELINE, Results
+
+
+def _label(n: int) -> str:
+    return f"{n / 1024:g}k" if n % 256 == 0 else str(n)
+
+
+def heatmaps(results: Results, out_dir: str | Path, stem: str) -> list[Path]:
+    """Write `<stem>_<preset>.png` for every preset that has cells.
+
+    Args:
+        results: a run's results.
+        out_dir: destination folder.
+        stem: file name prefix, e.g. "niah_SmolLM2-135M-Instruct_cpu".
+
+    Returns:
+        the paths written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LinearSegmentedColormap
+
+    cmap = LinearSegmentedColormap.from_list("niah", ["#c0392b", "#f1c40f", "#27ae60"])
+    cmap = cmap.with_extremes(bad="#dddddd")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = results.summary()
+    written = []
+    for preset in results.presets:
+        if preset not in summary:
+            continue
+        panels = [preset] if preset == BASELINE or BASELINE not in summary else [BASELINE, preset]
+        width = max(3.4, 0.8 + 0.6 * len(results.lengths))
+        fig, axes = plt.subplots(1, len(panels), figsize=(0.8 + width * len(panels),
+                                                          1.4 + 0.3 * len(results.depths)),
+                                 squeeze=False, constrained_layout=True)
+        for ax, p in zip(axes[0], panels):
+            grid = [[float("nan") if v is None else v for v in row] for row in results.grid(p)]
+            im = ax.imshow(grid, cmap=cmap, vmin=0, vmax=1, aspect="auto", origin="upper")
+            ax.set_xticks(range(len(results.lengths)), [_label(n) for n in results.lengths])
+            ax.set_yticks(range(len(results.depths)), [f"{d:.0%}" for d in results.depths])
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel("needle depth")
+            s = summary[p]
+            ax.set_title(f"{p}: score {s['score']:.2f}, {s['bits_per_channel']:.2f} bits/ch", fontsize=9)
+            for i, row in enumerate(grid):
+                for j, v in enumerate(row):
+                    if v == v:  # not NaN
+                        ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=6)
+        fig.colorbar(im, ax=list(axes[0]), shrink=0.8, label="score")
+        fig.suptitle(f"NIAH {results.task} - {results.model_id}", fontsize=10)
+        path = out_dir / f"{stem}_{preset}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
