@@ -98,7 +98,7 @@ def plan(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAU
 
 
 def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAULT_PRESET,
-           force: bool = False, password: str | None = None, model_spec_label: str | None = None,
+           force: bool = False, password: str | None = None,
            progress: Progress | None = None, chunk: int = engine.DEFAULT_CHUNK) -> IngestResult:
     """Prefill a document once into a cache and persist it; reuse an identical earlier entry.
 
