@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from pypdf import PageObject, PdfReader, PdfWriter
 from pypdf.errors import DependencyError
-from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject
 
 from longctx.documents import Document, _normalize, read_document
+from pdfs import text_pdf
 from longctx.errors import DocumentError
 
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"
@@ -63,25 +63,7 @@ def _pdf_bytes(writer: PdfWriter) -> bytes:
 
 def _text_pdf(pages: list[str]) -> bytes:
     """A PDF whose pages show the given text in Helvetica ("" gives a text-less page)."""
-    writer = PdfWriter()
-    font = DictionaryObject({NameObject("/Type"): NameObject("/Font"),
-                             NameObject("/Subtype"): NameObject("/Type1"),
-                             NameObject("/BaseFont"): NameObject("/Helvetica")})
-    for text in pages:
-        page = writer.add_blank_page(612, 792)
-        if not text:
-            continue
-        ops = [b"BT /F1 12 Tf 14 TL 72 720 Td"]
-        for line in text.split("\n"):
-            escaped = line.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
-            ops.append(b"(" + escaped.encode("latin-1") + b") Tj T*")
-        ops.append(b"ET")
-        stream = DecodedStreamObject()
-        stream.set_data(b"\n".join(ops))
-        page[NameObject("/Resources")] = DictionaryObject(
-            {NameObject("/Font"): DictionaryObject({NameObject("/F1"): font})})
-        page.replace_contents(stream)
-    return _pdf_bytes(writer)
+    return text_pdf(pages)
 
 
 def _write(tmp_path: Path, name: str, data: bytes) -> Path:

@@ -6,38 +6,15 @@ pypdf in tmp_path.
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 
 import pytest
-from pypdf import PdfWriter
-from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject
 from typer.testing import CliRunner
 
 from longctx.cli import app
+from pdfs import text_pdf
 from longctx.store import Store
-
-
-def _pdf(pages: list[str], password: str | None = None) -> bytes:
-    """A PDF whose pages show the given text in Helvetica ("" gives a page without text)."""
-    writer = PdfWriter()
-    font = DictionaryObject({NameObject("/Type"): NameObject("/Font"),
-                             NameObject("/Subtype"): NameObject("/Type1"),
-                             NameObject("/BaseFont"): NameObject("/Helvetica")})
-    for text in pages:
-        page = writer.add_blank_page(612, 792)
-        if text:
-            stream = DecodedStreamObject()
-            stream.set_data(b"BT /F1 12 Tf 72 720 Td (" + text.encode("latin-1") + b") Tj ET")
-            page[NameObject("/Resources")] = DictionaryObject(
-                {NameObject("/Font"): DictionaryObject({NameObject("/F1"): font})})
-            page.replace_contents(stream)
-    if password:
-        writer.encrypt(password, algorithm="RC4-128")
-    buf = io.BytesIO()
-    writer.write(buf)
-    return buf.getvalue()
 
 
 def _snapshot(home: Path) -> tuple:
@@ -86,9 +63,9 @@ def test_bad_documents(tiny_model, tmp_path, longctx_home, name, data, words):
     if data == "DIR":
         path.mkdir()
     elif data == "ENCRYPTED":
-        path.write_bytes(_pdf([LONG], password="s3cret"))
+        path.write_bytes(text_pdf([LONG], password="s3cret"))
     elif data == "IMAGES":
-        path.write_bytes(_pdf(["", "", ""]))
+        path.write_bytes(text_pdf(["", "", ""]))
     elif data is not None:
         path.write_bytes(data)
     _fails_cleanly(["ingest", path, "--model", tiny_model], longctx_home, *words)
@@ -96,7 +73,7 @@ def test_bad_documents(tiny_model, tmp_path, longctx_home, name, data, words):
 
 def test_encrypted_pdf_with_password_ingests(tiny_model, tmp_path, longctx_home):
     path = tmp_path / "locked.pdf"
-    path.write_bytes(_pdf([LONG], password="s3cret"))
+    path.write_bytes(text_pdf([LONG], password="s3cret"))
     _fails_cleanly(["ingest", path, "--model", tiny_model, "--password", "guess"], longctx_home,
                    "Wrong password")
     result = _invoke(["ingest", path, "--model", tiny_model, "--password", "s3cret"])
@@ -106,7 +83,7 @@ def test_encrypted_pdf_with_password_ingests(tiny_model, tmp_path, longctx_home)
 
 def test_pdf_with_empty_pages_ingests_the_rest_and_warns(tiny_model, tmp_path, longctx_home):
     path = tmp_path / "gaps.pdf"
-    path.write_bytes(_pdf([LONG, "", LONG, ""]))
+    path.write_bytes(text_pdf([LONG, "", LONG, ""]))
     result = _invoke(["ingest", path, "--model", tiny_model])
     assert result.exit_code == 0, result.stderr
     warning = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
