@@ -77,28 +77,37 @@ def _default_gguf() -> Path:
     )
 
 
-def _dir_sha256(path: Path) -> str:
-    """sha256 over the weight files of an mlx-lm directory, cached by (name, size, mtime)."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"No .safetensors weights in {path}; is it an mlx-lm model directory?")
-    stamp = json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+def _stamped_sha256(files: list[Path], compute) -> str:
+    """`compute()`, cached in the data dir by the files' (path, size, mtime): hashing a model's
+    weights on every `ask` would cost 0.1 s per 100 MB."""
+    stamp = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
     cache_file = subdir("models") / "hashes.json"
     try:
         known = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         known = {}
-    key = f"{path.resolve()}|{stamp}"
-    if key not in known:
-        digest = hashlib.sha256()
-        for f in files:
-            digest.update(f.name.encode() + b"\0" + bytes.fromhex(file_sha256(f)))
-        known[key] = digest.hexdigest()
+    if stamp not in known:
+        known[stamp] = compute()
         fd, tmp = tempfile.mkstemp(prefix=".hashes-", dir=cache_file.parent)
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(known))
         os.replace(tmp, cache_file)
-    return known[key]
+    return known[stamp]
+
+
+def _dir_sha256(path: Path) -> str:
+    """sha256 over the weight files of an mlx-lm directory."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"No .safetensors weights in {path}; is it an mlx-lm model directory?")
+
+    def compute() -> str:
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(f.name.encode() + b"\0" + bytes.fromhex(file_sha256(f)))
+        return digest.hexdigest()
+
+    return _stamped_sha256(files, compute)
 
 
 def _tokenizer_sha256(path: Path) -> str:
@@ -125,7 +134,7 @@ def _ref_for_dir(path: Path, spec: str, model_id: str | None = None) -> ModelRef
 
 
 def _import_once(gguf: Path, model_id: str, progress=None) -> Path:
-    sha = file_sha256(gguf)
+    sha = _stamped_sha256([gguf], lambda: file_sha256(gguf))
     out = subdir("models") / f"{model_id}-{sha[:12]}"
     if not (out / "longctx.json").exists():
         if gguf_gemma.architecture(gguf) == "gemma3":
