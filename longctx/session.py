@@ -125,8 +125,8 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
             failpoint("ingest:locked")
             lm = models.load(p.model)
             dims = kvcache.head_dims(lm.model)
-            ratio = bits_per_channel(p.preset, dims[0], len(p.tokens)) / 16
-            store.check_free_space(int(p.estimated_cache_bytes * ratio),
+            bpc = bits_per_channel(p.preset, dims[0], len(p.tokens))
+            store.check_free_space(int(p.estimated_cache_bytes * bpc / 16),
                                    f"the cache of '{p.document.name}'")
             cache = kvcache.make(lm.model, p.preset)
             stats = engine.prefill(lm.model, p.tokens, cache, chunk=chunk, progress=progress)
@@ -145,7 +145,7 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
                 weights_sha256=p.model.weights_sha256, tokenizer_sha256=p.model.tokenizer_sha256,
                 kv_preset=p.preset.name, file=f"{p.entry_id}.safetensors", bytes=0, created=0.0,
                 prefill_seconds=stats.seconds,
-                bits_per_channel=round(bits_per_channel(p.preset, dims[0], len(p.tokens)), 4),
+                bits_per_channel=round(bpc, 4),
             )
             metadata = {
                 "model_id": p.model.model_id, "weights_sha256": p.model.weights_sha256,

@@ -47,18 +47,24 @@ class Preset:
 
 WINDOW = 128
 SINK = 4
+
+
+def _turbo(name: str, description: str, **bits) -> Preset:
+    """A TurboQuant preset with the shared window and sink."""
+    return Preset(name, "turbo", f"TurboQuant: {description}", window=WINDOW, sink=SINK, **bits)
+
+
 PRESETS = {p.name: p for p in (
     Preset("fp16", "fp16", "uncompressed keys and values, half precision"),
     Preset("affine8", "affine", "mlx-lm 8-bit affine quantized cache (group 64)", affine_bits=8),
     Preset("affine4", "affine", "mlx-lm 4-bit affine quantized cache (group 64)", affine_bits=4),
-    Preset("tq4", "turbo", "TurboQuant: 4-bit rotated Lloyd-Max keys and values", key_bits=4, value_bits=4, window=WINDOW, sink=SINK),
-    Preset("tq4k3v", "turbo", "TurboQuant: 4-bit keys, 3-bit values", key_bits=4, value_bits=3, window=WINDOW, sink=SINK),
-    Preset("tq3", "turbo", "TurboQuant: 3-bit keys and values", key_bits=3, value_bits=3, window=WINDOW, sink=SINK),
-    Preset("tq3+qjl", "turbo", "TurboQuant: 3-bit keys + 1-bit QJL residual sketch, 3-bit values",
-           key_bits=3, key_qjl=True, value_bits=3, window=WINDOW, sink=SINK),
-    Preset("rvq2+2", "turbo", "TurboQuant: two-stage 2+2-bit keys, 3-bit values",
-           key_bits=2, key_bits2=2, value_bits=3, window=WINDOW, sink=SINK),
-    Preset("tq5k4v", "turbo", "TurboQuant: 5-bit keys, 4-bit values", key_bits=5, value_bits=4, window=WINDOW, sink=SINK),
+    _turbo("tq4", "4-bit rotated Lloyd-Max keys and values", key_bits=4, value_bits=4),
+    _turbo("tq4k3v", "4-bit keys, 3-bit values", key_bits=4, value_bits=3),
+    _turbo("tq3", "3-bit keys and values", key_bits=3, value_bits=3),
+    _turbo("tq3+qjl", "3-bit keys + 1-bit QJL residual sketch, 3-bit values",
+           key_bits=3, key_qjl=True, value_bits=3),
+    _turbo("rvq2+2", "two-stage 2+2-bit keys, 3-bit values", key_bits=2, key_bits2=2, value_bits=3),
+    _turbo("tq5k4v", "5-bit keys, 4-bit values", key_bits=5, value_bits=4),
 )}
 DEFAULT_PRESET = "tq4"
 
