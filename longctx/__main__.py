@@ -1,5 +1,5 @@
 """`python -m longctx` runs the CLI."""
 
-from longctx.cli import app
+from longctx.cli import main
 
-app(prog_name="longctx")
+main()

@@ -322,3 +322,13 @@ def _niah_table(res) -> None:
                   f"{human_bytes(s['cache_bytes_longest'])} at {s['tokens_longest']:,} tokens, "
                   f"answer {s['mean_answer_seconds']:.2f} s, ingest {s['mean_ingest_seconds']:.2f} s",
                   highlight=False)
+
+
+def main() -> None:
+    """The `longctx` process entry: answering starts without importing transformers."""
+    from longctx.runtime.blas import tune_malloc
+    from longctx.runtime.light import defer_mlx_lm_init
+
+    tune_malloc()
+    defer_mlx_lm_init()
+    app(prog_name="longctx")

@@ -17,9 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pypdf import PasswordType, PdfReader
-from pypdf.errors import DependencyError
-
 from longctx.errors import DocumentError
 
 MARKDOWN_SUFFIXES = (".md", ".markdown")
@@ -175,6 +172,9 @@ def _read_pdf(data: bytes, label: str, password: str | None,
     Returns:
         (text with `[Page N]` markers, page count, 1-based pages without text).
     """
+    from pypdf import PasswordType, PdfReader  # here, not at the top: `ask` never reads PDFs
+    from pypdf.errors import DependencyError
+
     # pypdf signals damage with many exception types (PdfReadError, KeyError, ValueError,
     # zlib.error, RecursionError...); for untrusted input any of them means "damaged file".
     try:

@@ -2,7 +2,8 @@
 
 Prefill runs the model over the prompt in chunks and evaluates only the cache state: MLX is lazy,
 so the LM-head matmul built for each chunk is never computed (no logits for prompt positions),
-the same trick mlx-lm's `generate_step` uses. Decode goes through mlx-lm's `stream_generate`.
+the same trick mlx-lm's `generate_step` uses. Decoding is a small loop of our own (`token_stream`),
+so answering needs no import of mlx-lm's generate module (nor, through it, of transformers).
 """
 
 from __future__ import annotations
@@ -59,11 +60,49 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
     return PrefillStats(total, time.perf_counter() - start, mx.get_peak_memory())
 
 
+def token_stream(model, tokens: list[int], cache: list, max_tokens: int, temperature: float = 0.0,
+                 stop: frozenset | set = frozenset()) -> Iterator[int]:
+    """Token ids decoded after `tokens` (appended to `cache`), greedy or sampled, up to a stop id.
+
+    Each step's successor is queued (`mx.async_eval`) before the step's token is read, so on a
+    GPU the next forward pass runs while the caller handles the current token (as mlx-lm's
+    generate_step does). A stop id ends the stream without being yielded.
+    """
+    import mlx.core as mx
+
+    if not tokens:
+        raise ValueError("token_stream needs at least one prompt token")
+    if len(tokens) > DEFAULT_CHUNK:  # long prompts: chunked like any prefill, last token below
+        prefill(model, tokens[:-1], cache)
+        tokens = tokens[-1:]
+
+    def step(ids: mx.array) -> mx.array:
+        logits = model(ids, cache=cache)[:, -1, :]
+        if temperature == 0:
+            return mx.argmax(logits, axis=-1)
+        return mx.random.categorical(logits.astype(mx.float32) * (1.0 / temperature))
+
+    y = step(mx.array(tokens, dtype=mx.int32)[None])
+    mx.async_eval(y)
+    for n in range(max_tokens):
+        nxt = None
+        if n + 1 < max_tokens:
+            nxt = step(y.reshape(1, 1))
+            mx.async_eval(nxt)
+        token = int(y.item())
+        if token in stop:
+            return
+        yield token
+        y = nxt
+
+
 def generate(model, tokenizer, tokens: list[int], cache: list, max_tokens: int = 256,
              temperature: float = 0.0, seed: int | None = None) -> Iterator[str]:
     """Decode an answer after `tokens`, which are appended to `cache`; yields text pieces.
 
     Args:
+        tokenizer: anything with `decode(ids) -> str` and `eos_token_ids` (mlx-lm's wrapper,
+            or `longctx.runtime.light.TextTokenizer`).
         tokens: the suffix (question) tokens; the cache already holds everything before them.
         cache: a cache positioned at the end of the prefix (use a fork to keep the parent clean).
         max_tokens: the most tokens to generate.
@@ -71,27 +110,26 @@ def generate(model, tokenizer, tokens: list[int], cache: list, max_tokens: int =
         seed: seeds the sampler when temperature > 0.
     """
     import mlx.core as mx
-    from mlx_lm.generate import stream_generate
-    from mlx_lm.sample_utils import make_sampler
 
     if seed is not None:
         mx.random.seed(seed)
-    sampler = make_sampler(temp=temperature)
-    prompt = mx.array(tokens, dtype=mx.int32)
-    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                     sampler=sampler, prompt_cache=cache):
-        if response.text:
-            yield response.text
+    stop = frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
+    ids: list[int] = []
+    shown = ""
+    for token in token_stream(model, tokens, cache, max_tokens, temperature, stop):
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        # Hold back a trailing partial UTF-8 sequence, and anything a later token re-renders.
+        if text.endswith("\ufffd") or not text.startswith(shown):
+            continue
+        if len(text) > len(shown):
+            yield text[len(shown):]
+            shown = text
+    text = tokenizer.decode(ids) if ids else ""
+    if text.startswith(shown) and len(text) > len(shown):
+        yield text[len(shown):]
 
 
 def greedy_tokens(model, tokens: list[int], cache: list, n: int) -> list[int]:
     """The first `n` greedy token ids after `tokens` (used to compare cached and fresh runs)."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
-    out = []
-    prompt = mx.array(tokens, dtype=mx.int32)
-    for token, _ in generate_step(prompt, model, max_tokens=n, prompt_cache=cache,
-                                  sampler=lambda logp: mx.argmax(logp, axis=-1)):
-        out.append(int(token))
-    return out
+    return list(token_stream(model, tokens, cache, n))

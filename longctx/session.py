@@ -36,6 +36,7 @@ class Plan:
     context_length: int
     bytes_per_token: int
     entry_id: str
+    question_suffix: str = ""  # the template after the question, when `ask` may skip transformers
 
     @property
     def estimated_cache_bytes(self) -> int:
@@ -94,7 +95,17 @@ def plan(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAU
     eid = entry_id(doc.sha256, ref.weights_sha256, ref.tokenizer_sha256, kv.name,
                    prompt.layout_sha256(tokenizer))
     return Plan(doc, ref, kv, prompt.estimate_tokens(doc.text), tokens, context,
-                _fp16_bytes_per_token(config), eid)
+                _fp16_bytes_per_token(config), eid, _light_suffix(ref, tokenizer, lay))
+
+
+def _light_suffix(ref: models.ModelRef, tokenizer, lay: prompt.Layout) -> str:
+    """The layout's question suffix if the `tokenizers`-only tokenizer encodes questions exactly as
+    the model's tokenizer does (then `ask` needs no transformers); "" otherwise."""
+    from longctx.runtime.light import PROBES, TextTokenizer
+
+    light = TextTokenizer.load(ref.path)
+    texts = PROBES + tuple(p + lay.suffix_text for p in PROBES)
+    return lay.suffix_text if light is not None and light.matches(tokenizer, texts) else ""
 
 
 def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAULT_PRESET,
@@ -145,7 +156,7 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
                 weights_sha256=p.model.weights_sha256, tokenizer_sha256=p.model.tokenizer_sha256,
                 kv_preset=p.preset.name, file=f"{p.entry_id}.safetensors", bytes=0, created=0.0,
                 prefill_seconds=stats.seconds,
-                bits_per_channel=round(bpc, 4),
+                bits_per_channel=round(bpc, 4), question_suffix=p.question_suffix,
             )
             metadata = {
                 "model_id": p.model.model_id, "weights_sha256": p.model.weights_sha256,
@@ -204,8 +215,11 @@ def _check_cache_fits(entry: Entry, meta: dict, lm: models.LoadedModel,
             f"of head dims {sorted(set(dims))}; {rebuild_hint(entry)}.")
 
 
-def restore(entry: Entry, lm: models.LoadedModel, store: Store) -> list:
+def restore(entry: Entry, lm: models.LoadedModel, store: Store, answering: bool = True) -> list:
     """Load an entry's cache file and rebuild the per-layer caches, checking it fits the model.
+
+    With `answering` on the CPU, the compressed prefix is also decoded once for attention
+    (`kvcache.decode_once`); GPUs read the packed cache directly.
 
     Raises:
         CacheCorrupt: the file is missing or damaged (nothing of it is used).
@@ -222,6 +236,8 @@ def restore(entry: Entry, lm: models.LoadedModel, store: Store) -> list:
     arrays, meta = store.load(entry, lambda m: _check_cache_fits(entry, m, lm, preset))
     cache = kvcache.from_arrays(arrays, lm.model, preset, getattr(mx, lm.dtype))
     mx.eval([c.state for c in cache])
+    if answering and mx.default_device().type == mx.DeviceType.cpu:
+        kvcache.decode_once(cache)
     return cache
 
 
@@ -247,12 +263,16 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
         answer.entry = entry
         ref = models.resolve(model or entry.model_spec)
         _check_same_model(entry, ref)
-        lm = models.load(ref)
+        # Caches whose question suffix was checked at ingest answer without transformers.
+        lm = (models.load_light(ref) if entry.question_suffix else None) or models.load(ref)
         cache = restore(entry, lm, store)
     finally:
         store.close()
     answer.restore_seconds = time.perf_counter() - start
-    lay = prompt.layout(lm.tokenizer, entry.name, "")
+    if entry.question_suffix:
+        lay = prompt.Layout(prefix_text="", suffix_text=entry.question_suffix)
+    else:
+        lay = prompt.layout(lm.tokenizer, entry.name, "")
     suffix = prompt.question_tokens(lm.tokenizer, lay, question)
     room = lm.context_length - entry.tokens
     if len(suffix) + 1 > room:
@@ -299,7 +319,7 @@ def export(doc: str | None, out: str | Path, kv: str = "fp16") -> Path:
         ref = models.resolve(entry.model_spec)
         _check_same_model(entry, ref)
         lm = models.load(ref)
-        cache = restore(entry, lm, store)
+        cache = restore(entry, lm, store, answering=False)
     finally:
         store.close()
     stock = kvcache.to_mlx_lm(cache, EXPORT_KV[kv])

@@ -66,6 +66,30 @@ def _kernel_mask(mask) -> bool:
     return mask is None or (isinstance(mask, str) and mask == "causal")
 
 
+NUMPY_SOFTMAX_MIN = 16384  # scores per block from which the CPU path exponentiates in numpy
+
+
+def _softmax_step(s: mx.array, m: mx.array, cpu: bool):
+    """One online-softmax step: (running max, exp(s - max), rescale of the old state, row sums).
+
+    On the CPU, MLX's exp is the bottleneck of long-context attention (~16 ns per element on the
+    development machine; numpy's ~3 ns), so large score blocks are exponentiated in numpy there
+    (forcing evaluation of the scores, which the CPU computes synchronously anyway).
+    """
+    if cpu and s.size >= NUMPY_SOFTMAX_MIN:
+        mx.eval(s, m)
+        sn, mn = np.asarray(s), np.asarray(m)
+        m_new = np.maximum(mn, sn.max(axis=-1, keepdims=True))
+        m_safe = np.where(m_new == -np.inf, np.float32(0.0), m_new)  # rows with nothing visible
+        p = np.exp(sn - m_safe)
+        return (mx.array(m_new), mx.array(p), mx.array(np.exp(mn - m_safe)),
+                mx.array(p.sum(axis=-1, keepdims=True)))
+    m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
+    m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # rows with nothing visible yet
+    p = mx.exp(s - m_safe)
+    return m_new, p, mx.exp(m - m_safe), p.sum(axis=-1, keepdims=True)
+
+
 def _merge(state, m2: mx.array, l2: mx.array, acc2: mx.array):
     """Online-softmax merge of two (m, l, acc) states (m = -inf, l = 0: nothing seen yet)."""
     m, l, acc = state
@@ -101,6 +125,8 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
     q_rot = q_rot.reshape(B, Hkv, r * Lq, q_rot.shape[-1])  # query heads grouped by KV head
     q_proj = kc.qjl_project(q_rot) if kc.spec.qjl else None
     q_pos = mx.arange(kv.offset - Lq, kv.offset)
+    first_q = kv.offset - Lq
+    cpu = mx.default_device().type == mx.DeviceType.cpu
     if fused is None:
         fused = use_fused(mask, Lq)
     elif fused and not _kernel_mask(mask):
@@ -117,24 +143,27 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
         if correction is not None:
             s = s + correction
         s = s * scale
-        allowed = _block_mask(mask, q_pos, start, start + n, Lq)
+        # Keys no later than the first query are visible to every query: no mask needed.
+        allowed = _block_mask(mask, q_pos, start, start + n, Lq) if start + n > first_q + 1 else None
         if allowed is not None:
             s = s.reshape(B, Hkv, r, Lq, n)
             s = mx.where(allowed, s, -mx.inf).reshape(B, Hkv, r * Lq, n)
         m, l, acc = state
-        m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
-        m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # rows with nothing visible yet
-        p = mx.exp(s - m_safe)
-        corr = mx.exp(m - m_safe)
+        m_new, p, corr, p_sum = _softmax_step(s, m, cpu)
         pv = p @ v_rot  # (B, Hkv, r*Lq, Dpv)
-        return m_new, l * corr + p.sum(axis=-1, keepdims=True), pv if acc is None else acc * corr + pv
+        return m_new, l * corr + p_sum, pv if acc is None else acc * corr + pv
 
     pos = 0
-    if kv.sink is not None:  # the first tokens of the sequence, kept exact
+    segments = kv.segments
+    if kv.dense is not None and not fused:  # sink + first segment, decoded once (CPU answering)
+        state = add_block(state, kv.dense[0], kv.dense[1], 0, None)
+        pos = kv.dense[0].shape[2]
+        segments = segments[1:]
+    elif kv.sink is not None:  # the first tokens of the sequence, kept exact
         sink_k, sink_v = (a.astype(mx.float32) for a in kv.sink)
         state = add_block(state, kc.rotate(sink_k), vc.rotate(sink_v), 0, None)
         pos = sink_k.shape[2]
-    for seg_k, seg_v, length in kv.segments:  # oldest first
+    for seg_k, seg_v, length in segments:  # oldest first
         if fused:
             # Causal masking only matters if a key of the segment follows the first query.
             last_q = kv.offset - Lq

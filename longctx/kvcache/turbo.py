@@ -43,6 +43,9 @@ class CompressedKV:
     value_mean: mx.array  # (B, H_kv, 1, D), added back to the attention output
     window: tuple | None = None  # (keys, values) (B, H_kv, W, D) centered fp32: the newest tokens
     sink: tuple | None = None  # (keys, values) (B, H_kv, S, D) centered: the first tokens, exact
+    # (keys, values) (B, H_kv, S + L0, P) fp32 in the codecs' rotated frames: the sink and the
+    # first segment decoded once (`TurboQuantCache.decode_prefix`); replaces both when set
+    dense: tuple | None = None
 
 
 _CODECS: dict = {}
@@ -79,6 +82,7 @@ class TurboQuantCache:
         self.means: tuple[mx.array, mx.array] | None = None  # (k_mu, v_mu), each (B, H_kv, 1, D)
         self.window: tuple[mx.array, mx.array] | None = None  # newest tokens, uncompressed
         self.sink: tuple[mx.array, mx.array] | None = None  # first tokens, never compressed
+        self.dense_prefix: tuple[mx.array, mx.array] | None = None  # see decode_prefix()
 
     @property
     def sink_len(self) -> int:
@@ -187,7 +191,39 @@ class TurboQuantCache:
         if self.tail_len:
             segments.append((_slice(self.tail[0], self.tail_len), _slice(self.tail[1], self.tail_len),
                              self.tail_len))
-        return CompressedKV(kc, vc, tuple(segments), self.offset, self.means[1], self.window, self.sink)
+        return CompressedKV(kc, vc, tuple(segments), self.offset, self.means[1], self.window, self.sink,
+                            self.dense_prefix)
+
+    def decode_prefix(self) -> int:
+        """Decode the sink and the read-only prefix once, into fp32 in the rotated frames.
+
+        For answering on the CPU: there, decoding (a table lookup per coordinate) costs far more
+        than the attention itself, and the blocked path would repeat it for every answer token.
+        Attention then reads these dense arrays instead of the prefix (the same values the
+        blocked path decodes, QJL correction folded into the keys); the packed prefix stays the
+        stored form, and forks share the decoded arrays. Costs (sink + prefix) x H_kv x
+        (P_k + P_v) x 4 bytes per layer. No-op without a prefix.
+
+        Returns:
+            the bytes the decoded arrays hold.
+        """
+        if not self.prefix_len:
+            return 0
+        kc, vc = self.codecs()
+        keys, values = kc.decode_scoring(self.prefix[0]), vc.decode_scoring(self.prefix[1])
+        if self.sink is not None:
+            keys = mx.concatenate([kc.rotate(self.sink[0].astype(mx.float32)), keys], axis=2)
+            values = mx.concatenate([vc.rotate(self.sink[1].astype(mx.float32)), values], axis=2)
+        self.dense_prefix = (keys, values)
+        return keys.nbytes + values.nbytes
+
+    def dense_prefix_bytes(self) -> int:
+        """What `decode_prefix` would hold, without decoding."""
+        if not self.prefix_len:
+            return 0
+        kc, vc = self.codecs()
+        b, h = self.means[0].shape[:2]
+        return 4 * b * h * (self.sink_len + self.prefix_len) * (kc.padded_dim + vc.padded_dim)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         from mlx_lm.models.cache import create_attention_mask
@@ -197,6 +233,8 @@ class TurboQuantCache:
 
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
+        if n > self.window_len + self.tail_len:
+            self.dense_prefix = None  # the prefix or the sink shrinks
         from_window = min(n, self.window_len)
         if from_window:
             keep = self.window_len - from_window
@@ -290,4 +328,6 @@ class TurboQuantCache:
         child.means = self.means
         child.sink = self.sink
         child.window = self.window  # immutable arrays: the child's appends concatenate anew
+        if not self.tail_len:  # the child's prefix is this prefix: the decoded form carries over
+            child.dense_prefix = self.dense_prefix
         return child

@@ -23,6 +23,7 @@ p @ decode_rotated(v), and the output is rotated back once with `unrotate`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +139,25 @@ class VectorCodec:
     def decode(self, enc: dict[str, mx.array]) -> mx.array:
         """Reconstruction in the original frame: (..., L, dim) float32."""
         return self.rotation.inverse(self.decode_rotated(enc))
+
+    def decode_scoring(self, enc: dict[str, mx.array]) -> mx.array:
+        """Dense vectors k_eff in the rotated frame with q_rot @ k_eff.T equal to the score estimate
+        (`decode_rotated`, plus the QJL correction folded in: it is linear in the query), decoded
+        by table lookup (`longctx.quant.lut`). The CPU answering path decodes a restored cache
+        once with this.
+
+        Returns:
+            (..., L, padded_dim) float32.
+        """
+        from longctx.quant import lut
+
+        out = mx.array(lut.decode_rotated(self, enc))
+        if self.qjl is not None:
+            # <q, r> ~ scale * rnorm * <S q, signs> = q . (scale * rnorm * S^T signs)
+            scale = math.sqrt(math.pi / 2) / self.qjl.m
+            signs = self.qjl.signs(enc["qjl"]) * (scale * enc["rnorm"].astype(mx.float32))[..., None]
+            out = out + signs @ self.qjl.projection
+        return out
 
     def qjl_project(self, q_rot: mx.array) -> mx.array:
         """Project rotated queries once for `qjl_correction`: (..., Lq, P) -> (..., Lq, m)."""

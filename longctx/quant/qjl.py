@@ -111,6 +111,11 @@ class QJLSketch:
         self.words = packed_words(self.m, 1)
         self._st = mx.array(projection_matrix(dim, self.m, seed).T)  # (dim, m)
 
+    @property
+    def projection(self) -> mx.array:
+        """S, (m, dim) float32."""
+        return self._st.T
+
     def project(self, q: mx.array) -> mx.array:
         """S q, computed once per query.
 

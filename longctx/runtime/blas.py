@@ -44,3 +44,20 @@ def preload_openblas() -> str:
                 continue
             return f"loaded:{path}"
     return "missing"
+
+
+def tune_malloc() -> bool:
+    """Keep freed blocks of up to 64 MiB in the heap for reuse (glibc), for the CLI process.
+
+    By default glibc serves blocks of a few MiB with fresh mmaps and unmaps them on free, so each
+    new numpy array of that size pays its page faults again: decoding a cache layer or a softmax
+    block with numpy took 2-3x longer that way. Returns False where it does not apply.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 64 << 20) and libc.mallopt(m_trim_threshold, 256 << 20))
+    except (OSError, AttributeError):
+        return False

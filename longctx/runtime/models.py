@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -288,6 +289,11 @@ def on_cpu() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
+def _cpu_variant_dir(ref: ModelRef) -> Path:
+    safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in ref.model_id)
+    return subdir("models") / f"{safe_id}-{ref.weights_sha256[:12]}-cpu-f32"
+
+
 def _cpu_variant(ref: ModelRef) -> Path:
     """An fp32, dequantized copy of the model for the CPU, built once (loads in ~0.3 s after).
 
@@ -298,8 +304,7 @@ def _cpu_variant(ref: ModelRef) -> Path:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model, load_model
 
-    safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in ref.model_id)
-    out = subdir("models") / f"{safe_id}-{ref.weights_sha256[:12]}-cpu-f32"
+    out = _cpu_variant_dir(ref)
     if (out / "model.safetensors").exists():
         return out
     model, config = load_model(ref.path, lazy=True)
@@ -346,18 +351,60 @@ def load(ref: ModelRef) -> LoadedModel:
     return _load(ref)
 
 
+def load_light(ref: ModelRef) -> LoadedModel | None:
+    """Load for answering without transformers (`runtime.light`): the mlx-lm model class and a
+    `tokenizers` tokenizer (no chat template). None where that path does not apply (no built
+    CPU copy yet, a config mlx-lm must load itself, no tokenizer.json); then use `load`."""
+    from longctx.runtime import light
+
+    if _LOADED is not None and ref in _LOADED:
+        return _LOADED[ref]
+    cpu = on_cpu()
+    path = _cpu_variant_dir(ref) if cpu else ref.path
+    if cpu and not (path / "model.safetensors").exists():
+        return None
+    if not (ref.path / "tokenizer.json").is_file():
+        return None
+    # The tokenizer builds (in Rust) on a second thread while the weights load.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(light.TextTokenizer.load, ref.path)
+        try:
+            loaded = light.load_model(path)
+        except (OSError, ValueError, KeyError) as err:
+            raise ModelError(f"Cannot load model from {path}: {err}") from err
+        tokenizer = pending.result()
+    if loaded is None or tokenizer is None:
+        return None
+    model, config = loaded
+    if not cpu:
+        _check_gpu_kernels(model)
+    return _loaded(ref, model, tokenizer, config, cpu)
+
+
+def _loaded(ref: ModelRef, model, tokenizer, config: dict, cpu: bool) -> LoadedModel:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    dtypes = {p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)}
+    dtype = "float32" if cpu else ("bfloat16" if mx.bfloat16 in dtypes else "float16")
+    text_cfg = config.get("text_config", config)
+    ctx = int(text_cfg.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 0) or 2048)
+    return LoadedModel(ref=ref, model=model, tokenizer=tokenizer, config=config, context_length=ctx, dtype=dtype)
+
+
 def _check_gpu_kernels(model) -> None:
     """Run one token; if the backend lacks a quantized-matmul kernel for these weights (MLX's CUDA
     backend has none for some group sizes), dequantize to fp16 instead of failing mid-ingest."""
     import mlx.core as mx
     from mlx.utils import tree_map
-    from mlx_lm.utils import dequantize_model
 
     try:
         mx.eval(model(mx.array([[1]], dtype=mx.int32)))
     except RuntimeError as err:
         if "No implementation" not in str(err):
             raise
+        from mlx_lm.utils import dequantize_model
+
         dequantize_model(model)
         model.update(tree_map(lambda p: p.astype(mx.float16) if p.dtype == mx.float32 else p,
                               model.parameters()))
@@ -365,8 +412,6 @@ def _check_gpu_kernels(model) -> None:
 
 
 def _load(ref: ModelRef) -> LoadedModel:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.utils import load as mlx_load
 
     cpu = on_cpu()
@@ -377,8 +422,4 @@ def _load(ref: ModelRef) -> LoadedModel:
         raise ModelError(f"Cannot load model from {ref.path}: {err}") from err
     if not cpu:
         _check_gpu_kernels(model)
-    dtypes = {p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)}
-    dtype = "float32" if cpu else ("bfloat16" if mx.bfloat16 in dtypes else "float16")
-    text_cfg = config.get("text_config", config)
-    ctx = int(text_cfg.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 0) or 2048)
-    return LoadedModel(ref=ref, model=model, tokenizer=tokenizer, config=config, context_length=ctx, dtype=dtype)
+    return _loaded(ref, model, tokenizer, config, cpu)

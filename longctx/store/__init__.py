@@ -66,6 +66,9 @@ class Entry:
     created: float
     prefill_seconds: float = 0.0
     bits_per_channel: float = 0.0  # stored bits per key/value channel, all-in
+    # The chat template after the question, stored when the `tokenizers`-only tokenizer was
+    # checked to encode like the model's (see runtime.light); "" for transformers' path.
+    question_suffix: str = ""
 
     @property
     def bytes_per_token(self) -> float:

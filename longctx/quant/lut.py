@@ -1,0 +1,103 @@
+"""Decoding packed indices by table lookup in numpy: the CPU path that decodes a cache once.
+
+MLX's CPU gather (`mx.take`) costs about 12 ns per element on the development machine, so
+decoding a restored 4k-token cache of SmolLM2 (30 layers, keys and values) that way takes over a
+second. numpy's `take` into a preallocated buffer costs about 1 ns per element. This module
+decodes straight from the packed bytes: the packing layout (packing.py) is a little-endian bit
+stream, so for bit widths that divide 8 each byte holds 8 / bits whole values, in order, and one
+lookup in a 256-entry table yields all of them; for the other widths (3, 5, 6, 7) every run of
+`bits` bytes holds 8 values, cut into fields of at most 12 bits, each looked up whole.
+
+The result is bit-identical to `VectorCodec.decode_rotated`: the table entries are the same
+float32 centroids (for two stages the same float32 sum c1[i1] + c2[i1, i2]) and the norm is
+applied with the same float32 multiply (tests/test_lut.py checks equality).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+from longctx.quant.packing import unpack
+
+LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+@functools.lru_cache(maxsize=64)
+def _field_table(values: bytes, bits: int, k: int) -> np.ndarray:
+    """(2^(k*bits),) entries of 4k bytes: the k float32 values of every k*bits-bit field."""
+    table = np.frombuffer(values, dtype=np.float32)
+    field = np.arange(1 << (k * bits))
+    slots = np.stack([table[(field >> (bits * s)) & ((1 << bits) - 1)] for s in range(k)], axis=-1)
+    slots = np.ascontiguousarray(slots.astype(np.float32))  # (2^(k*bits), k)
+    return slots.view(np.dtype((np.void, 4 * k))).reshape(-1)
+
+
+# Values per table lookup: a whole byte where the width divides 8; otherwise fields of at most 12
+# bits (tables of at most 4096 entries) inside each run of `bits` bytes, which holds 8 values.
+_PER_LOOKUP = {1: 8, 2: 4, 4: 2, 8: 1, 3: 4, 5: 2, 6: 2, 7: 1}
+
+
+def lookup(words: mx.array, bits: int, n: int, table: np.ndarray) -> np.ndarray:
+    """table[i] for the n packed `bits`-bit indices i of each row of `words`.
+
+    Args:
+        words: (..., bits * ceil(n / 32)) uint32, packing.py's layout.
+        bits: 1..8.
+        n: values per row.
+        table: (2^bits,) float32.
+
+    Returns:
+        (..., n) float32 numpy array.
+    """
+    table = np.ascontiguousarray(table, dtype=np.float32)
+    lead = words.shape[:-1]
+    if not LITTLE_ENDIAN:
+        return np.take(table, np.asarray(unpack(words, bits, n)))
+    k = _PER_LOOKUP[bits]
+    tab = _field_table(table.tobytes(), bits, k)
+    raw = np.asarray(words.astype(mx.uint32)).view(np.uint8)  # (..., bytes): the bit stream
+    if 8 % bits == 0:
+        idx = raw
+    else:  # each run of `bits` bytes holds 8 values: assemble it, cut it into k-value fields
+        run = raw.reshape(*lead, -1, bits).astype(np.uint64)
+        val = run[..., 0].copy()
+        for j in range(1, bits):
+            val |= run[..., j] << np.uint64(8 * j)
+        width = k * bits
+        mask = np.uint64((1 << width) - 1)
+        idx = np.stack([(val >> np.uint64(s * width)) & mask for s in range(8 // k)], axis=-1)
+    out = np.take(tab, idx).view(np.float32).reshape(*lead, -1)
+    return out if out.shape[-1] == n else out[..., :n]
+
+
+def decode_rotated(codec, enc: dict[str, mx.array]) -> np.ndarray:
+    """`codec.decode_rotated(enc)` as a numpy array, by table lookup (bit-identical).
+
+    Args:
+        codec: a `longctx.quant.codec.VectorCodec`.
+        enc: its encoded arrays (`idx`, `norm`, and `idx2` for two stages).
+
+    Returns:
+        (..., L, padded_dim) float32.
+    """
+    p = codec.padded_dim
+    c1 = codec.codebook.centroids.astype(np.float32)
+    if codec.rvq is None:
+        out = lookup(enc["idx"], codec.spec.bits, p, c1)
+    else:
+        b2 = codec.spec.bits2
+        c2 = codec.rvq.stage2.centroids.astype(np.float32).reshape(len(c1), -1)
+        table = (c1[:, None] + c2).ravel()  # the float32 sum rvq.dequantize computes
+        i1 = unpack(enc["idx"], codec.spec.bits, p).astype(mx.uint32)
+        i2 = unpack(enc["idx2"], b2, p).astype(mx.uint32)
+        out = np.take(table, np.asarray((i1 << b2) | i2))
+    norm = np.asarray(enc["norm"].astype(mx.float32))
+    out *= norm[..., None]
+    return out
+
+
+__all__ = ["decode_rotated", "lookup"]

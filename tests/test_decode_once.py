@@ -1,0 +1,126 @@
+"""Decoding a restored cache once for CPU answering: the table-lookup decoder is bit-identical to
+the codec's, and attention over the decoded prefix equals the blocked path."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from longctx import kvcache
+from longctx.kvcache.attention import compressed_attention
+from longctx.kvcache.presets import get_preset
+from longctx.kvcache.turbo import TurboQuantCache
+from longctx.quant import lut
+from longctx.quant.codec import QuantSpec, VectorCodec
+
+SPECS = [QuantSpec(b) for b in range(1, 9)] + [QuantSpec(2, 2), QuantSpec(3, 1), QuantSpec(3, qjl=True),
+                                              QuantSpec(4, 4)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("dim", [64, 80])  # 80 pads to 128: values past the dim are dropped
+def test_lookup_decode_is_bit_identical(spec, dim):
+    codec = VectorCodec(dim, spec, seed=3)
+    x = mx.random.normal((2, 3, 37, dim), key=mx.random.key(spec.bits * 10 + spec.bits2)) * 3.0
+    enc = codec.encode(x)
+    got = lut.decode_rotated(codec, enc)
+    assert got.dtype == np.float32 and got.shape == (2, 3, 37, codec.padded_dim)
+    assert np.array_equal(got, np.array(codec.decode_rotated(enc)))
+
+
+def test_lookup_reads_packing_layout_directly():
+    # The documented b = 3 example: values 0..7 repeated, words 0x88FAC688, 0xC688FAC6, 0xFAC688FA.
+    words = mx.array([[0x88FAC688, 0xC688FAC6, 0xFAC688FA]], dtype=mx.uint32)
+    table = np.arange(8, dtype=np.float32) * 10
+    assert lut.lookup(words, 3, 32, table).tolist() == [[10.0 * (i % 8) for i in range(32)]]
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(3, qjl=True), QuantSpec(4), QuantSpec(2, 2)], ids=str)
+def test_scoring_vectors_give_the_estimated_scores(spec):
+    codec = VectorCodec(64, spec, seed=5)
+    keys = mx.random.normal((1, 2, 50, 64), key=mx.random.key(1))
+    q_rot = codec.rotate(mx.random.normal((1, 2, 4, 64), key=mx.random.key(2)))
+    enc = codec.encode(keys)
+    ref = q_rot @ codec.decode_rotated(enc).swapaxes(-1, -2)
+    if spec.qjl:
+        ref = ref + codec.qjl_correction(codec.qjl_project(q_rot), enc)
+    got = q_rot @ codec.decode_scoring(enc).swapaxes(-1, -2)
+    np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-4, atol=1e-4)
+
+
+def _restored(name: str, n: int = 300, heads: int = 2, dim: int = 64) -> TurboQuantCache:
+    preset = get_preset(name)
+    c = TurboQuantCache(preset, 0)
+    kv = mx.random.normal((2, 1, heads, n, dim), key=mx.random.key(7)) + 0.3
+    c.update_and_fetch(kv[0], kv[1])
+    c.seal()
+    return TurboQuantCache.from_arrays(preset, 0, c.arrays(), dim)
+
+
+@pytest.mark.parametrize("name", ["tq4", "tq4k3v", "tq3+qjl", "rvq2+2"])
+@pytest.mark.parametrize("lq,mask", [(1, None), (7, "causal")])
+def test_attention_over_decoded_prefix_equals_blocked_path(name, lq, mask):
+    blocked = _restored(name)
+    dense = _restored(name)
+    assert dense.decode_prefix() == dense.dense_prefix_bytes() > 0
+    new = mx.random.normal((2, 1, 2, lq, 64), key=mx.random.key(9))
+    q = mx.random.normal((1, 4, lq, 64), key=mx.random.key(11))
+    outs = []
+    for cache in (blocked, dense):
+        view, _ = cache.update_and_fetch(new[0], new[1])
+        outs.append(compressed_attention(q, view, 0.125, mask=mask, fused=False))
+    assert view.dense is not None
+    np.testing.assert_allclose(np.array(outs[1]), np.array(outs[0]), rtol=2e-5, atol=2e-5)
+
+
+def test_decoded_prefix_survives_answer_tokens_leaving_the_window():
+    """A long answer pushes tokens out of the window into the tail; the prefix stays decoded and
+    attention still matches the blocked path."""
+    blocked, dense = _restored("tq4"), _restored("tq4")
+    dense.decode_prefix()
+    for cache in (blocked, dense):
+        for i in range(150):  # > the 128-token window
+            kv = mx.random.normal((2, 1, 2, 1, 64), key=mx.random.key(100 + i))
+            view, _ = cache.update_and_fetch(kv[0], kv[1])
+        assert cache.tail_len > 0
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(5))
+    a = compressed_attention(q, blocked.view(), 0.125, fused=False)
+    b = compressed_attention(q, dense.view(), 0.125, fused=False)
+    np.testing.assert_allclose(np.array(b), np.array(a), rtol=2e-5, atol=2e-5)
+
+
+def test_forks_share_the_decoded_prefix_and_trim_drops_it():
+    parent = _restored("tq4")
+    parent.decode_prefix()
+    child = parent.fork()
+    assert child.dense_prefix is parent.dense_prefix
+    kv = mx.random.normal((2, 1, 2, 3, 64))
+    child.update_and_fetch(kv[0], kv[1])
+    assert child.fork().dense_prefix is parent.dense_prefix  # the new tokens sit in the window
+    child.trim(10)  # past the window: into the prefix
+    assert child.dense_prefix is None and child.view().dense is None
+
+
+def test_decode_once_respects_its_memory_budget():
+    caches = [_restored("tq4"), _restored("tq4")]
+    need = sum(c.dense_prefix_bytes() for c in caches)
+    assert kvcache.decode_once(caches, max_bytes=need - 1) == 0
+    assert all(c.dense_prefix is None for c in caches)
+    assert kvcache.decode_once(caches, max_bytes=need) == need
+    assert all(c.dense_prefix is not None for c in caches)
+
+
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_numpy_softmax_step_matches_mlx(monkeypatch, mask):
+    from longctx.kvcache import attention
+
+    cache = _restored("tq4", n=400)
+    new = mx.random.normal((2, 1, 2, 6, 64), key=mx.random.key(3))
+    view, _ = cache.update_and_fetch(new[0], new[1])
+    q = mx.random.normal((1, 4, 6, 64), key=mx.random.key(4)) * 4.0
+    monkeypatch.setattr(attention, "NUMPY_SOFTMAX_MIN", 1 << 40)
+    ref = compressed_attention(q, view, 0.125, mask=mask, fused=False)
+    monkeypatch.setattr(attention, "NUMPY_SOFTMAX_MIN", 0)
+    got = compressed_attention(q, view, 0.125, mask=mask, fused=False)
+    np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-5, atol=1e-6)
