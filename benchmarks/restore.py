@@ -7,6 +7,7 @@
 
 In-process times exclude model loading (the same for all three); the whole `longctx ask` process
 (python start, imports, model load, restore, question, first token on stdout) is timed separately.
+On the CPU, (c) includes decoding the compressed prefix once (`kvcache.decode_once`).
 
 Usage: python benchmarks/restore.py [--tokens 1024 4096] [--presets fp16 tq4 ...]
 """
@@ -23,6 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import prose, write  # noqa: E402
+
+from longctx.runtime.blas import tune_malloc  # noqa: E402
+
+tune_malloc()  # as the `longctx` process does (cli.main); the same process runs (a), (b) and (c)
 
 import mlx.core as mx  # noqa: E402
 

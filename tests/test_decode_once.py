@@ -124,3 +124,13 @@ def test_numpy_softmax_step_matches_mlx(monkeypatch, mask):
     monkeypatch.setattr(attention, "NUMPY_SOFTMAX_MIN", 0)
     got = compressed_attention(q, view, 0.125, mask=mask, fused=False)
     np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(4), QuantSpec(3), QuantSpec(2, 2), QuantSpec(3, qjl=True)], ids=str)
+def test_decoding_after_head_rows_equals_concatenation(spec):
+    codec = VectorCodec(64, spec, seed=9)
+    enc = codec.encode(mx.random.normal((1, 2, 40, 64), key=mx.random.key(1)))
+    head = mx.random.normal((1, 2, 4, 64), key=mx.random.key(2))
+    got = codec.decode_scoring(enc, head=head)
+    want = mx.concatenate([head, codec.decode_scoring(enc)], axis=2)
+    assert np.array_equal(np.array(got), np.array(want))

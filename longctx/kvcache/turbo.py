@@ -210,10 +210,10 @@ class TurboQuantCache:
         if not self.prefix_len:
             return 0
         kc, vc = self.codecs()
-        keys, values = kc.decode_scoring(self.prefix[0]), vc.decode_scoring(self.prefix[1])
-        if self.sink is not None:
-            keys = mx.concatenate([kc.rotate(self.sink[0].astype(mx.float32)), keys], axis=2)
-            values = mx.concatenate([vc.rotate(self.sink[1].astype(mx.float32)), values], axis=2)
+        sink_k, sink_v = (None, None) if self.sink is None else (
+            kc.rotate(self.sink[0].astype(mx.float32)), vc.rotate(self.sink[1].astype(mx.float32)))
+        keys = kc.decode_scoring(self.prefix[0], head=sink_k)
+        values = vc.decode_scoring(self.prefix[1], head=sink_v)
         self.dense_prefix = (keys, values)
         return keys.nbytes + values.nbytes
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from longctx.quant import bits as bitcount
 from longctx.quant.codebooks import MAX_BITS, lloyd_max
@@ -140,23 +141,32 @@ class VectorCodec:
         """Reconstruction in the original frame: (..., L, dim) float32."""
         return self.rotation.inverse(self.decode_rotated(enc))
 
-    def decode_scoring(self, enc: dict[str, mx.array]) -> mx.array:
+    def decode_scoring(self, enc: dict[str, mx.array], head: mx.array | None = None) -> mx.array:
         """Dense vectors k_eff in the rotated frame with q_rot @ k_eff.T equal to the score estimate
         (`decode_rotated`, plus the QJL correction folded in: it is linear in the query), decoded
         by table lookup (`longctx.quant.lut`). The CPU answering path decodes a restored cache
         once with this.
 
+        Args:
+            enc: encoded vectors.
+            head: optional (..., S, padded_dim) float32 rows (already in the rotated frame) to
+                put first, exact.
+
         Returns:
-            (..., L, padded_dim) float32.
+            (..., S + L, padded_dim) float32.
         """
         from longctx.quant import lut
 
-        out = mx.array(lut.decode_rotated(self, enc))
+        lead = None if head is None else np.asarray(head.astype(mx.float32))
+        out = mx.array(lut.decode_rotated(self, enc, lead))
         if self.qjl is not None:
             # <q, r> ~ scale * rnorm * <S q, signs> = q . (scale * rnorm * S^T signs)
             scale = math.sqrt(math.pi / 2) / self.qjl.m
             signs = self.qjl.signs(enc["qjl"]) * (scale * enc["rnorm"].astype(mx.float32))[..., None]
-            out = out + signs @ self.qjl.projection
+            corr = signs @ self.qjl.projection
+            if head is not None:
+                corr = mx.pad(corr, [(0, 0)] * (corr.ndim - 2) + [(head.shape[-2], 0), (0, 0)])
+            out = out + corr
         return out
 
     def qjl_project(self, q_rot: mx.array) -> mx.array:

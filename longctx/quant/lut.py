@@ -41,7 +41,8 @@ def _field_table(values: bytes, bits: int, k: int) -> np.ndarray:
 _PER_LOOKUP = {1: 8, 2: 4, 4: 2, 8: 1, 3: 4, 5: 2, 6: 2, 7: 1}
 
 
-def lookup(words: mx.array, bits: int, n: int, table: np.ndarray) -> np.ndarray:
+def lookup(words: mx.array, bits: int, n: int, table: np.ndarray,
+           out: np.ndarray | None = None) -> np.ndarray:
     """table[i] for the n packed `bits`-bit indices i of each row of `words`.
 
     Args:
@@ -49,14 +50,19 @@ def lookup(words: mx.array, bits: int, n: int, table: np.ndarray) -> np.ndarray:
         bits: 1..8.
         n: values per row.
         table: (2^bits,) float32.
+        out: optional (..., n) float32 destination (its last axis contiguous).
 
     Returns:
-        (..., n) float32 numpy array.
+        (..., n) float32 numpy array (`out` when given).
     """
     table = np.ascontiguousarray(table, dtype=np.float32)
     lead = words.shape[:-1]
-    if not LITTLE_ENDIAN:
-        return np.take(table, np.asarray(unpack(words, bits, n)))
+    if not LITTLE_ENDIAN or n % 32:
+        got = np.take(table, np.asarray(unpack(words, bits, n)))
+        if out is None:
+            return got
+        out[...] = got
+        return out
     k = _PER_LOOKUP[bits]
     tab = _field_table(table.tobytes(), bits, k)
     raw = np.asarray(words.astype(mx.uint32)).view(np.uint8)  # (..., bytes): the bit stream
@@ -70,22 +76,39 @@ def lookup(words: mx.array, bits: int, n: int, table: np.ndarray) -> np.ndarray:
         width = k * bits
         mask = np.uint64((1 << width) - 1)
         idx = np.stack([(val >> np.uint64(s * width)) & mask for s in range(8 // k)], axis=-1)
-    out = np.take(tab, idx).view(np.float32).reshape(*lead, -1)
-    return out if out.shape[-1] == n else out[..., :n]
+        idx = idx.reshape(*lead, -1)
+    if out is None:
+        return np.take(tab, idx).view(np.float32).reshape(*lead, n)
+    np.take(tab, idx, out=out.view(tab.dtype), mode="clip")  # n % 32 == 0: no padding to drop
+    return out
 
 
-def decode_rotated(codec, enc: dict[str, mx.array]) -> np.ndarray:
+def decode_rotated(codec, enc: dict[str, mx.array], head: np.ndarray | None = None) -> np.ndarray:
     """`codec.decode_rotated(enc)` as a numpy array, by table lookup (bit-identical).
 
     Args:
         codec: a `longctx.quant.codec.VectorCodec`.
         enc: its encoded arrays (`idx`, `norm`, and `idx2` for two stages).
+        head: optional (..., S, padded_dim) float32 rows placed before the decoded ones (one
+            buffer, no concatenation afterwards).
 
     Returns:
-        (..., L, padded_dim) float32.
+        (..., S + L, padded_dim) float32.
     """
     p = codec.padded_dim
     c1 = codec.codebook.centroids.astype(np.float32)
+    if head is not None:
+        lead, n = enc["norm"].shape[:-1], enc["norm"].shape[-1]
+        full = np.empty((*lead, head.shape[-2] + n, p), dtype=np.float32)
+        full[..., : head.shape[-2], :] = head
+        body = full[..., head.shape[-2]:, :]
+        if codec.rvq is None:
+            lookup(enc["idx"], codec.spec.bits, p, c1, out=body)
+        else:
+            body[...] = decode_rotated(codec, {"idx": enc["idx"], "idx2": enc["idx2"],
+                                               "norm": mx.ones(enc["norm"].shape, mx.float16)})
+        body *= np.asarray(enc["norm"].astype(mx.float32))[..., None]
+        return full
     if codec.rvq is None:
         out = lookup(enc["idx"], codec.spec.bits, p, c1)
     else:
