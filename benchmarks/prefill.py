@@ -1,6 +1,9 @@
 """Prefill throughput (tokens/s) and peak memory of the default model at 1k and 4k tokens.
 
 Usage: python benchmarks/prefill.py [--tokens 1024 4096] [--chunk 512] [--kv fp16]
+
+Peak memory is MLX's (`mx.get_peak_memory`); on the CPU the compressed path's numpy softmax
+temporaries (one score block at a time) are not in it.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import prose, write  # noqa: E402
+
+from longctx.runtime.blas import tune_malloc  # noqa: E402
+
+tune_malloc()  # as the `longctx` process does (cli.main)
 
 from longctx import engine, kvcache  # noqa: E402
 from longctx.runtime import models  # noqa: E402

@@ -142,3 +142,25 @@ def test_generate_streams_the_decoded_text_and_stops_at_eos(tiny_model):
     cut = list(engine.generate(lm.model, StopThere(), prompt_ids, fresh(), max_tokens=16,
                                temperature=20.0, seed=3))
     assert "".join(cut) == lm.tokenizer.decode(ids[:first_new])
+
+
+def test_light_load_of_quantized_weights_with_per_layer_settings(tiny_model, tmp_path):
+    """The GGUF import's layout: 4-bit layers, 8-bit embeddings (as mlx-lm's per-layer config)."""
+    from mlx_lm.utils import load as mlx_load
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    model, _ = mlx_load(str(tiny_model))
+    nn.quantize(model, group_size=32, bits=4,
+                class_predicate=lambda p, m: {"group_size": 32, "bits": 8} if p == "model.embed_tokens"
+                else hasattr(m, "to_quantized"))
+    qdir = tmp_path / "q"
+    qdir.mkdir()
+    mx.save_safetensors(str(qdir / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    cfg["quantization"] = {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    (qdir / "config.json").write_text(json.dumps(cfg))
+    lite, _ = light.load_model(qdir)
+    assert lite.model.embed_tokens.bits == 8 and lite.model.layers[0].mlp.up_proj.bits == 4
+    x = mx.array([[5, 17, 99, 3]])
+    assert np.array_equal(np.array(lite(x)), np.array(model(x)))

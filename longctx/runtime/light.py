@@ -10,8 +10,8 @@ question and decodes the answer, which the `tokenizers` library does from `token
   submodules import as usual); the first access to a name the `__init__` defines runs it then.
   Only the CLI's process entry calls it (`longctx.cli.main`), before anything imports mlx-lm.
 - `load_model(path)` builds the mlx-lm model from `config.json` and `*.safetensors` the way
-  mlx-lm does, for plain configs (no custom model file, at most a `{group_size, bits}`
-  quantization); None otherwise, and the caller takes mlx-lm's loader.
+  mlx-lm does, for plain configs (no custom model file; mlx-lm's own `quantization` block with
+  optional per-layer settings); None otherwise, and the caller takes mlx-lm's loader.
 - `TextTokenizer` encodes and decodes with `tokenizers`. Its encodings are checked against the
   transformers tokenizer at ingest (`matches`); a cache whose check failed, or that predates it,
   is answered through transformers as before.
@@ -74,8 +74,9 @@ def load_model(path: Path) -> tuple[object, dict] | None:
 
     config = json.loads((path / "config.json").read_text())
     quant = config.get("quantization")
+    per_layer = {k: v for k, v in (quant or {}).items() if k not in ("group_size", "bits", "mode")}
     if config.get("model_file") or config.get("quantization_config") or (
-            quant is not None and set(quant) - {"group_size", "bits"}):
+            quant is not None and not all(isinstance(v, (dict, bool)) for v in per_layer.values())):
         return None
     model_type = config.get("model_type", "")
     try:
@@ -91,8 +92,13 @@ def load_model(path: Path) -> tuple[object, dict] | None:
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     if quant is not None:
+        def predicate(p, m):  # as mlx-lm: per-layer settings first, then layers with scales
+            if p in per_layer:
+                return per_layer[p]
+            return hasattr(m, "to_quantized") and f"{p}.scales" in weights
+
         nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],
-                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights)
+                    mode=quant.get("mode", "affine"), class_predicate=predicate)
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())
