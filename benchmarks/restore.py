@@ -77,7 +77,8 @@ def main() -> None:
     words = prose(max(args.tokens) * 8).split(" ")
     rows = []
     for n in args.tokens:
-        n = min(n, lm.context_length - session.ANSWER_RESERVE)  # ingest keeps room for the answer
+        # ingest keeps room for the answer; the search below may overshoot by a token or two
+        n = min(n, lm.context_length - session.ANSWER_RESERVE - 8)
         # A text document of about n prefix tokens.
         lo, hi = 1, len(words)
         while lo < hi:
