@@ -108,7 +108,7 @@ def _two_segment_view(preset, hkv, d, seed=0):
 
 
 @pytest.mark.parametrize("name", list(TURBO))
-@pytest.mark.parametrize("hq_,hkv,lq,d", [(8, 2, 1, 64), (4, 4, 1, 128), (8, 1, 3, 64)])
+@pytest.mark.parametrize("hq_,hkv,lq,d", [(8, 2, 1, 64), (4, 4, 1, 128), (8, 1, 3, 64), (9, 3, 16, 64)])
 def test_fused_attention_path_matches_mlx_path(name, hq_, hkv, lq, d):
     """compressed_attention with segments through decode_attend (its reference on the CPU, the
     kernel on a GPU) equals the blocked pure-MLX path."""
@@ -330,6 +330,7 @@ def test_gpu_decode_attend_causal_and_strided(name):
     """Lq = 3 with keys masked per row (whole splits masked), read in place from tail slices."""
     _gpu_decode_case(name, 128, 4, 3000, lq=3, causal_base=900, capacity=3328)
     _gpu_decode_case(name, 64, 8, 517, lq=2, causal_base=-1, capacity=768)  # a row sees nothing
+    _gpu_decode_case(name, 64, 3, 4000, lq=16, causal_base=3990)  # a question's worth of rows
 
 
 @gpu

@@ -17,6 +17,7 @@ The uncompressed window always takes the MLX path.
 from __future__ import annotations
 
 import functools
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -24,7 +25,9 @@ import numpy as np
 from longctx.kvcache.turbo import CompressedKV
 
 BLOCK = 2048
-FUSED_MAX_LQ = 8  # query tokens up to which the fused kernel is used (decode, short questions)
+# Query tokens up to which the fused kernel is used (decode, short questions); the environment's
+# LONGCTX_FUSED_MAX_LQ overrides it (benchmarks compare settings with it).
+FUSED_MAX_LQ = int(os.environ.get("LONGCTX_FUSED_MAX_LQ", "8"))
 
 
 def _block_mask(mask, q_pos: mx.array, k_lo: int, k_hi: int, lq: int):
