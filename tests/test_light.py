@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": path, **(env or {})})
 
 
 def test_deferred_init_imports_models_without_transformers_then_runs_it_on_demand():
@@ -93,13 +94,13 @@ def test_light_load_gives_the_same_model(tiny_model):
 def test_light_load_declines_what_it_does_not_handle(tiny_model, tmp_path):
     ref = models.resolve(str(tiny_model))
     models.load(ref)
-    cpu_dir = models._cpu_variant_dir(ref)
-    cfg = json.loads((cpu_dir / "config.json").read_text())
-    (cpu_dir / "config.json").write_text(json.dumps({**cfg, "model_file": "custom.py"}))
+    read = models._cpu_variant_dir(ref) if models.on_cpu() else ref.path  # what load_light reads
+    cfg = json.loads((read / "config.json").read_text())
+    (read / "config.json").write_text(json.dumps({**cfg, "model_file": "custom.py"}))
     try:
         assert models.load_light(ref) is None
     finally:
-        (cpu_dir / "config.json").write_text(json.dumps(cfg))
+        (read / "config.json").write_text(json.dumps(cfg))
 
 
 def test_unverified_tokenizer_falls_back_to_transformers(tiny_model, text_doc, monkeypatch):
