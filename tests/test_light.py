@@ -165,3 +165,20 @@ def test_light_load_of_quantized_weights_with_per_layer_settings(tiny_model, tmp
     assert lite.model.embed_tokens.bits == 8 and lite.model.layers[0].mlp.up_proj.bits == 4
     x = mx.array([[5, 17, 99, 3]])
     assert np.array_equal(np.array(lite(x)), np.array(model(x)))
+
+
+@pytest.mark.parametrize("generation", [None, [0, 2], 0])
+def test_light_eos_ids_are_mlx_lms(tiny_model, tmp_path, generation):
+    """EOS ids as mlx-lm's loader sets them: generation_config.json over config.json, plus the
+    tokenizer's own; the ingest-time tokenizer (models.tokenizer) agrees with both."""
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [2, 1]}))
+    if generation is not None:
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation}))
+    ref = models.resolve(str(path))
+    loaded = models.load(ref).tokenizer.eos_token_ids
+    assert light.TextTokenizer.load(path).eos_token_ids == set(loaded) == set(models.tokenizer(ref).eos_token_ids)

@@ -124,10 +124,10 @@ class TextTokenizer:
         self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
         cfg = _read_json(path / "tokenizer_config.json")
         self.bos_token = _token_content(cfg.get("bos_token"))
-        eos = set()
-        for source in (_read_json(path / "config.json"), _read_json(path / "generation_config.json")):
-            ids = source.get("eos_token_id")
-            eos.update(ids if isinstance(ids, list) else [ids] if isinstance(ids, int) else [])
+        # As mlx-lm: generation_config.json's eos_token_id, else config.json's, plus the tokenizer's.
+        ids = (_read_json(path / "generation_config.json").get("eos_token_id")
+               or _read_json(path / "config.json").get("eos_token_id"))
+        eos = set(ids if isinstance(ids, list) else [ids] if isinstance(ids, int) else [])
         name = _token_content(cfg.get("eos_token"))
         if name is not None and self._tok.token_to_id(name) is not None:
             eos.add(self._tok.token_to_id(name))

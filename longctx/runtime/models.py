@@ -336,10 +336,12 @@ def reuse_loaded():
 def tokenizer(ref: ModelRef):
     """The model's tokenizer (mlx-lm wrapper); inside `reuse_loaded()`, the loaded model's."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from mlx_lm.utils import load_config
 
     if _LOADED is not None and ref in _LOADED:
         return _LOADED[ref].tokenizer
-    return load_tokenizer(ref.path)
+    # The EOS ids mlx-lm's `load` gives the model's tokenizer (config / generation config).
+    return load_tokenizer(ref.path, eos_token_ids=load_config(ref.path).get("eos_token_id"))
 
 
 def load(ref: ModelRef) -> LoadedModel:
