@@ -22,6 +22,7 @@ from rich.table import Table
 
 import longctx
 from longctx.errors import LongctxError
+from longctx.kvcache.presets import DEFAULT_PRESET
 from longctx.units import human_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -117,7 +118,7 @@ def _warn_empty_pages(name: str, empty: tuple[int, ...], pages: int) -> None:
 @app.command()
 def ingest(file: str = typer.Argument(..., help="PDF, text or markdown file."),
            model: Optional[str] = ModelOpt,
-           kv: str = typer.Option("tq4", "--kv", help="KV cache preset: fp16, affine8, affine4, tq4, tq4k3v, tq3, tq3+qjl, rvq2+2, tq5k4v."),
+           kv: str = typer.Option(DEFAULT_PRESET, "--kv", help="KV cache preset: fp16, affine8, affine4, tq4, tq4k3v, tq3, tq3+qjl, rvq2+2, tq5k4v."),
            dry_run: bool = typer.Option(False, "--dry-run", help="Show pages, tokens and cache size; write nothing."),
            force: bool = typer.Option(False, "--force", help="Rebuild the cache even if it exists."),
            password: Optional[str] = typer.Option(None, "--password", help="Password of an encrypted PDF."),
