@@ -69,16 +69,18 @@ def lookup(words: mx.array, bits: int, n: int, table: np.ndarray,
     if 8 % bits == 0:
         idx = raw
     else:  # each run of `bits` bytes holds 8 values: assemble it, cut it into k-value fields
-        run = raw.reshape(*lead, -1, bits).astype(np.uint64)
-        val = run[..., 0].copy()
+        run = raw.reshape(*lead, -1, bits)
+        val = run[..., 0].astype(np.uint64)
         for j in range(1, bits):
-            val |= run[..., j] << np.uint64(8 * j)
+            val |= run[..., j].astype(np.uint64) << np.uint64(8 * j)
         width = k * bits
         mask = np.uint64((1 << width) - 1)
-        idx = np.stack([(val >> np.uint64(s * width)) & mask for s in range(8 // k)], axis=-1)
+        idx = np.empty((*val.shape, 8 // k), dtype=np.uint64)
+        for s in range(8 // k):
+            np.bitwise_and(val >> np.uint64(s * width), mask, out=idx[..., s])
         idx = idx.reshape(*lead, -1)
     if out is None:
-        return np.take(tab, idx).view(np.float32).reshape(*lead, n)
+        return np.take(tab, idx, mode="clip").view(np.float32).reshape(*lead, n)
     np.take(tab, idx, out=out.view(tab.dtype), mode="clip")  # n % 32 == 0: no padding to drop
     return out
 
