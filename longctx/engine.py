@@ -115,7 +115,7 @@ def generate(model, tokenizer, tokens: list[int], cache: list, max_tokens: int =
         mx.random.seed(seed)
     stop = frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
     ids: list[int] = []
-    shown = ""
+    shown = text = ""
     for token in token_stream(model, tokens, cache, max_tokens, temperature, stop):
         ids.append(token)
         text = tokenizer.decode(ids)
@@ -125,8 +125,7 @@ def generate(model, tokenizer, tokens: list[int], cache: list, max_tokens: int =
         if len(text) > len(shown):
             yield text[len(shown):]
             shown = text
-    text = tokenizer.decode(ids) if ids else ""
-    if text.startswith(shown) and len(text) > len(shown):
+    if text.startswith(shown) and len(text) > len(shown):  # what was held back at the end
         yield text[len(shown):]
 
 

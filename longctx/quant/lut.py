@@ -99,30 +99,23 @@ def decode_rotated(codec, enc: dict[str, mx.array], head: np.ndarray | None = No
     """
     p = codec.padded_dim
     c1 = codec.codebook.centroids.astype(np.float32)
-    if head is not None:
-        lead, n = enc["norm"].shape[:-1], enc["norm"].shape[-1]
-        full = np.empty((*lead, head.shape[-2] + n, p), dtype=np.float32)
-        full[..., : head.shape[-2], :] = head
-        body = full[..., head.shape[-2]:, :]
-        if codec.rvq is None:
-            lookup(enc["idx"], codec.spec.bits, p, c1, out=body)
-        else:
-            body[...] = decode_rotated(codec, {"idx": enc["idx"], "idx2": enc["idx2"],
-                                               "norm": mx.ones(enc["norm"].shape, mx.float16)})
-        body *= np.asarray(enc["norm"].astype(mx.float32))[..., None]
-        return full
+    norm = np.asarray(enc["norm"].astype(mx.float32))  # (..., L)
+    s = 0 if head is None else head.shape[-2]
+    full = np.empty((*norm.shape[:-1], s + norm.shape[-1], p), dtype=np.float32)
+    if s:
+        full[..., :s, :] = head
+    body = full[..., s:, :]  # the decoded rows, written in place
     if codec.rvq is None:
-        out = lookup(enc["idx"], codec.spec.bits, p, c1)
+        lookup(enc["idx"], codec.spec.bits, p, c1, out=body)
     else:
         b2 = codec.spec.bits2
         c2 = codec.rvq.stage2.centroids.astype(np.float32).reshape(len(c1), -1)
         table = (c1[:, None] + c2).ravel()  # the float32 sum rvq.dequantize computes
         i1 = unpack(enc["idx"], codec.spec.bits, p).astype(mx.uint32)
         i2 = unpack(enc["idx2"], b2, p).astype(mx.uint32)
-        out = np.take(table, np.asarray((i1 << b2) | i2))
-    norm = np.asarray(enc["norm"].astype(mx.float32))
-    out *= norm[..., None]
-    return out
+        body[...] = np.take(table, np.asarray((i1 << b2) | i2))
+    body *= norm[..., None]
+    return full
 
 
 __all__ = ["decode_rotated", "lookup"]

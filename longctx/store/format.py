@@ -370,19 +370,25 @@ class Reader:
             raise self.corrupt(f"array {t.name!r} fails its checksum")
         return buf
 
-    def _read_all_verified(self):
-        """(tensor, verified bytes) in file order; checksums on several threads (hashlib releases
-        the GIL: a 180 MB fp16 cache verifies in a fraction of the time on a many-core host)."""
+    def _read_all_verified(self, keep: bool) -> list:
+        """[(tensor, verified bytes or None)] in file order; checksums on several threads
+        (hashlib releases the GIL: a 180 MB fp16 cache verifies in a fraction of the time on a
+        many-core host). Without `keep` each buffer is dropped once checked."""
         tensors = list(self.header.tensors.values())
+
+        def check(t):
+            buf = self._read_verified(t)
+            return buf if keep else None
+
         workers = max(1, min(8, os.cpu_count() or 1, len(tensors)))
         if workers == 1:
-            return [(t, self._read_verified(t)) for t in tensors]
+            return [(t, check(t)) for t in tensors]
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(zip(tensors, pool.map(self._read_verified, tensors)))
+            return list(zip(tensors, pool.map(check, tensors)))
 
     def verify(self) -> None:
         """Check every array's checksum without keeping anything (reuse check on ingest)."""
-        self._read_all_verified()
+        self._read_all_verified(keep=False)
 
     def arrays(self) -> dict:
         """Every array, read once, checksum-verified, as MLX arrays (in file order)."""
@@ -390,7 +396,10 @@ class Reader:
         import numpy as np
 
         out = {}
-        for t, raw in self._read_all_verified():
+        pending = self._read_all_verified(keep=True)
+        pending.reverse()
+        while pending:  # each numpy buffer is released once copied into MLX
+            t, raw = pending.pop()
             buf = raw.view(np.dtype(DTYPES[t.dtype][1])).reshape(t.shape)
             arr = mx.array(buf)
             out[t.name] = arr.view(mx.bfloat16) if t.dtype == "BF16" else arr
