@@ -126,6 +126,26 @@ def test_numpy_softmax_step_matches_mlx(monkeypatch, mask):
     np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-5, atol=1e-6)
 
 
+def test_numpy_softmax_step_in_place_only_when_asked():
+    from longctx.kvcache import attention
+    from longctx.kvcache.attention import _softmax_step
+
+    base = mx.random.normal((1, 2, 8, 2048), key=mx.random.key(5)) * 3.0  # numpy-sized block
+    assert base.size >= attention.NUMPY_SOFTMAX_MIN
+    m = mx.full((1, 2, 8, 1), -mx.inf)
+    mx.eval(base, m)
+    keep = np.array(base)
+    ref = [np.array(a) for a in _softmax_step(base, m, cpu=False)]
+    got = [np.array(a) for a in _softmax_step(base, m, cpu=True)]  # numpy path, copying
+    np.testing.assert_array_equal(np.array(base), keep)  # the caller's scores are untouched
+    fresh = base * 1.0
+    inplace = [np.array(a) for a in _softmax_step(fresh, m, cpu=True, inplace=True)]
+    for r, g, i in zip(ref, got, inplace):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+        np.testing.assert_array_equal(i, g)
+    np.testing.assert_array_equal(np.array(base), keep)  # only `fresh` was overwritten
+
+
 @pytest.mark.parametrize("spec", [QuantSpec(4), QuantSpec(3), QuantSpec(2, 2), QuantSpec(3, qjl=True)], ids=str)
 def test_decoding_after_head_rows_equals_concatenation(spec):
     codec = VectorCodec(64, spec, seed=9)

@@ -216,6 +216,7 @@ def decode_once(cache: list, max_bytes: int | None = None) -> int:
         bytes decoded (0 when skipped or nothing to decode).
     """
     import os
+    from concurrent.futures import ThreadPoolExecutor
 
     import mlx.core as mx
 
@@ -228,9 +229,15 @@ def decode_once(cache: list, max_bytes: int | None = None) -> int:
     if sum(c.dense_prefix_bytes() for c in layers) > max_bytes:
         return 0
     total = 0
-    for c in layers:
-        total += c.decode_prefix()
-        mx.eval(c.dense_prefix or [])  # layer by layer: the numpy buffers are freed as we go
+    # Keys and values of a layer decode side by side (numpy's loops release the GIL).
+    pool = ThreadPoolExecutor(max_workers=1) if (os.cpu_count() or 1) > 1 else None
+    try:
+        for c in layers:
+            total += c.decode_prefix(pool)
+            mx.eval(c.dense_prefix or [])  # layer by layer: the numpy buffers are freed as we go
+    finally:
+        if pool is not None:
+            pool.shutdown()
     return total
 
 

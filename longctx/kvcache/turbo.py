@@ -194,7 +194,7 @@ class TurboQuantCache:
         return CompressedKV(kc, vc, tuple(segments), self.offset, self.means[1], self.window, self.sink,
                             self.dense_prefix)
 
-    def decode_prefix(self) -> int:
+    def decode_prefix(self, pool=None) -> int:
         """Decode the sink and the read-only prefix once, into fp32 in the rotated frames.
 
         For answering on the CPU: there, decoding (a table lookup per coordinate) costs far more
@@ -204,17 +204,29 @@ class TurboQuantCache:
         stored form, and forks share the decoded arrays. Costs (sink + prefix) x H_kv x
         (P_k + P_v) x 4 bytes per layer. No-op without a prefix.
 
+        Args:
+            pool: an executor: the keys' table lookups then run on it while the values' run
+                here (numpy releases the GIL; MLX is only touched on this thread).
+
         Returns:
             the bytes the decoded arrays hold.
         """
+        from longctx.quant import lut
+
         if not self.prefix_len:
             return 0
         kc, vc = self.codecs()
         sink_k, sink_v = (None, None) if self.sink is None else (
             kc.rotate(self.sink[0].astype(mx.float32)), vc.rotate(self.sink[1].astype(mx.float32)))
-        keys = kc.decode_scoring(self.prefix[0], head=sink_k)
-        values = vc.decode_scoring(self.prefix[1], head=sink_v)
-        self.dense_prefix = (keys, values)
+        job_k, job_v = kc.scoring_job(self.prefix[0], sink_k), vc.scoring_job(self.prefix[1], sink_v)
+        if pool is None:
+            rows_k, rows_v = lut.finish(job_k), lut.finish(job_v)
+        else:
+            pending = pool.submit(lut.finish, job_k)
+            rows_v = lut.finish(job_v)
+            rows_k = pending.result()
+        self.dense_prefix = (kc.scoring_result(job_k, rows_k), vc.scoring_result(job_v, rows_v))
+        keys, values = self.dense_prefix
         return keys.nbytes + values.nbytes
 
     def dense_prefix_bytes(self) -> int:

@@ -157,8 +157,25 @@ class VectorCodec:
         """
         from longctx.quant import lut
 
+        job = self.scoring_job(enc, head)
+        return self.scoring_result(job, lut.finish(job))
+
+    def scoring_job(self, enc: dict[str, mx.array], head: mx.array | None = None) -> dict:
+        """`decode_scoring` in two halves: this one reads what it needs out of MLX (call it on
+        the thread that owns the arrays); `longctx.quant.lut.finish(job)` is numpy alone (any
+        thread); `scoring_result(job, rows)` makes the MLX result."""
+        from longctx.quant import lut
+
         lead = None if head is None else np.asarray(head.astype(mx.float32))
-        out = mx.array(lut.decode_rotated(self, enc, lead))
+        job = lut.prepare(self, enc, lead)
+        job["enc"] = enc
+        return job
+
+    def scoring_result(self, job: dict, rows: np.ndarray) -> mx.array:
+        """The second half of `decode_scoring`: `rows` (from `lut.finish(job)`) into MLX, plus
+        the QJL correction."""
+        enc, head = job["enc"], job["head"]
+        out = mx.array(rows)
         if self.qjl is not None:
             # <q, r> ~ scale * rnorm * <S q, signs> = q . (scale * rnorm * S^T signs)
             scale = math.sqrt(math.pi / 2) / self.qjl.m

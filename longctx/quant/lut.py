@@ -56,16 +56,28 @@ def lookup(words: mx.array, bits: int, n: int, table: np.ndarray,
         (..., n) float32 numpy array (`out` when given).
     """
     table = np.ascontiguousarray(table, dtype=np.float32)
-    lead = words.shape[:-1]
     if not LITTLE_ENDIAN or n % 32:
         got = np.take(table, np.asarray(unpack(words, bits, n)))
         if out is None:
             return got
         out[...] = got
         return out
+    return lookup_bytes(_stream(words), bits, n, table, out)
+
+
+def _stream(words: mx.array) -> np.ndarray:
+    """(..., bytes) uint8: the packed bit stream of `words` (a view where MLX allows)."""
+    return np.asarray(words.astype(mx.uint32)).view(np.uint8)
+
+
+def lookup_bytes(raw: np.ndarray, bits: int, n: int, table: np.ndarray,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """`lookup` on the bit stream `raw` (..., bytes) uint8, little-endian hosts, n % 32 == 0.
+    numpy only: safe to run on a worker thread (numpy releases the GIL in the big loops)."""
+    table = np.ascontiguousarray(table, dtype=np.float32)
+    lead = raw.shape[:-1]
     k = _PER_LOOKUP[bits]
     tab = _field_table(table.tobytes(), bits, k)
-    raw = np.asarray(words.astype(mx.uint32)).view(np.uint8)  # (..., bytes): the bit stream
     if 8 % bits == 0:
         idx = raw
     else:  # each run of `bits` bytes holds 8 values: assemble it, cut it into k-value fields
@@ -97,25 +109,43 @@ def decode_rotated(codec, enc: dict[str, mx.array], head: np.ndarray | None = No
     Returns:
         (..., S + L, padded_dim) float32.
     """
+    return finish(prepare(codec, enc, head))
+
+
+def prepare(codec, enc: dict[str, mx.array], head: np.ndarray | None = None) -> dict:
+    """The MLX half of `decode_rotated` (reads the packed arrays out of MLX, on the calling
+    thread); `finish` does the rest in numpy alone, so it may run on another thread."""
     p = codec.padded_dim
     c1 = codec.codebook.centroids.astype(np.float32)
-    norm = np.asarray(enc["norm"].astype(mx.float32))  # (..., L)
-    s = 0 if head is None else head.shape[-2]
-    full = np.empty((*norm.shape[:-1], s + norm.shape[-1], p), dtype=np.float32)
-    if s:
-        full[..., :s, :] = head
-    body = full[..., s:, :]  # the decoded rows, written in place
-    if codec.rvq is None:
-        lookup(enc["idx"], codec.spec.bits, p, c1, out=body)
+    job = {"norm": np.asarray(enc["norm"].astype(mx.float32)), "head": head, "p": p}  # norm (..., L)
+    if codec.rvq is None and LITTLE_ENDIAN and p % 32 == 0:
+        job.update(raw=_stream(enc["idx"]), bits=codec.spec.bits, table=c1)
+    elif codec.rvq is None:
+        job["rows"] = lookup(enc["idx"], codec.spec.bits, p, c1)
     else:
         b2 = codec.spec.bits2
         c2 = codec.rvq.stage2.centroids.astype(np.float32).reshape(len(c1), -1)
         table = (c1[:, None] + c2).ravel()  # the float32 sum rvq.dequantize computes
         i1 = unpack(enc["idx"], codec.spec.bits, p).astype(mx.uint32)
         i2 = unpack(enc["idx2"], b2, p).astype(mx.uint32)
-        body[...] = np.take(table, np.asarray((i1 << b2) | i2))
+        job["rows"] = np.take(table, np.asarray((i1 << b2) | i2))
+    return job
+
+
+def finish(job: dict) -> np.ndarray:
+    """The numpy half of `decode_rotated`: table lookup into one buffer, times the norms."""
+    norm, head, p = job["norm"], job["head"], job["p"]
+    s = 0 if head is None else head.shape[-2]
+    full = np.empty((*norm.shape[:-1], s + norm.shape[-1], p), dtype=np.float32)
+    if s:
+        full[..., :s, :] = head
+    body = full[..., s:, :]  # the decoded rows, written in place
+    if "raw" in job:
+        lookup_bytes(job["raw"], job["bits"], p, job["table"], out=body)
+    else:
+        body[...] = job["rows"]
     body *= norm[..., None]
     return full
 
 
-__all__ = ["decode_rotated", "lookup"]
+__all__ = ["decode_rotated", "finish", "lookup", "lookup_bytes", "prepare"]

@@ -376,15 +376,29 @@ class Reader:
         many-core host). Without `keep` each buffer is dropped once checked."""
         tensors = list(self.header.tensors.values())
 
-        def check(t):
-            buf = self._read_verified(t)
-            return buf if keep else None
+        def check(group):
+            out = []
+            for t in group:
+                buf = self._read_verified(t)
+                out.append((t, buf if keep else None))
+            return out
 
         workers = max(1, min(8, os.cpu_count() or 1, len(tensors)))
         if workers == 1:
-            return [(t, check(t)) for t in tensors]
+            return check(tensors)
+        # One task per worker (a few hundred small arrays as tasks cost more in thread handoffs
+        # than their checksums): runs of consecutive arrays of about equal bytes.
+        total = sum(t.nbytes for t in tensors) or 1
+        groups, run, acc = [], [], 0
+        for t in tensors:
+            run.append(t)
+            acc += t.nbytes
+            if acc * workers >= total * (len(groups) + 1) and len(groups) < workers - 1:
+                groups.append(run)
+                run = []
+        groups.append(run)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(zip(tensors, pool.map(check, tensors)))
+            return [pair for part in pool.map(check, groups) for pair in part]
 
     def verify(self) -> None:
         """Check every array's checksum without keeping anything (reuse check on ingest)."""
