@@ -4,8 +4,9 @@ Queries are rotated once into the key codec's frame (keys are stored centered; t
 shift is the same for every key of a query, so softmax needs no correction); each block of keys is
 decoded in that frame (plus the QJL correction when the keys carry one), scores go through a
 running-max softmax, and values are accumulated in the value codec's rotated frame and rotated
-back once at the end. Only one block of keys and values is ever decoded at a time, so a 128k cache
-is never expanded in full.
+back once. Tokens kept exact (the sink and the uncompressed window) need no rotation: they are
+attended last, as one block, in the original frame. Only one block of keys and values is ever
+decoded at a time, so a 128k cache is never expanded in full.
 
 Two paths produce the (m, l, acc) state of a compressed segment:
 - pure MLX (the CPU path, and the oracle): decode a block, matmul, softmax, matmul;
@@ -148,36 +149,45 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
 
     state = None  # (m, l, acc) once a block or segment has been seen
 
-    def add_block(state, k_rot, v_rot, start, correction):
+    def visible(parts: list) -> mx.array | None:
+        """Mask of keys at the positions [lo, hi) of `parts`, side by side (None: all visible).
+        Keys no later than the first query are visible to every query."""
+        if max(hi for _, hi in parts) <= first_q + 1:
+            return None
+        blocks = [_block_mask(mask, q_pos, lo, hi, Lq) for lo, hi in parts]
+        if any(b is None for b in blocks):
+            return None
+        return blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=-1)
+
+    def add_block(state, q, keys, values, allowed, correction):
         if state is None:
             state = (mx.full((B, Hkv, r * Lq, 1), -mx.inf, dtype=mx.float32),
                      mx.zeros((B, Hkv, r * Lq, 1), dtype=mx.float32), None)
-        n = k_rot.shape[2]
-        s = q_rot @ k_rot.swapaxes(-1, -2)  # (B, Hkv, r*Lq, n)
+        n = keys.shape[2]
+        s = q @ keys.swapaxes(-1, -2)  # (B, Hkv, r*Lq, n)
         if correction is not None:
             s = s + correction
         s = s * scale
-        # Keys no later than the first query are visible to every query: no mask needed.
-        allowed = _block_mask(mask, q_pos, start, start + n, Lq) if start + n > first_q + 1 else None
         if allowed is not None:
             s = s.reshape(B, Hkv, r, Lq, n)
             s = mx.where(allowed, s, -mx.inf).reshape(B, Hkv, r * Lq, n)
         m, l, acc = state
         # s is this block's own fresh array (a matmul, scaled, maybe masked), read only here
         m_new, p, corr, p_sum = _softmax_step(s, m, cpu, inplace=True)
-        pv = p @ v_rot  # (B, Hkv, r*Lq, Dpv)
+        pv = p @ values  # (B, Hkv, r*Lq, Dv)
         return m_new, l * corr + p_sum, pv if acc is None else acc * corr + pv
 
     pos = 0
     segments = kv.segments
+    exact = []  # (keys, values, lo, hi): tokens kept exact, attended in the original frame
     if kv.dense is not None and not fused:  # sink + first segment, decoded once (CPU answering)
-        state = add_block(state, kv.dense[0], kv.dense[1], 0, None)
-        pos = kv.dense[0].shape[2]
+        n = kv.dense[0].shape[2]
+        state = add_block(state, q_rot, kv.dense[0], kv.dense[1], visible([(0, n)]), None)
+        pos = n
         segments = segments[1:]
     elif kv.sink is not None:  # the first tokens of the sequence, kept exact
-        sink_k, sink_v = (a.astype(mx.float32) for a in kv.sink)
-        state = add_block(state, kc.rotate(sink_k), vc.rotate(sink_v), 0, None)
-        pos = sink_k.shape[2]
+        pos = kv.sink[0].shape[2]
+        exact.append((kv.sink[0], kv.sink[1], 0, pos))
     for seg_k, seg_v, length in segments:  # oldest first
         if fused:
             # Causal masking only matters if a key of the segment follows the first query.
@@ -192,15 +202,26 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
                 bk = {k: v[:, :, lo:hi] for k, v in seg_k.items()}
                 bv = {k: v[:, :, lo:hi] for k, v in seg_v.items()}
                 corr = kc.qjl_correction(q_proj, bk) if q_proj is not None else None
-                state = add_block(state, kc.decode_rotated(bk), vc.decode_rotated(bv), pos + lo, corr)
+                state = add_block(state, q_rot, kc.decode_rotated(bk), vc.decode_rotated(bv),
+                                  visible([(pos + lo, pos + hi)]), corr)
         pos += length
     if kv.window is not None:  # the newest tokens, uncompressed
-        state = add_block(state, kc.rotate(kv.window[0]), vc.rotate(kv.window[1]), pos, None)
+        exact.append((kv.window[0], kv.window[1], pos, pos + kv.window[0].shape[2]))
+    if state is not None:  # values were accumulated in the rotated frame: back, once
+        m, l, acc = state
+        state = (m, l, vc.unrotate(acc))
+    if exact:
+        # Exact tokens need no rotation: scores and values in the original frame (the
+        # rotation is orthonormal), sink and window as one block.
+        keys = mx.concatenate([e[0] for e in exact], axis=2) if len(exact) > 1 else exact[0][0]
+        values = mx.concatenate([e[1] for e in exact], axis=2) if len(exact) > 1 else exact[0][1]
+        q_plain = queries.astype(mx.float32).reshape(B, Hkv, r * Lq, D)
+        state = add_block(state, q_plain, keys.astype(mx.float32), values.astype(mx.float32),
+                          visible([(lo, hi) for _, _, lo, hi in exact]), None)
     if state is None:
         raise ValueError("attention over an empty cache view (no segment, no window)")
     _, l, acc = state
-    out = acc / mx.maximum(l, 1e-30)
-    out = vc.unrotate(out.reshape(B, Hkv, r, Lq, out.shape[-1]))[..., :D]  # (B, Hkv, r, Lq, D)
+    out = (acc / mx.maximum(l, 1e-30)).reshape(B, Hkv, r, Lq, D)
     out = out + kv.value_mean[:, :, None]  # values were stored centered
     return out.reshape(B, Hq, Lq, D).astype(queries.dtype)
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Restore timings on the lent GPU machine (MLX CUDA) at 8k tokens and beyond: SmolLM2-135M to its
+# 8k context, and with RoPE x4 (ntk-by-parts) to 32k (timing only: the restore path does not
+# depend on the RoPE frequencies). Run after the staged install (see benchmarks/gpu_niah.sh):
+#   bash .gpu/pN/install.sh && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu_restore.sh [phases|restore|all]
+# phases: benchmarks/restore_phases.py (where the time goes); restore: benchmarks/restore.py.
+# Logs and JSON go to $OUT (the device tool brings it back).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+out=${OUT:-benchmarks/results/gpu_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 MLX_ENABLE_TF32=0 LONGCTX_HOME=/tmp/longctx-home TRANSFORMERS_VERBOSITY=error
+long="smollm2#rope=ntk-by-parts:4"
+run() {
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "== $name rc=$? $((SECONDS - t0))s"; grep -v "Warn\|metric" "$out/$name.log" | tail -12
+}
+if [ "$what" = phases ] || [ "$what" = all ]; then
+  run restore_phases_gpu 240 python3 benchmarks/restore_phases.py --model "$long" --tokens 8000 32000 \
+    --preset tq4 --repeat 4 --name restore_phases_gpu
+  cp benchmarks/results/restore_phases_gpu.json "$out/" 2>/dev/null
+fi
+if [ "$what" = restore ] || [ "$what" = all ]; then
+  run restore_gpu_8k 200 python3 benchmarks/restore.py --tokens 8000 --presets tq4 tq4k3v tq5k4v \
+    --repeat 3 --name restore_gpu_8k
+  run restore_gpu_32k 330 python3 benchmarks/restore.py --model "$long" --tokens 16384 32000 \
+    --presets tq4 tq4k3v tq5k4v --repeat 3 --name restore_gpu_32k
+  cp benchmarks/results/restore_gpu_8k.json benchmarks/results/restore_gpu_32k.json "$out/" 2>/dev/null
+fi
