@@ -4,7 +4,10 @@
   ingest runs: each chunk attends to itself exactly and to earlier chunks through the cache).
 - `answer`: the product path. The first N - A tokens are prefilled and sealed (every token
   compressed, as a restored cache is), then the last A tokens are teacher-forced in steps of 16
-  from a fork, like a question and its answer; KL and perplexity over those A tokens only.
+  from an answering fork (`kvcache.fork`: it keeps up to `--answer-exact` new tokens
+  uncompressed, as `longctx ask` does), like a question and its answer; KL and perplexity over
+  those A tokens only. `--answer-exact 128` reproduces the earlier path that kept only the
+  preset's 128-token window exact.
 
 Usage: python benchmarks/kv_quality.py [--tokens 2048] [--answer 256] [--presets ...]
 """
@@ -55,7 +58,8 @@ def prefill_metric(lm, ids: list[int], presets: list[str], chunk: int) -> dict:
     return {p: {"ppl": math.exp(t[0] / n), "kl": t[1] / n, "top1": t[2] / n} for p, t in tot.items()}
 
 
-def answer_metric(lm, ids: list[int], presets: list[str], answer: int, step: int) -> dict:
+def answer_metric(lm, ids: list[int], presets: list[str], answer: int, step: int,
+                  exact: int = kvcache.ANSWER_EXACT) -> dict:
     prefix, rest = ids[: -answer - 1], ids[-answer - 1 :]
     inputs, targets = rest[:-1], mx.array(rest[1:])
     out, ref_logps = {}, []
@@ -63,7 +67,7 @@ def answer_metric(lm, ids: list[int], presets: list[str], answer: int, step: int
         cache = kvcache.make(lm.model, kvcache.get_preset(p))
         engine.prefill(lm.model, prefix, cache)
         kvcache.seal(cache)
-        cache = kvcache.fork(cache)
+        cache = kvcache.fork(cache, exact_new=exact)
         nll = kl = 0.0
         top1 = 0
         start = time.perf_counter()
@@ -87,6 +91,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--step", type=int, default=16)
     ap.add_argument("--presets", nargs="+", default=list(kvcache.PRESETS))
+    ap.add_argument("--answer-exact", type=int, default=kvcache.ANSWER_EXACT,
+                    help="new tokens an answering fork keeps uncompressed (the product's default)")
+    ap.add_argument("--skip-prefill-metric", action="store_true")
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
 
@@ -97,8 +104,10 @@ def main() -> None:
         skipped = [p for p in presets if kvcache.get_preset(p).kind == "affine"]
         presets = [p for p in presets if p not in skipped]
         print(f"skipping {skipped} on this backend", file=sys.stderr)
-    pre = prefill_metric(lm, ids, presets, args.chunk)
-    ans = answer_metric(lm, ids, presets, args.answer, args.step)
+    nan = {"ppl": float("nan"), "kl": float("nan"), "top1": float("nan")}
+    pre = ({p: dict(nan) for p in presets} if args.skip_prefill_metric
+           else prefill_metric(lm, ids, presets, args.chunk))
+    ans = answer_metric(lm, ids, presets, args.answer, args.step, args.answer_exact)
     head_dim = kvcache.head_dims(lm.model)[0]
     rows = []
     print(f"{'preset':>9} {'bits/ch':>8} | {'ppl':>7} {'Δppl%':>6} {'KL':>8} {'top1%':>6} | "
@@ -115,7 +124,7 @@ def main() -> None:
     device = "cpu" if lm.dtype == "float32" else "gpu"
     out = write(args.name or f"kv_quality_{device}_{args.tokens}",
                 {"model": lm.ref.model_id, "dtype": lm.dtype, "tokens": args.tokens, "answer_tokens": args.answer,
-                 "chunk": args.chunk, "answer_step": args.step,
+                 "chunk": args.chunk, "answer_step": args.step, "answer_exact": args.answer_exact,
                  "text": "samples/report.pdf + samples/notes.md + GPL-3 (if present) + samples/haystack (real prose)", "rows": rows})
     print(f"wrote {out}")
 

@@ -130,6 +130,28 @@ def test_fork_leaves_parent_untouched():
     assert all(np.array_equal(before[n], np.array(after[n])) for n in before)
 
 
+def test_answering_fork_keeps_question_and_answer_exact():
+    k, v = _kv(L=400)
+    parent = TurboQuantCache(kvcache.get_preset("tq4"), layer=0)
+    parent.update_and_fetch(k[:, :, :100], v[:, :, :100])
+    parent.seal()
+    (child,) = kvcache.fork([parent])  # as `longctx ask` forks: up to ANSWER_EXACT new tokens exact
+    plain = parent.fork()  # only the preset's 128-token window
+    for c in (child, plain):
+        for lo in range(100, 400, 50):  # a question, then an answer, in steps
+            c.update_and_fetch(k[:, :, lo:lo + 50], v[:, :, lo:lo + 50])
+    assert kvcache.ANSWER_EXACT >= 300
+    assert child.window_len == 300 and child.tail_len == 0 and child.offset == 400
+    np.testing.assert_allclose(np.array(child.window[0] + child.means[0]), np.array(k[:, :, 100:]), atol=1e-5)
+    assert plain.window_len == 128 and plain.tail_len == 172
+    (small,) = kvcache.fork([parent], exact_new=60)  # past the cap, the oldest are compressed
+    small.update_and_fetch(k[:, :, 100:400], v[:, :, 100:400])
+    assert small.window_len == 128 and small.tail_len == 172  # never below the preset's window
+    child.seal()
+    assert child.window is None and child.tail_len == 300 and child.offset == 400
+    assert parent.offset == 100 and parent.window is None
+
+
 @pytest.mark.parametrize("name", ["fp16", "affine8", "tq4", "tq3+qjl", "rvq2+2"])
 def test_save_restore_gives_identical_arrays_and_attention(tiny_model, text_doc, name):
     entry = session.ingest(text_doc, model=str(tiny_model), preset=name).entry

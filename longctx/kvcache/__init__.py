@@ -17,7 +17,7 @@ from __future__ import annotations
 from longctx.errors import ConfigError
 from longctx.kvcache.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset
 
-__all__ = ["DEFAULT_PRESET", "PRESETS", "Preset", "get_preset", "make", "to_arrays", "from_arrays",
+__all__ = ["ANSWER_EXACT", "DEFAULT_PRESET", "PRESETS", "Preset", "get_preset", "make", "to_arrays", "from_arrays",
            "fork", "head_dims", "seal", "to_mlx_lm", "windows", "window_config"]
 
 _AFFINE_PARTS = ("w", "s", "b")
@@ -241,11 +241,18 @@ def decode_once(cache: list, max_bytes: int | None = None) -> int:
     return total
 
 
-def fork(cache: list) -> list:
+ANSWER_EXACT = 1024  # newest tokens an answering fork keeps uncompressed (see fork)
+
+
+def fork(cache: list, exact_new: int = ANSWER_EXACT) -> list:
     """Caches that share the prefix read-only: appends never touch the parent's arrays.
 
     fp16/affine layers hold slices exactly `offset` long, so mlx-lm must allocate (and
     concatenate) on the first append instead of writing into the parent's buffers in place.
+    Compressed layers keep up to `exact_new` new tokens (the question and the answer)
+    uncompressed: compressing them would save nothing (a fork is not persisted) and cost
+    quality, since a question's and an answer's own tokens draw much of their attention.
+    Memory: exact_new x H_kv x D x 8 bytes per layer (SmolLM2-135M: 46 MiB at 1024 tokens).
     """
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
@@ -263,7 +270,7 @@ def fork(cache: list) -> list:
             f.values = tuple(a[..., :n, :] for a in c.values)
             f.offset = n
         elif isinstance(c, TurboQuantCache):
-            f = c.fork()
+            f = c.fork(exact_new)
         elif type(c) is RotatingKVCache:
             f = _rotating(c, None, None, 0) if c.keys is None else _rotating(c, *_rotating_tokens(c), n)
         else:

@@ -83,6 +83,9 @@ class TurboQuantCache:
         self.window: tuple[mx.array, mx.array] | None = None  # newest tokens, uncompressed
         self.sink: tuple[mx.array, mx.array] | None = None  # first tokens, never compressed
         self.dense_prefix: tuple[mx.array, mx.array] | None = None  # see decode_prefix()
+        # Newest tokens kept uncompressed: the preset's window, or more in an answering fork
+        # (`fork(exact_new=...)`), where the question and answer stay exact.
+        self.window_cap = preset.window
 
     @property
     def sink_len(self) -> int:
@@ -170,11 +173,11 @@ class TurboQuantCache:
             v = mx.concatenate([self.window[1], v], axis=2)
         self.window = (k, v)
         view = self.view()  # slices of the tail taken now stay valid after the writes below
-        old = k.shape[2] - self.preset.window
+        old = k.shape[2] - self.window_cap
         if old > 0:
             self.window = None
             self._append_compressed(k[:, :, :old], v[:, :, :old])
-            self.window = (k[:, :, old:], v[:, :, old:]) if self.preset.window else None
+            self.window = (k[:, :, old:], v[:, :, old:]) if self.window_cap else None
         return view, view
 
     def seal(self) -> None:
@@ -334,9 +337,16 @@ class TurboQuantCache:
         cache.prefix_len = next(iter(keys.values())).shape[2] if keys else 0
         return cache
 
-    def fork(self) -> "TurboQuantCache":
-        """Share everything so far as a read-only prefix; new tokens go to a private tail."""
+    def fork(self, exact_new: int = 0) -> "TurboQuantCache":
+        """Share everything so far as a read-only prefix; new tokens go to a private tail.
+
+        Args:
+            exact_new: keep up to this many of the newest tokens uncompressed (at least the
+                preset's window): an answering fork keeps its question and answer exact; they
+                are never persisted, and `seal()` compresses them if they ever are.
+        """
         child = TurboQuantCache.from_arrays(self.preset, self.layer, self.arrays(), self.head_dim)
+        child.window_cap = max(self.preset.window, exact_new)
         child.means = self.means
         child.sink = self.sink
         child.window = self.window  # immutable arrays: the child's appends concatenate anew
