@@ -66,3 +66,25 @@ def prose(min_chars: int) -> str:
     while len(text) < min_chars:
         text += "\n\n" + "\n\n".join(parts)
     return text
+
+
+def document_of(lm, directory: Path, n: int, question: str) -> tuple[Path, list[int], list[int]]:
+    """A text file of real prose whose prompt prefix is about `n` tokens (capped to leave room
+    for an answer), with its prefix and question token ids. The search may overshoot by a token
+    or two."""
+    from longctx import prompt, session
+
+    n = min(n, lm.context_length - session.ANSWER_RESERVE - 8)
+    words = prose(n * 8).split(" ")
+    lo, hi = 1, len(words)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lay = prompt.layout(lm.tokenizer, f"doc{n}.txt", " ".join(words[:mid]))
+        if len(prompt.prefix_tokens(lm.tokenizer, lay)) < n:
+            lo = mid + 1
+        else:
+            hi = mid
+    doc = directory / f"doc{n}.txt"
+    doc.write_text(" ".join(words[:lo]))
+    lay = prompt.layout(lm.tokenizer, doc.name, doc.read_text())
+    return doc, prompt.prefix_tokens(lm.tokenizer, lay), prompt.question_tokens(lm.tokenizer, lay, question)

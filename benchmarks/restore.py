@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import prose, write  # noqa: E402
+from _common import document_of, write  # noqa: E402
 
 from longctx.runtime.blas import tune_malloc  # noqa: E402
 
@@ -35,7 +35,7 @@ tune_malloc()  # as the `longctx` process does (cli.main); the same process runs
 
 import mlx.core as mx  # noqa: E402
 
-from longctx import engine, kvcache, prompt, session  # noqa: E402
+from longctx import engine, kvcache, session  # noqa: E402
 from longctx.runtime import models  # noqa: E402
 from longctx.store import Store  # noqa: E402
 
@@ -91,25 +91,9 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="longctx-bench-"))
     os.environ["LONGCTX_HOME"] = str(home)
     lm = models.load(models.resolve(args.model))
-    words = prose(max(args.tokens) * 8).split(" ")
     rows = []
     for n in args.tokens:
-        # ingest keeps room for the answer; the search below may overshoot by a token or two
-        n = min(n, lm.context_length - session.ANSWER_RESERVE - 8)
-        # A text document of about n prefix tokens.
-        lo, hi = 1, len(words)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lay = prompt.layout(lm.tokenizer, f"doc{n}.txt", " ".join(words[:mid]))
-            if len(prompt.prefix_tokens(lm.tokenizer, lay)) < n:
-                lo = mid + 1
-            else:
-                hi = mid
-        doc = home / f"doc{n}.txt"
-        doc.write_text(" ".join(words[:lo]))
-        lay = prompt.layout(lm.tokenizer, doc.name, doc.read_text())
-        prefix = prompt.prefix_tokens(lm.tokenizer, lay)
-        question = prompt.question_tokens(lm.tokenizer, lay, QUESTION)
+        doc, prefix, question = document_of(lm, home, n, QUESTION)
         row = {"tokens": len(prefix)}
 
         # (a) full re-prefill, once (it is the slow one)

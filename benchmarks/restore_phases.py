@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import prose, write  # noqa: E402
+from _common import document_of, write  # noqa: E402
 
 from longctx.runtime.blas import tune_malloc  # noqa: E402
 
@@ -26,7 +26,7 @@ tune_malloc()
 
 import mlx.core as mx  # noqa: E402
 
-from longctx import engine, kvcache, prompt, session  # noqa: E402
+from longctx import engine, kvcache, session  # noqa: E402
 from longctx.runtime import models  # noqa: E402
 from longctx.store import Store  # noqa: E402
 
@@ -49,21 +49,7 @@ def main() -> None:
     preset = kvcache.get_preset(args.preset)
     rows = []
     for n in args.tokens:
-        n = min(n, lm.context_length - session.ANSWER_RESERVE - 8)
-        words = prose(n * 8).split(" ")
-        lo, hi = 1, len(words)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lay = prompt.layout(lm.tokenizer, "doc.txt", " ".join(words[:mid]))
-            if len(prompt.prefix_tokens(lm.tokenizer, lay)) < n:
-                lo = mid + 1
-            else:
-                hi = mid
-        doc = home / f"doc{n}.txt"
-        doc.write_text(" ".join(words[:lo]))
-        lay = prompt.layout(lm.tokenizer, doc.name, doc.read_text())
-        prefix = prompt.prefix_tokens(lm.tokenizer, lay)
-        question = prompt.question_tokens(lm.tokenizer, lay, QUESTION)
+        doc, prefix, question = document_of(lm, home, n, QUESTION)
         base = make_prompt_cache(lm.model)
         engine.prefill(lm.model, prefix, base)
         path = home / f"mlxlm-{n}.safetensors"

@@ -229,11 +229,14 @@ def decode_once(cache: list, max_bytes: int | None = None) -> int:
     if sum(c.dense_prefix_bytes() for c in layers) > max_bytes:
         return 0
     total = 0
+    # Every layer's small MLX inputs in one evaluation, not one (a sync) per layer and array.
+    sinks = [c.rotated_sink() if c.prefix_len else None for c in layers]
+    mx.eval([a for s in sinks if s for a in s])
     # Keys and values of a layer decode side by side (numpy's loops release the GIL).
     pool = ThreadPoolExecutor(max_workers=1) if (os.cpu_count() or 1) > 1 else None
     try:
-        for c in layers:
-            total += c.decode_prefix(pool)
+        for c, sink in zip(layers, sinks):
+            total += c.decode_prefix(pool, sink)
             mx.eval(c.dense_prefix or [])  # layer by layer: the numpy buffers are freed as we go
     finally:
         if pool is not None:

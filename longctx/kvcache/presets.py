@@ -7,9 +7,9 @@
 - `rvq2+2`: two-stage (2+2 bit) residual keys; 3-bit values.
 - `tq5k4v`: 5-bit keys, 4-bit values (the quality option).
 
-Compressed presets keep the newest 128 tokens uncompressed in memory (`window`): while asking,
-the question and answer attend to themselves exactly, and ingest's chunks see their predecessor
-exactly; files hold those tokens compressed. They also keep the first 4 tokens of the sequence
+Compressed presets keep the newest 128 tokens uncompressed in memory (`window`): ingest's chunks
+see their predecessor exactly; files hold those tokens compressed. An answering fork
+(`kvcache.fork`) keeps more: its question and answer, up to `kvcache.ANSWER_EXACT` tokens. They also keep the first 4 tokens of the sequence
 exact, on disk too (`sink`, fp16): attention sinks draw a large share of every query's attention,
 so their key error shifts every distribution. On SmolLM2-135M's answer path (KL vs fp16, tq4) the
 window takes 0.071 to 0.038 nats and the sink then to 0.004 (benchmarks/results/kv_quality_*.json).

@@ -197,7 +197,14 @@ class TurboQuantCache:
         return CompressedKV(kc, vc, tuple(segments), self.offset, self.means[1], self.window, self.sink,
                             self.dense_prefix)
 
-    def decode_prefix(self, pool=None) -> int:
+    def rotated_sink(self) -> tuple[mx.array, mx.array] | None:
+        """The sink's keys and values (fp32) in the codecs' rotated frames, or None."""
+        if self.sink is None:
+            return None
+        kc, vc = self.codecs()
+        return kc.rotate(self.sink[0].astype(mx.float32)), vc.rotate(self.sink[1].astype(mx.float32))
+
+    def decode_prefix(self, pool=None, sink=None) -> int:
         """Decode the sink and the read-only prefix once, into fp32 in the rotated frames.
 
         For answering on the CPU: there, decoding (a table lookup per coordinate) costs far more
@@ -210,6 +217,7 @@ class TurboQuantCache:
         Args:
             pool: an executor: the keys' table lookups then run on it while the values' run
                 here (numpy releases the GIL; MLX is only touched on this thread).
+            sink: `rotated_sink()`, evaluated (decode_once evaluates every layer's at once).
 
         Returns:
             the bytes the decoded arrays hold.
@@ -219,8 +227,7 @@ class TurboQuantCache:
         if not self.prefix_len:
             return 0
         kc, vc = self.codecs()
-        sink_k, sink_v = (None, None) if self.sink is None else (
-            kc.rotate(self.sink[0].astype(mx.float32)), vc.rotate(self.sink[1].astype(mx.float32)))
+        sink_k, sink_v = (sink or self.rotated_sink()) or (None, None)
         job_k, job_v = kc.scoring_job(self.prefix[0], sink_k), vc.scoring_job(self.prefix[1], sink_v)
         if pool is None:
             rows_k, rows_v = lut.finish(job_k), lut.finish(job_v)

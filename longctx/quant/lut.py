@@ -67,7 +67,15 @@ def lookup(words: mx.array, bits: int, n: int, table: np.ndarray,
 
 def _stream(words: mx.array) -> np.ndarray:
     """(..., bytes) uint8: the packed bit stream of `words` (a view where MLX allows)."""
-    return np.asarray(words.astype(mx.uint32)).view(np.uint8)
+    return _numpy(words, mx.uint32, np.uint32).view(np.uint8)
+
+
+def _numpy(arr: mx.array, mx_dtype, np_dtype) -> np.ndarray:
+    """`arr` as numpy `np_dtype`. An evaluated fp16/fp32/uint32 array is read in place and
+    converted by numpy (the same exact widening as MLX's), so no MLX evaluation runs per call."""
+    if arr.dtype in (mx.float16, mx.float32, mx.uint32):
+        return np.asarray(arr).astype(np_dtype, copy=False)
+    return np.asarray(arr.astype(mx_dtype))
 
 
 def lookup_bytes(raw: np.ndarray, bits: int, n: int, table: np.ndarray,
@@ -117,7 +125,7 @@ def prepare(codec, enc: dict[str, mx.array], head: np.ndarray | None = None) -> 
     thread); `finish` does the rest in numpy alone, so it may run on another thread."""
     p = codec.padded_dim
     c1 = codec.codebook.centroids.astype(np.float32)
-    job = {"norm": np.asarray(enc["norm"].astype(mx.float32)), "head": head, "p": p}  # norm (..., L)
+    job = {"norm": _numpy(enc["norm"], mx.float32, np.float32), "head": head, "p": p}  # norm (..., L)
     if codec.rvq is None and LITTLE_ENDIAN and p % 32 == 0:
         job.update(raw=_stream(enc["idx"]), bits=codec.spec.bits, table=c1)
     elif codec.rvq is None:
