@@ -147,6 +147,7 @@ def test_answering_fork_keeps_question_and_answer_exact():
     (small,) = kvcache.fork([parent], exact_new=60)  # past the cap, the oldest are compressed
     small.update_and_fetch(k[:, :, 100:400], v[:, :, 100:400])
     assert small.window_len == 128 and small.tail_len == 172  # never below the preset's window
+    assert child.fork().window_cap == kvcache.ANSWER_EXACT  # a fork of a fork keeps its cap
     child.seal()
     assert child.window is None and child.tail_len == 300 and child.offset == 400
     assert parent.offset == 100 and parent.window is None

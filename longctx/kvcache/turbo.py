@@ -344,16 +344,17 @@ class TurboQuantCache:
         cache.prefix_len = next(iter(keys.values())).shape[2] if keys else 0
         return cache
 
-    def fork(self, exact_new: int = 0) -> "TurboQuantCache":
+    def fork(self, exact_new: int | None = None) -> "TurboQuantCache":
         """Share everything so far as a read-only prefix; new tokens go to a private tail.
 
         Args:
             exact_new: keep up to this many of the newest tokens uncompressed (at least the
-                preset's window): an answering fork keeps its question and answer exact; they
-                are never persisted, and `seal()` compresses them if they ever are.
+                preset's window; None: as this cache does): an answering fork keeps its question
+                and answer exact; they are never persisted, and `seal()` compresses them if they
+                ever are.
         """
         child = TurboQuantCache.from_arrays(self.preset, self.layer, self.arrays(), self.head_dim)
-        child.window_cap = max(self.preset.window, exact_new)
+        child.window_cap = max(self.preset.window, self.window_cap if exact_new is None else exact_new)
         child.means = self.means
         child.sink = self.sink
         child.window = self.window  # immutable arrays: the child's appends concatenate anew

@@ -389,10 +389,18 @@ class Reader:
 
         tensors = list(self.header.tensors.values())
 
+        failed = threading.Event()  # one worker's CacheCorrupt stops the others' reads
+
         def check(group):
             out = []
             for t in group:
-                buf = self._read_verified(t)
+                if failed.is_set():
+                    return out
+                try:
+                    buf = self._read_verified(t)
+                except BaseException:
+                    failed.set()
+                    raise
                 if keep:  # into MLX here, so the numpy buffer is freed at once
                     arr = mx.array(buf.view(np.dtype(DTYPES[t.dtype][1])).reshape(t.shape))
                     out.append((t, arr))
@@ -412,7 +420,8 @@ class Reader:
             if acc * workers >= total * (len(groups) + 1) and len(groups) < workers - 1:
                 groups.append(run)
                 run = []
-        groups.append(run)
+        if run:
+            groups.append(run)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             return [pair for part in pool.map(check, groups) for pair in part]
 
