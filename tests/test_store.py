@@ -331,10 +331,12 @@ def test_index_full_removes_the_new_file(tiny_model, text_doc, monkeypatch):
         with self._guard():
             raise sqlite3.OperationalError("database or disk is full")
 
-    monkeypatch.setattr(Store, "_set", failing_set)
-    with pytest.raises(StoreError, match="is full"):
-        session.ingest(text_doc, model=str(tiny_model))
-    monkeypatch.undo()
+    # Only this patch is undone after the ingest: `monkeypatch.undo()` would also drop the
+    # autouse fixture's LONGCTX_HOME and check the user's real store instead of the test's.
+    with monkeypatch.context() as patch:
+        patch.setattr(Store, "_set", failing_set)
+        with pytest.raises(StoreError, match="is full"):
+            session.ingest(text_doc, model=str(tiny_model))
     _store_is_empty()
 
 
