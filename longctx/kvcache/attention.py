@@ -152,11 +152,9 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
     def visible(parts: list) -> mx.array | None:
         """Mask of keys at the positions [lo, hi) of `parts`, side by side (None: all visible).
         Keys no later than the first query are visible to every query."""
-        if max(hi for _, hi in parts) <= first_q + 1:
+        if mask is None or max(hi for _, hi in parts) <= first_q + 1:
             return None
         blocks = [_block_mask(mask, q_pos, lo, hi, Lq) for lo, hi in parts]
-        if any(b is None for b in blocks):
-            return None
         return blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=-1)
 
     def add_block(state, q, keys, values, allowed, correction):

@@ -56,13 +56,18 @@ def lookup(words: mx.array, bits: int, n: int, table: np.ndarray,
         (..., n) float32 numpy array (`out` when given).
     """
     table = np.ascontiguousarray(table, dtype=np.float32)
-    if not LITTLE_ENDIAN or n % 32:
+    if not _byte_path(n):
         got = np.take(table, np.asarray(unpack(words, bits, n)))
         if out is None:
             return got
         out[...] = got
         return out
     return lookup_bytes(_stream(words), bits, n, table, out)
+
+
+def _byte_path(n: int) -> bool:
+    """Whether rows of n values decode straight from the packed bytes (`lookup_bytes`)."""
+    return LITTLE_ENDIAN and n % 32 == 0
 
 
 def _stream(words: mx.array) -> np.ndarray:
@@ -126,7 +131,7 @@ def prepare(codec, enc: dict[str, mx.array], head: np.ndarray | None = None) -> 
     p = codec.padded_dim
     c1 = codec.codebook.centroids.astype(np.float32)
     job = {"norm": _numpy(enc["norm"], mx.float32, np.float32), "head": head, "p": p}  # norm (..., L)
-    if codec.rvq is None and LITTLE_ENDIAN and p % 32 == 0:
+    if codec.rvq is None and _byte_path(p):
         job.update(raw=_stream(enc["idx"]), bits=codec.spec.bits, table=c1)
     elif codec.rvq is None:
         job["rows"] = lookup(enc["idx"], codec.spec.bits, p, c1)

@@ -256,22 +256,19 @@ class Reader:
     def _read_into(self, view: memoryview, offset: int, what: str) -> None:
         """Fill `view` from `offset`; a short read means the file shrank under us. Thread-safe:
         positional reads (`os.preadv`) run side by side; without them, one seek + read at a time."""
+        def read_at(chunk: memoryview, at: int) -> int:
+            if hasattr(os, "preadv"):
+                return os.preadv(self.file.fileno(), [chunk], at)
+            with self._lock:
+                self.file.seek(at)
+                return self.file.readinto(chunk)
+
         done = 0
-        if hasattr(os, "preadv"):
-            fd = self.file.fileno()
-            while done < len(view):
-                got = os.preadv(fd, [view[done:]], offset + done)
-                if not got:
-                    raise self.corrupt(f"truncated inside {what}")
-                done += got
-            return
-        with self._lock:
-            self.file.seek(offset)
-            while done < len(view):
-                got = self.file.readinto(view[done:])
-                if not got:
-                    raise self.corrupt(f"truncated inside {what}")
-                done += got
+        while done < len(view):
+            got = read_at(view[done:], offset + done)
+            if not got:
+                raise self.corrupt(f"truncated inside {what}")
+            done += got
 
     def _read_exact(self, offset: int, n: int) -> bytes:
         buf = bytearray(n)
