@@ -225,6 +225,17 @@ def restore(entry: Entry, lm: models.LoadedModel, store: Store, answering: bool 
         CacheCorrupt: the file is missing or damaged (nothing of it is used).
         CacheMismatch: it was built with another model, tokenizer or KV preset.
     """
+    cache, pending = restore_verifying(entry, lm, store, answering)
+    pending.wait()
+    return cache
+
+
+def restore_verifying(entry: Entry, lm: models.LoadedModel, store: Store,
+                      answering: bool = True) -> tuple[list, "PendingChecksums"]:
+    """`restore`, returning while the file's checksums are still being computed on other
+    threads: the caller starts the question at once and calls `wait()` on the second value
+    (it raises CacheCorrupt) before showing anything computed from the cache (`ask` does,
+    before its first answer token). Header, metadata and sizes are checked before this returns."""
     import mlx.core as mx
 
     try:
@@ -233,12 +244,16 @@ def restore(entry: Entry, lm: models.LoadedModel, store: Store, answering: bool 
         raise CacheMismatch(
             f"'{entry.name}' was ingested with KV preset {entry.kv_preset!r}, which this longctx "
             f"does not know; upgrade longctx, or {rebuild_hint(entry)}.") from None
-    arrays, meta = store.load(entry, lambda m: _check_cache_fits(entry, m, lm, preset))
-    cache = kvcache.from_arrays(arrays, lm.model, preset, getattr(mx, lm.dtype))
-    mx.eval([c.state for c in cache])
-    if answering and mx.default_device().type == mx.DeviceType.cpu:
-        kvcache.decode_once(cache)
-    return cache
+    arrays, meta, pending = store.load_verifying(entry, lambda m: _check_cache_fits(entry, m, lm, preset))
+    try:
+        cache = kvcache.from_arrays(arrays, lm.model, preset, getattr(mx, lm.dtype))
+        mx.eval([c.state for c in cache])
+        if answering and mx.default_device().type == mx.DeviceType.cpu:
+            kvcache.decode_once(cache)
+    except BaseException:
+        pending.wait()  # a damaged file explains a failure here better than the failure does
+        raise
+    return cache, pending
 
 
 def ask(question: str, doc: str | None = None, model: str | None = None, max_tokens: int = 256,
@@ -265,7 +280,8 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
         _check_same_model(entry, ref)
         # Caches whose question suffix was checked at ingest answer without transformers.
         lm = (models.load_light(ref) if entry.question_suffix else None) or models.load(ref)
-        cache = restore(entry, lm, store)
+        # The checksums are computed while the question runs; checked before the first token.
+        cache, pending = restore_verifying(entry, lm, store)
     finally:
         store.close()
     answer.restore_seconds = time.perf_counter() - start
@@ -281,12 +297,16 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
             f"{lm.context_length:,}-token context are left after '{entry.name}'; shorten the question."
         )
     max_tokens = min(max_tokens, room - len(suffix))
-    for piece in engine.generate(lm.model, lm.tokenizer, suffix, kvcache.fork(cache),
-                                 max_tokens=max_tokens, temperature=temperature, seed=seed):
-        if not answer.text:
-            answer.first_token_seconds = time.perf_counter() - start
-        answer.text += piece
-        yield piece
+    try:
+        for piece in engine.generate(lm.model, lm.tokenizer, suffix, kvcache.fork(cache),
+                                     max_tokens=max_tokens, temperature=temperature, seed=seed):
+            if not answer.text:
+                pending.wait()  # nothing computed from an unverified cache is shown
+                answer.first_token_seconds = time.perf_counter() - start
+            answer.text += piece
+            yield piece
+    finally:
+        pending.wait()  # an empty answer, or an error, still reports a damaged cache
 
 
 EXPORT_KV = {"fp16": 0, "affine8": 8, "affine4": 4}

@@ -94,11 +94,11 @@ def test_qjl_reference_is_sketch(dim):
     assert mx.array_equal(signs, want_signs) and mx.array_equal(rnorm, want_rnorm)
 
 
-def _two_segment_view(preset, hkv, d, seed=0):
+def _two_segment_view(preset, hkv, d, seed=0, layer=2):
     """A view with a read-only prefix, a private tail and (from the last chunk) a window."""
     mx.random.seed(seed)
     k, v = mx.random.normal((1, hkv, 330, d)), mx.random.normal((1, hkv, 330, d))
-    parent = TurboQuantCache(preset, layer=2)
+    parent = TurboQuantCache(preset, layer=layer)
     parent.update_and_fetch(k[:, :, :200], v[:, :, :200])
     child = parent.fork()
     child.update_and_fetch(k[:, :, 200:300], v[:, :, 200:300])
@@ -119,6 +119,29 @@ def test_fused_attention_path_matches_mlx_path(name, hq_, hkv, lq, d):
     b = compressed_attention(q, view, d ** -0.5, mask=mask, fused=True)
     err = float(mx.abs(a - b).max() / mx.abs(a).max())
     assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("name", ["tq4", "tq3+qjl", "rvq2+2"])
+@pytest.mark.parametrize("lq", [1, 16])
+def test_compiled_path_serves_every_layer_with_its_own_arrays(monkeypatch, name, lq):
+    """One compiled function serves layers of equal sizes (the fused path under mx.compile is
+    keyed by sizes, specs and positions only): each layer's call must use its own rotation signs,
+    QJL projection, tables and segments, never those captured when the function was traced."""
+    from longctx.kvcache import attention
+
+    preset = kvcache.get_preset(name)
+    views = [_two_segment_view(preset, 2, 64, seed=s, layer=layer)
+             for s, layer in ((0, 0), (1, 5), (2, 0))]
+    q = mx.random.normal((1, 6, lq, 64))
+    mask = "causal" if lq > 1 else None
+    monkeypatch.setattr(attention, "COMPILE", "0")
+    want = [compressed_attention(q, view, 0.125, mask=mask, fused=True) for view in views]
+    monkeypatch.setattr(attention, "COMPILE", "1")
+    monkeypatch.setattr(attention, "_COMPILED", attention.OrderedDict())
+    got = [compressed_attention(q, view, 0.125, mask=mask, fused=True) for view in views]
+    assert len(attention._COMPILED) == 1  # one function served all three layers
+    for a, b in zip(want, got):
+        assert float(mx.abs(a - b).max() / mx.abs(a).max()) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["tq3", "tq3+qjl", "rvq2+2"])

@@ -131,6 +131,44 @@ def test_data_bit_flips_are_refused(tiny_model, text_doc):
         np.testing.assert_array_equal(np.array(got[name]), arr, err_msg=name)
 
 
+def test_load_verifying_hands_out_arrays_and_refuses_on_wait(tiny_model, text_doc):
+    """`load_verifying` returns the arrays while their checksums run; `wait()` then refuses a
+    flipped data bit (every call, once failed) and passes an intact file."""
+    entry = _ingest(text_doc, tiny_model)
+    store = Store()
+    path = store.cache_path(entry.id)
+    original = path.read_bytes()
+    want, _ = store.load(entry)
+    got, _, pending = store.load_verifying(entry)
+    pending.wait()
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_array_equal(np.array(got[name]), np.array(want[name]), err_msg=name)
+    data = bytearray(original)
+    data[len(data) - 3] ^= 0x04
+    path.write_bytes(bytes(data))
+    got, _, pending = store.load_verifying(entry)  # no error yet: the arrays come first
+    assert set(got) == set(want)
+    for _ in range(2):
+        with pytest.raises(CacheCorrupt, match="array '.*' fails its checksum"):
+            pending.wait()
+
+
+def test_ask_shows_nothing_from_a_cache_that_fails_its_checksums(tiny_model, text_doc):
+    """`ask` starts the question while the checksums run, but a damaged cache yields no text:
+    the first token waits for every checksum."""
+    entry = _ingest(text_doc, tiny_model)
+    path = Store().cache_path(entry.id)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x08
+    path.write_bytes(bytes(data))
+    shown = []
+    with pytest.raises(CacheCorrupt, match="fails its checksum"):
+        for piece in session.ask("Who keeps the lighthouse?", max_tokens=4):
+            shown.append(piece)
+    assert shown == []
+
+
 @pytest.mark.parametrize("where", ["empty", "7", "8", "header-1", "header", "data-1", "mid", "end-1"])
 def test_truncated_file_is_corrupt(tiny_model, text_doc, where):
     entry = _ingest(text_doc, tiny_model)

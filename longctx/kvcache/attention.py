@@ -13,12 +13,21 @@ Two paths produce the (m, l, acc) state of a compressed segment:
 - fused (GPU, a few query tokens): `longctx.kernels.decode_attend` reads the packed segment
   directly and returns the segment's softmax state, merged here like any other block.
 The uncompressed window always takes the MLX path.
+
+On a GPU the fused path runs under `mx.compile` (`COMPILE`): one layer's attention is ~50 small
+MLX operations around the kernel (rotations, the split merge, the exact block, the softmax merge),
+each its own launch, and compiled they cost about what the kernel does (H200, 8k tokens, 16 query
+tokens: 1.78 -> 0.74 ms per layer; `restore_profile_gpu.json`). The compiled function takes every
+per-layer array as an input (rotation signs, QJL projection, centroid tables, segments, sink,
+window, value mean) and is keyed by sizes, specs and positions only, so all layers of a forward
+pass share one trace.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections import OrderedDict
 
 import mlx.core as mx
 import numpy as np
@@ -31,6 +40,11 @@ BLOCK = 2048
 # sooner through the kernel than through the blocked path (restore_gpu_lq64.json vs
 # restore_gpu_lq8.json). The environment's LONGCTX_FUSED_MAX_LQ overrides it.
 FUSED_MAX_LQ = int(os.environ.get("LONGCTX_FUSED_MAX_LQ", "64"))
+# Compile the fused path: "1" always, "question" for more than one query token only (decode steps
+# change the window's length, so each step traces anew), "0" never. LONGCTX_COMPILE overrides.
+COMPILE = os.environ.get("LONGCTX_COMPILE", "1")
+_COMPILED: OrderedDict = OrderedDict()  # key -> compiled function, least recently used first
+_COMPILED_MAX = 8
 
 
 def _block_mask(mask, q_pos: mx.array, k_lo: int, k_hi: int, lq: int):
@@ -132,7 +146,85 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
     Returns:
         (B, H_q, L_q, D) in the queries' dtype.
     """
+    Lq = queries.shape[2]
+    if fused is None:
+        fused = use_fused(mask, Lq)
+    elif fused and not _kernel_mask(mask):
+        raise ValueError("the fused kernel takes mask None or 'causal'")
+    if fused and kv.dense is None and _compile_wanted(Lq):
+        return _compiled_attention(queries, kv, scale, mask)
     kc, vc = kv.key_codec, kv.value_codec
+    tables = (kernel_table(kc), kernel_table(vc)) if fused else None
+    cpu = mx.default_device().type == mx.DeviceType.cpu
+    return _attend(queries, kv, kc, vc, tables, scale, mask, block, fused, cpu)
+
+
+def _compile_wanted(lq: int) -> bool:
+    return COMPILE == "1" or (COMPILE == "question" and lq > 1)
+
+
+class _Traced:
+    """A codec as the compiled path sees it: sizes and specs from a codec of the same dim and spec
+    (any layer's), arrays (rotation signs, QJL projection) from the compiled function's inputs."""
+
+    def __init__(self, codec, arrays: dict):
+        self.codec, self.arrays = codec, arrays
+        self.spec, self.rvq, self.padded_dim = codec.spec, codec.rvq, codec.padded_dim
+
+    def rotate(self, x: mx.array) -> mx.array:
+        return self.codec.rotation.forward(x, signs=self.arrays["signs"])
+
+    def unrotate(self, y: mx.array) -> mx.array:
+        return self.codec.rotation.inverse(y, signs=self.arrays["signs"])
+
+    def qjl_project(self, q_rot: mx.array) -> mx.array:
+        return q_rot.astype(mx.float32) @ self.arrays["qjl"]
+
+
+def _codec_arrays(codec) -> dict:
+    out = {"signs": codec.rotation.signs, "table": kernel_table(codec)}
+    if codec.qjl is not None:
+        out["qjl"] = codec.qjl._st
+    return out
+
+
+def _compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.array:
+    """The fused path under `mx.compile`, one compiled function per (sizes, specs, positions)."""
+    kc, vc = kv.key_codec, kv.value_codec
+    lq = queries.shape[2]
+    lengths = tuple(n for *_, n in kv.segments)
+    has_sink, has_window = kv.sink is not None, kv.window is not None
+    # Positions only matter to a mask; without one, every decode step shares the function.
+    offset = kv.offset if mask is not None else None
+    key = (kc.dim, kc.spec, vc.dim, vc.spec, float(scale), mask, lq, lengths, has_sink,
+           has_window, offset, queries.dtype)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        def traced(q, k_arrays, v_arrays, segments, sink, window, value_mean):
+            # without a mask the offset is never read: the traced value serves every call
+            view = CompressedKV(kc, vc, tuple((k, v, n) for (k, v), n in zip(segments, lengths)),
+                                kv.offset if offset is None else offset, value_mean,
+                                tuple(window) if has_window else None,
+                                tuple(sink) if has_sink else None, None)
+            tk, tv = _Traced(kc, k_arrays), _Traced(vc, v_arrays)
+            return _attend(q, view, tk, tv, (k_arrays["table"], v_arrays["table"]), scale, mask,
+                           BLOCK, True, False)
+
+        fn = _COMPILED[key] = mx.compile(traced)
+        while len(_COMPILED) > _COMPILED_MAX:
+            _COMPILED.popitem(last=False)
+    else:
+        _COMPILED.move_to_end(key)
+    return fn(queries, _codec_arrays(kc), _codec_arrays(vc), [(k, v) for k, v, _ in kv.segments],
+              list(kv.sink) if has_sink else [], list(kv.window) if has_window else [],
+              kv.value_mean)
+
+
+def _attend(queries: mx.array, kv: CompressedKV, kc, vc, tables, scale: float, mask, block: int,
+            fused: bool, cpu: bool) -> mx.array:
+    """`compressed_attention`'s body. `kc`/`vc`: the codecs (or their `_Traced` stand-ins);
+    `tables`: the kernel's centroid tables when fused; `cpu`: large score blocks may go through
+    numpy (never under compile)."""
     B, Hq, Lq, D = queries.shape
     Hkv = kv.value_mean.shape[1]
     r = Hq // Hkv
@@ -141,11 +233,6 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
     q_proj = kc.qjl_project(q_rot) if kc.spec.qjl else None
     q_pos = mx.arange(kv.offset - Lq, kv.offset)
     first_q = kv.offset - Lq
-    cpu = mx.default_device().type == mx.DeviceType.cpu
-    if fused is None:
-        fused = use_fused(mask, Lq)
-    elif fused and not _kernel_mask(mask):
-        raise ValueError("the fused kernel takes mask None or 'causal'")
 
     state = None  # (m, l, acc) once a block or segment has been seen
 
@@ -191,7 +278,7 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
             # Causal masking only matters if a key of the segment follows the first query.
             last_q = kv.offset - Lq
             causal = mask is not None and pos + length - 1 > last_q
-            seg = _fused_segment(kv, q_rot, q_proj, seg_k, seg_v, scale, Lq,
+            seg = _fused_segment(kc, vc, tables, q_rot, q_proj, seg_k, seg_v, scale, Lq,
                                  last_q - pos if causal else None)
             state = seg if state is None else _merge(state, *seg)
         else:
@@ -224,13 +311,12 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
     return out.reshape(B, Hq, Lq, D).astype(queries.dtype)
 
 
-def _fused_segment(kv: CompressedKV, q_rot, q_proj, seg_k: dict, seg_v: dict, scale: float,
+def _fused_segment(kc, vc, tables, q_rot, q_proj, seg_k: dict, seg_v: dict, scale: float,
                    lq: int, causal_base):
     """(m, l, acc) of one compressed segment from the fused kernel."""
     from longctx.kernels.decode_attend import decode_attend
 
-    kc, vc = kv.key_codec, kv.value_codec
-    return decode_attend(q_rot, seg_k, seg_v, kernel_table(kc), kernel_table(vc),
+    return decode_attend(q_rot, seg_k, seg_v, tables[0], tables[1],
                          key_bits=kc.spec.bits, key_bits2=kc.spec.bits2 if kc.rvq else 0,
                          value_bits=vc.spec.bits, scale=scale, q_proj=q_proj, lq=lq,
                          causal_base=causal_base)

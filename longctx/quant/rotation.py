@@ -78,11 +78,13 @@ class RandomHadamard:
         # Only non-symmetric sizes need the explicit matrix; M^T is the inverse transform.
         self._inverse_matrix = None if symmetric else matrix.T
 
-    def forward(self, x: mx.array) -> mx.array:
+    def forward(self, x: mx.array, signs: mx.array | None = None) -> mx.array:
         """Rotate the last axis.
 
         Args:
             x: (..., dim), any float dtype.
+            signs: stand-in for `self.signs` (a traced input of a compiled function that serves
+                every layer's rotation of this size).
 
         Returns:
             (..., padded_dim) float32.
@@ -95,13 +97,15 @@ class RandomHadamard:
         if self.padded_dim != self.dim:
             pad = [(0, 0)] * (x.ndim - 1) + [(0, self.padded_dim - self.dim)]
             x = mx.pad(x, pad)  # (..., padded_dim)
-        return mx.hadamard_transform(x * self.signs, scale=self._scale)
+        return mx.hadamard_transform(x * (self.signs if signs is None else signs), scale=self._scale)
 
-    def inverse(self, y: mx.array) -> mx.array:
+    def inverse(self, y: mx.array, signs: mx.array | None = None) -> mx.array:
         """Undo `forward`.
 
         Args:
             y: (..., padded_dim), any float dtype.
+            signs: stand-in for `self.signs`, as in `forward` (the inverse matrix depends on the
+                size only).
 
         Returns:
             (..., dim) float32: the first `dim` coordinates of the un-rotated vector.
@@ -115,5 +119,5 @@ class RandomHadamard:
             z = mx.hadamard_transform(y, scale=self._scale)  # H is symmetric: H^-1 = H
         else:
             z = y @ self._inverse_matrix  # (..., padded_dim)
-        z = z * self.signs
+        z = z * (self.signs if signs is None else signs)
         return z[..., : self.dim] if self.padded_dim != self.dim else z

@@ -307,6 +307,16 @@ class Store:
         Raises:
             CacheCorrupt: the file is missing, damaged, of another format, or not this entry's.
         """
+        arrays, meta, pending = self.load_verifying(entry, check)
+        pending.wait()
+        return arrays, meta
+
+    def load_verifying(self, entry: Entry, check: Callable[[dict], None] | None = None
+                       ) -> tuple[dict, dict, fmt.PendingChecksums]:
+        """`load`, handing the arrays out while their checksums are still being computed: the
+        header, the metadata and every size are checked before this returns; call `wait()` on
+        the third value (it raises CacheCorrupt) before anything computed from the arrays is
+        shown. Used by `ask`, whose question pass then overlaps the checksums."""
         hint = rebuild_hint(entry)
         with fmt.open_cache(self.cache_path(entry.id), entry.name, hint) as reader:
             meta = reader.header.meta
@@ -314,7 +324,8 @@ class Store:
                 check(dict(meta))
             _check_is_entrys(reader, entry)
             layout.check(reader.header, entry.name, hint)
-            return reader.arrays(), dict(meta)
+            arrays, pending = reader.arrays_verifying()
+            return arrays, dict(meta), pending
 
     def verify(self, entry: Entry) -> bool:
         """Whether the entry's file is complete and intact (reads it all; keeps nothing)."""

@@ -13,7 +13,9 @@ canonical serialization is byte-for-byte the header (so a changed byte cannot hi
 whitespace or a duplicate key), its checksum, the version, known dtypes, shapes that match byte
 sizes, offsets that tile the data region exactly up to the end of the file. `Reader.arrays()` then
 reads each array once and checks its sha256 before handing it to MLX. Every byte of the file is
-covered, so a truncated, bit-flipped or edited file is refused with `CacheCorrupt`; nothing is
+covered, so a truncated, bit-flipped or edited file is refused with `CacheCorrupt` (by
+`Reader.arrays()` before it returns, or by `PendingChecksums.wait()` of `arrays_verifying()`,
+which hands the arrays out while their checksums are still being computed); nothing is
 ever unpickled or memory-mapped (a file truncated under a mapping would crash the reader with
 SIGBUS). sha256 rather than a CRC: OpenSSL's SHA-NI / ARMv8 code runs at ~1.5 GB/s, hashlib
 releases the GIL, and it rules out accidental collisions outright.
@@ -37,7 +39,7 @@ import stat
 import struct
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -366,49 +368,19 @@ class Reader:
             raise self.corrupt("the checksum table does not list exactly the file's arrays")
         return sums
 
-    def _read_verified(self, t: Tensor):
+    def _read(self, t: Tensor):
         import numpy as np
 
         buf = np.empty(t.nbytes, dtype=np.uint8)
         self._read_into(memoryview(buf), self.header.data_start + t.begin, f"array {t.name!r}")
-        if hashlib.sha256(buf).hexdigest() != self.header.checksums[t.name]:
-            raise self.corrupt(f"array {t.name!r} fails its checksum")
         return buf
 
-    def _read_all_verified(self, keep: bool) -> list:
-        """[(tensor, verified MLX array or None)] in file order. Reads, checksums and the copies
-        into MLX run on several threads (positional reads; hashlib and the copies release the
-        GIL: a 200 MB cache verifies in a fraction of the time on a many-core host), one task
-        per worker over runs of consecutive arrays of about equal bytes. Without `keep` each
-        buffer is dropped once checked."""
-        import mlx.core as mx
-        import numpy as np
+    def _check_sum(self, t: Tensor, buf) -> None:
+        if hashlib.sha256(buf).hexdigest() != self.header.checksums[t.name]:
+            raise self.corrupt(f"array {t.name!r} fails its checksum")
 
-        tensors = list(self.header.tensors.values())
-
-        failed = threading.Event()  # one worker's CacheCorrupt stops the others' reads
-
-        def check(group):
-            out = []
-            for t in group:
-                if failed.is_set():
-                    return out
-                try:
-                    buf = self._read_verified(t)
-                except BaseException:
-                    failed.set()
-                    raise
-                if keep:  # into MLX here, so the numpy buffer is freed at once
-                    arr = mx.array(buf.view(np.dtype(DTYPES[t.dtype][1])).reshape(t.shape))
-                    out.append((t, arr))
-                else:
-                    out.append((t, None))
-                del buf
-            return out
-
-        workers = max(1, min(8, os.cpu_count() or 1, len(tensors)))
-        if workers == 1:
-            return check(tensors)
+    def _groups(self, tensors: list, workers: int) -> list:
+        """Runs of consecutive arrays of about equal bytes, one per worker."""
         total = sum(t.nbytes for t in tensors) or 1
         groups, run, acc = [], [], 0
         for t in tensors:
@@ -419,21 +391,106 @@ class Reader:
                 run = []
         if run:
             groups.append(run)
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            return [pair for part in pool.map(check, groups) for pair in part]
+        return groups
+
+    def _read_all(self, keep: bool) -> tuple[list, "PendingChecksums"]:
+        """[(tensor, MLX array or None)] in file order, and their checksums still running.
+
+        One task per worker over runs of consecutive arrays of about equal bytes: it reads its
+        arrays (positional reads, GIL released) and copies them into MLX, hands them over, then
+        checks their checksums (hashlib releases the GIL) while the caller may already use the
+        arrays: the caller must `wait()` on the returned `PendingChecksums` before anything
+        derived from them leaves the process. Without `keep` nothing is copied or kept."""
+        import mlx.core as mx
+        import numpy as np
+
+        tensors = list(self.header.tensors.values())
+        failed = threading.Event()  # one worker's CacheCorrupt stops the others' reads
+
+        def task(group, ready: Future):
+            read = []
+            try:
+                for t in group:
+                    if failed.is_set():
+                        break
+                    buf = self._read(t)
+                    arr = mx.array(buf.view(np.dtype(DTYPES[t.dtype][1])).reshape(t.shape)) if keep else None
+                    read.append((t, arr, buf))
+            except BaseException as err:
+                failed.set()
+                ready.set_exception(err)
+                raise
+            ready.set_result([(t, arr) for t, arr, _ in read])
+            for i, (t, _, buf) in enumerate(read):
+                read[i] = None  # each buffer is freed once checked
+                if failed.is_set():
+                    return
+                try:
+                    self._check_sum(t, buf)
+                except BaseException:
+                    failed.set()
+                    raise
+
+        workers = max(1, min(8, os.cpu_count() or 1, len(tensors)))
+        groups = self._groups(tensors, workers) if tensors else []
+        pool = ThreadPoolExecutor(max_workers=max(1, len(groups)))
+        readies = [Future() for _ in groups]
+        tasks = [pool.submit(task, group, ready) for group, ready in zip(groups, readies)]
+        pending = PendingChecksums(tasks, pool)
+        try:
+            items = [item for ready in readies for item in ready.result()]
+        except BaseException:
+            failed.set()
+            pending.wait()  # joins the workers; raises their first error
+            raise
+        return items, pending
 
     def verify(self) -> None:
         """Check every array's checksum without keeping anything (reuse check on ingest)."""
-        self._read_all_verified(keep=False)
+        self._read_all(keep=False)[1].wait()
 
     def arrays(self) -> dict:
         """Every array, read once, checksum-verified, as MLX arrays (in file order)."""
+        arrays, pending = self.arrays_verifying()
+        pending.wait()
+        return arrays
+
+    def arrays_verifying(self) -> tuple[dict, "PendingChecksums"]:
+        """Every array as MLX arrays (in file order) as soon as they are read, and their
+        checksums still being computed on other threads: `wait()` before anything computed
+        from the arrays is shown (checking them then overlaps their first use)."""
         import mlx.core as mx
 
+        items, pending = self._read_all(keep=True)
         out = {}
-        for t, arr in self._read_all_verified(keep=True):
+        for t, arr in items:
             out[t.name] = arr.view(mx.bfloat16) if t.dtype == "BF16" else arr
-        return out
+        return out, pending
+
+
+class PendingChecksums:
+    """Checksums of arrays already handed out, computed on a thread pool."""
+
+    def __init__(self, futures: list, pool: ThreadPoolExecutor):
+        self._futures, self._pool = futures, pool
+        self._error: BaseException | None = None
+        self._done = False
+
+    def wait(self) -> None:
+        """Block until every checksum is checked; raise CacheCorrupt if any failed (every call
+        does, once one has)."""
+        if not self._done:
+            try:
+                for future in self._futures:
+                    error = future.exception()
+                    if error is not None and self._error is None:
+                        self._error = error
+            finally:
+                self._futures = []
+                self._pool.shutdown(wait=True)
+                self._done = True
+        if self._error is not None:
+            raise self._error
 
 
 def open_cache(path: Path, label: str, hint: str) -> Reader:
