@@ -285,19 +285,19 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
     finally:
         store.close()
     answer.restore_seconds = time.perf_counter() - start
-    if entry.question_suffix:
-        lay = prompt.Layout(prefix_text="", suffix_text=entry.question_suffix)
-    else:
-        lay = prompt.layout(lm.tokenizer, entry.name, "")
-    suffix = prompt.question_tokens(lm.tokenizer, lay, question)
-    room = lm.context_length - entry.tokens
-    if len(suffix) + 1 > room:
-        raise ContextLengthError(
-            f"The question is {len(suffix):,} tokens but only {room:,} of the model's "
-            f"{lm.context_length:,}-token context are left after '{entry.name}'; shorten the question."
-        )
-    max_tokens = min(max_tokens, room - len(suffix))
     try:
+        if entry.question_suffix:
+            lay = prompt.Layout(prefix_text="", suffix_text=entry.question_suffix)
+        else:
+            lay = prompt.layout(lm.tokenizer, entry.name, "")
+        suffix = prompt.question_tokens(lm.tokenizer, lay, question)
+        room = lm.context_length - entry.tokens
+        if len(suffix) + 1 > room:
+            raise ContextLengthError(
+                f"The question is {len(suffix):,} tokens but only {room:,} of the model's "
+                f"{lm.context_length:,}-token context are left after '{entry.name}'; shorten the "
+                "question.")
+        max_tokens = min(max_tokens, room - len(suffix))
         for piece in engine.generate(lm.model, lm.tokenizer, suffix, kvcache.fork(cache),
                                      max_tokens=max_tokens, temperature=temperature, seed=seed):
             if not answer.text:

@@ -11,11 +11,13 @@ contiguous and in header order. The header's string metadata holds `format_versi
 A reader (`open_cache`) checks the header before allocating anything: bounded size, JSON whose
 canonical serialization is byte-for-byte the header (so a changed byte cannot hide in padding,
 whitespace or a duplicate key), its checksum, the version, known dtypes, shapes that match byte
-sizes, offsets that tile the data region exactly up to the end of the file. `Reader.arrays()` then
-reads each array once and checks its sha256 before handing it to MLX. Every byte of the file is
-covered, so a truncated, bit-flipped or edited file is refused with `CacheCorrupt` (by
-`Reader.arrays()` before it returns, or by `PendingChecksums.wait()` of `arrays_verifying()`,
-which hands the arrays out while their checksums are still being computed); nothing is
+sizes, offsets that tile the data region exactly up to the end of the file. The arrays are then
+read into MLX by MLX's own safetensors reader (through /dev/fd: this very file), their names,
+shapes and dtypes checked against the validated header, while worker threads read every array's
+bytes again and check its sha256. Every byte of the file is covered, so a truncated, bit-flipped
+or edited file is refused with `CacheCorrupt` (by `Reader.arrays()` before it returns, or by
+`PendingChecksums.wait()` of `arrays_verifying()`, which hands the arrays out while their
+checksums are still being checked: `ask` starts its question meanwhile); nothing is
 ever unpickled or memory-mapped (a file truncated under a mapping would crash the reader with
 SIGBUS). sha256 rather than a CRC: OpenSSL's SHA-NI / ARMv8 code runs at ~1.5 GB/s, hashlib
 releases the GIL, and it rules out accidental collisions outright.
@@ -52,6 +54,7 @@ REQUIRED_META = ("format_version", "model_id", "weights_sha256", "tokenizer_sha2
                  "document_sha256", "tokens", "kv_config", "checksums", "header_sha256")
 MAX_HEADER_BYTES = 16 << 20  # ~100 bytes per array: room for 100k+ arrays
 MAX_NDIM = 8
+CHUNK = 4 << 20  # bytes a checksum task reads at a time
 FREE_SPACE_MARGIN = 64 << 20  # left free after a write, for the index and everything else
 TEMP_PREFIX = ".tmp-"
 _ZERO_SHA = "0" * 64
@@ -368,17 +371,6 @@ class Reader:
             raise self.corrupt("the checksum table does not list exactly the file's arrays")
         return sums
 
-    def _read(self, t: Tensor):
-        import numpy as np
-
-        buf = np.empty(t.nbytes, dtype=np.uint8)
-        self._read_into(memoryview(buf), self.header.data_start + t.begin, f"array {t.name!r}")
-        return buf
-
-    def _check_sum(self, t: Tensor, buf) -> None:
-        if hashlib.sha256(buf).hexdigest() != self.header.checksums[t.name]:
-            raise self.corrupt(f"array {t.name!r} fails its checksum")
-
     def _groups(self, tensors: list, workers: int) -> list:
         """Runs of consecutive arrays of about equal bytes, one per worker."""
         total = sum(t.nbytes for t in tensors) or 1
@@ -393,40 +385,43 @@ class Reader:
             groups.append(run)
         return groups
 
-    def _read_all(self, keep: bool) -> tuple[list, "PendingChecksums"]:
-        """[(tensor, MLX array or None)] in file order, and their checksums still running.
-
-        One task per worker over runs of consecutive arrays of about equal bytes: it reads its
-        arrays (positional reads, GIL released) and copies them into MLX, hands them over, then
-        checks their checksums (hashlib releases the GIL) while the caller may already use the
-        arrays: the caller must `wait()` on the returned `PendingChecksums` before anything
-        derived from them leaves the process. Without `keep` nothing is copied or kept."""
-        import mlx.core as mx
+    def checksums_running(self) -> "PendingChecksums":
+        """Start checking every array's checksum on worker threads (one task per worker over
+        runs of consecutive arrays of about equal bytes). Each task reads its arrays in chunks
+        into one reused buffer (positional reads; hashlib releases the GIL): no memory grows
+        with the file, and the checks overlap whatever the caller does next."""
         import numpy as np
 
         tensors = list(self.header.tensors.values())
-        failed = threading.Event()  # one worker's CacheCorrupt stops the others' reads
+        failed = threading.Event()  # one task's CacheCorrupt stops the others
+        fd = os.dup(self.file.fileno())  # the checks outlive this reader; closed by wait()
 
-        def task(group, ready: Future):
-            read = []
-            try:
-                for t in group:
-                    if failed.is_set():
-                        break
-                    buf = self._read(t)
-                    arr = mx.array(buf.view(np.dtype(DTYPES[t.dtype][1])).reshape(t.shape)) if keep else None
-                    read.append((t, arr, buf))
-            except BaseException as err:
-                failed.set()
-                ready.set_exception(err)
-                raise
-            ready.set_result([(t, arr) for t, arr, _ in read])
-            for i, (t, _, buf) in enumerate(read):
-                read[i] = None  # each buffer is freed once checked
+        def read_into(view: memoryview, offset: int, what: str) -> None:
+            done = 0
+            while done < len(view):
+                if hasattr(os, "preadv"):
+                    got = os.preadv(fd, [view[done:]], offset + done)
+                else:
+                    chunk = os.pread(fd, len(view) - done, offset + done)
+                    got = len(chunk)
+                    view[done:done + got] = chunk
+                if not got:
+                    raise self.corrupt(f"truncated inside {what}")
+                done += got
+
+        def task(group):
+            scratch = np.empty(min(CHUNK, max((t.nbytes for t in group), default=1)), dtype=np.uint8)
+            for t in group:
                 if failed.is_set():
                     return
                 try:
-                    self._check_sum(t, buf)
+                    digest = hashlib.sha256()
+                    for lo in range(0, t.nbytes, len(scratch)):
+                        view = memoryview(scratch)[: min(len(scratch), t.nbytes - lo)]
+                        read_into(view, self.header.data_start + t.begin + lo, f"array {t.name!r}")
+                        digest.update(view)
+                    if digest.hexdigest() != self.header.checksums[t.name]:
+                        raise self.corrupt(f"array {t.name!r} fails its checksum")
                 except BaseException:
                     failed.set()
                     raise
@@ -434,20 +429,12 @@ class Reader:
         workers = max(1, min(8, os.cpu_count() or 1, len(tensors)))
         groups = self._groups(tensors, workers) if tensors else []
         pool = ThreadPoolExecutor(max_workers=max(1, len(groups)))
-        readies = [Future() for _ in groups]
-        tasks = [pool.submit(task, group, ready) for group, ready in zip(groups, readies)]
-        pending = PendingChecksums(tasks, pool)
-        try:
-            items = [item for ready in readies for item in ready.result()]
-        except BaseException:
-            failed.set()
-            pending.wait()  # joins the workers; raises their first error
-            raise
-        return items, pending
+        return PendingChecksums([pool.submit(task, group) for group in groups], pool,
+                                lambda: os.close(fd))
 
     def verify(self) -> None:
         """Check every array's checksum without keeping anything (reuse check on ingest)."""
-        self._read_all(keep=False)[1].wait()
+        self.checksums_running().wait()
 
     def arrays(self) -> dict:
         """Every array, read once, checksum-verified, as MLX arrays (in file order)."""
@@ -456,23 +443,68 @@ class Reader:
         return arrays
 
     def arrays_verifying(self) -> tuple[dict, "PendingChecksums"]:
-        """Every array as MLX arrays (in file order) as soon as they are read, and their
-        checksums still being computed on other threads: `wait()` before anything computed
-        from the arrays is shown (checking them then overlaps their first use)."""
+        """Every array as (evaluated) MLX arrays, in file order, while their checksums are
+        still being checked on other threads: `wait()` on the second value before anything
+        computed from the arrays is shown (checking then overlaps their first use).
+
+        MLX's own safetensors reader fills the arrays (one copy, file to array memory; on CUDA
+        that memory is managed, and a copy through numpy costs twice the page faults), reading
+        this very file through /dev/fd, after the header was validated here; its names, shapes
+        and dtypes must match. The checksums cover the bytes as this reader reads them, from
+        the same file."""
         import mlx.core as mx
 
-        items, pending = self._read_all(keep=True)
-        out = {}
-        for t, arr in items:
-            out[t.name] = arr.view(mx.bfloat16) if t.dtype == "BF16" else arr
+        pending = self.checksums_running()
+        try:
+            out = self._load_mlx()
+        except BaseException:
+            pending.wait()  # a checksum's or a short read's message names the array
+            raise
         return out, pending
+
+    def _load_mlx(self) -> dict:
+        import mlx.core as mx
+        import numpy as np
+
+        tensors = self.header.tensors
+        fd_path = f"/dev/fd/{self.file.fileno()}"
+        if not os.path.exists(fd_path):  # no /dev/fd: read into numpy, then copy into MLX
+            out = {}
+            for t in tensors.values():
+                arr = mx.array(self._read(t).view(np.dtype(DTYPES[t.dtype][1])).reshape(t.shape))
+                out[t.name] = arr.view(mx.bfloat16) if t.dtype == "BF16" else arr
+            return out
+        try:
+            loaded = mx.load(fd_path, format="safetensors")
+        except Exception as err:
+            raise self.corrupt(f"MLX cannot read it: {err}") from None
+        if set(loaded) != set(tensors):
+            raise self.corrupt("MLX reads other arrays than its header lists")
+        out = {}
+        for t in tensors.values():
+            arr = loaded[t.name]
+            if tuple(arr.shape) != t.shape or _MX_NAMES.get(str(arr.dtype).rsplit(".", 1)[-1]) != t.dtype:
+                raise self.corrupt(f"array {t.name!r} reads back as {arr.dtype} {arr.shape}")
+            out[t.name] = arr
+        try:
+            mx.eval(list(out.values()))
+        except RuntimeError as err:
+            raise self.corrupt(f"it could not be read to the end ({err})") from None
+        return out
+
+    def _read(self, t: Tensor):
+        import numpy as np
+
+        buf = np.empty(t.nbytes, dtype=np.uint8)
+        self._read_into(memoryview(buf), self.header.data_start + t.begin, f"array {t.name!r}")
+        return buf
 
 
 class PendingChecksums:
     """Checksums of arrays already handed out, computed on a thread pool."""
 
-    def __init__(self, futures: list, pool: ThreadPoolExecutor):
-        self._futures, self._pool = futures, pool
+    def __init__(self, futures: list, pool: ThreadPoolExecutor, close=None):
+        self._futures, self._pool, self._close = futures, pool, close
         self._error: BaseException | None = None
         self._done = False
 
@@ -489,6 +521,8 @@ class PendingChecksums:
                 self._futures = []
                 self._pool.shutdown(wait=True)
                 self._done = True
+                if self._close is not None:
+                    self._close()
         if self._error is not None:
             raise self._error
 
