@@ -184,7 +184,7 @@ class _Traced:
 def _codec_arrays(codec) -> dict:
     out = {"signs": codec.rotation.signs, "table": kernel_table(codec)}
     if codec.qjl is not None:
-        out["qjl"] = codec.qjl._st
+        out["qjl"] = codec.qjl.projection_t
     return out
 
 

@@ -116,6 +116,11 @@ class QJLSketch:
         """S, (m, dim) float32."""
         return self._st.T
 
+    @property
+    def projection_t(self) -> mx.array:
+        """S^T, (dim, m) float32: what `project` multiplies by."""
+        return self._st
+
     def project(self, q: mx.array) -> mx.array:
         """S q, computed once per query.
 
