@@ -158,6 +158,7 @@ def test_ask_shows_nothing_from_a_cache_that_fails_its_checksums(tiny_model, tex
     """`ask` starts the question while the checksums run, but a damaged cache yields no text:
     the first token waits for every checksum."""
     entry = _ingest(text_doc, tiny_model)
+    assert "".join(session.ask("Who keeps the lighthouse?", max_tokens=4))  # intact: text comes
     path = Store().cache_path(entry.id)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x08
@@ -167,6 +168,55 @@ def test_ask_shows_nothing_from_a_cache_that_fails_its_checksums(tiny_model, tex
         for piece in session.ask("Who keeps the lighthouse?", max_tokens=4):
             shown.append(piece)
     assert shown == []
+
+
+def test_without_dev_fd_arrays_come_through_numpy(tiny_model, text_doc, monkeypatch):
+    """Where /dev/fd does not exist the reader copies each array through numpy: same arrays."""
+    entry = _ingest(text_doc, tiny_model)
+    store = Store()
+    want, _ = store.load(entry)
+    monkeypatch.setattr(fmt, "FD_DIR", "/nonexistent-fd-dir")
+    got, _ = store.load(entry)
+    for name in want:
+        assert got[name].dtype == want[name].dtype
+        np.testing.assert_array_equal(np.array(got[name]), np.array(want[name]), err_msg=name)
+
+
+def test_a_file_edited_in_place_while_read_is_refused(tiny_model, text_doc):
+    """Bytes rewritten in place after the arrays were read (even with the same values) change
+    the file's modification time: `wait()` refuses it rather than vouch for bytes it may not
+    have seen."""
+    import time
+
+    entry = _ingest(text_doc, tiny_model)
+    store = Store()
+    path = store.cache_path(entry.id)
+    with fmt.open_cache(path, entry.name, "hint") as reader:
+        arrays, pending = reader.arrays_verifying()
+        time.sleep(0.01)
+        with open(path, "r+b") as f:  # same bytes, written again
+            f.seek(-4, os.SEEK_END)
+            last = f.read(4)
+            f.seek(-4, os.SEEK_END)
+            f.write(last)
+        with pytest.raises(CacheCorrupt, match="changed while it was being read"):
+            pending.wait()
+
+
+def test_abandoned_checks_stop_and_close_their_descriptor(tiny_model, text_doc):
+    """Checks dropped without `wait()` stop and close their duplicate of the file descriptor."""
+    import gc
+
+    entry = _ingest(text_doc, tiny_model)
+    path = Store().cache_path(entry.id)
+    with fmt.open_cache(path, entry.name, "hint") as reader:
+        pending = reader.checksums_running()
+        fd = pending._fd
+        os.fstat(fd)  # open while the checks run
+    del pending
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)
 
 
 @pytest.mark.parametrize("where", ["empty", "7", "8", "header-1", "header", "data-1", "mid", "end-1"])

@@ -151,7 +151,7 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
         fused = use_fused(mask, Lq)
     elif fused and not _kernel_mask(mask):
         raise ValueError("the fused kernel takes mask None or 'causal'")
-    if fused and kv.dense is None and _compile_wanted(Lq):
+    if fused and kv.dense is None and _compile_wanted(Lq) and not _executor_installed():
         return _compiled_attention(queries, kv, scale, mask)
     kc, vc = kv.key_codec, kv.value_codec
     tables = (kernel_table(kc), kernel_table(vc)) if fused else None
@@ -161,6 +161,14 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
 
 def _compile_wanted(lq: int) -> bool:
     return COMPILE == "1" or (COMPILE == "question" and lq > 1)
+
+
+def _executor_installed() -> bool:
+    """A test or emulation executor runs the kernels: it must see
+    every launch, not only those of a trace (`kernels._prelude.executor`)."""
+    from longctx.kernels import _prelude
+
+    return _prelude._EXECUTOR is not None
 
 
 class _Traced:
@@ -196,14 +204,18 @@ def _compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask)
     has_sink, has_window = kv.sink is not None, kv.window is not None
     # Positions only matter to a mask; without one, every decode step shares the function.
     offset = kv.offset if mask is not None else None
+    traced_offset = kv.offset  # an int: the closure must not keep this call's arrays alive
+    from longctx.kernels import backend
+    from longctx.kernels import decode_attend as da
+
     key = (kc.dim, kc.spec, vc.dim, vc.spec, float(scale), mask, lq, lengths, has_sink,
-           has_window, offset, queries.dtype)
+           has_window, offset, queries.dtype, backend(), da.KPT, da.VECTOR_ROWS, da.TARGET_GROUPS)
     fn = _COMPILED.get(key)
     if fn is None:
         def traced(q, k_arrays, v_arrays, segments, sink, window, value_mean):
             # without a mask the offset is never read: the traced value serves every call
             view = CompressedKV(kc, vc, tuple((k, v, n) for (k, v), n in zip(segments, lengths)),
-                                kv.offset if offset is None else offset, value_mean,
+                                traced_offset if offset is None else offset, value_mean,
                                 tuple(window) if has_window else None,
                                 tuple(sink) if has_sink else None, None)
             tk, tv = _Traced(kc, k_arrays), _Traced(vc, v_arrays)

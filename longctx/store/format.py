@@ -41,7 +41,8 @@ import stat
 import struct
 import tempfile
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,7 @@ REQUIRED_META = ("format_version", "model_id", "weights_sha256", "tokenizer_sha2
 MAX_HEADER_BYTES = 16 << 20  # ~100 bytes per array: room for 100k+ arrays
 MAX_NDIM = 8
 CHUNK = 4 << 20  # bytes a checksum task reads at a time
+FD_DIR = "/dev/fd"  # MLX's reader opens the already-opened file through it
 FREE_SPACE_MARGIN = 64 << 20  # left free after a write, for the index and everything else
 TEMP_PREFIX = ".tmp-"
 _ZERO_SHA = "0" * 64
@@ -282,6 +284,7 @@ class Reader:
 
     def _read_header(self) -> Header:
         st = os.fstat(self.file.fileno())
+        self.opened = (st.st_size, st.st_mtime_ns)  # PendingChecksums refuses a file changed since
         if not stat.S_ISREG(st.st_mode):
             raise self.corrupt("not a regular file")
         size = st.st_size
@@ -386,51 +389,8 @@ class Reader:
         return groups
 
     def checksums_running(self) -> "PendingChecksums":
-        """Start checking every array's checksum on worker threads (one task per worker over
-        runs of consecutive arrays of about equal bytes). Each task reads its arrays in chunks
-        into one reused buffer (positional reads; hashlib releases the GIL): no memory grows
-        with the file, and the checks overlap whatever the caller does next."""
-        import numpy as np
-
-        tensors = list(self.header.tensors.values())
-        failed = threading.Event()  # one task's CacheCorrupt stops the others
-        fd = os.dup(self.file.fileno())  # the checks outlive this reader; closed by wait()
-
-        def read_into(view: memoryview, offset: int, what: str) -> None:
-            done = 0
-            while done < len(view):
-                if hasattr(os, "preadv"):
-                    got = os.preadv(fd, [view[done:]], offset + done)
-                else:
-                    chunk = os.pread(fd, len(view) - done, offset + done)
-                    got = len(chunk)
-                    view[done:done + got] = chunk
-                if not got:
-                    raise self.corrupt(f"truncated inside {what}")
-                done += got
-
-        def task(group):
-            scratch = np.empty(min(CHUNK, max((t.nbytes for t in group), default=1)), dtype=np.uint8)
-            for t in group:
-                if failed.is_set():
-                    return
-                try:
-                    digest = hashlib.sha256()
-                    for lo in range(0, t.nbytes, len(scratch)):
-                        view = memoryview(scratch)[: min(len(scratch), t.nbytes - lo)]
-                        read_into(view, self.header.data_start + t.begin + lo, f"array {t.name!r}")
-                        digest.update(view)
-                    if digest.hexdigest() != self.header.checksums[t.name]:
-                        raise self.corrupt(f"array {t.name!r} fails its checksum")
-                except BaseException:
-                    failed.set()
-                    raise
-
-        workers = max(1, min(8, os.cpu_count() or 1, len(tensors)))
-        groups = self._groups(tensors, workers) if tensors else []
-        pool = ThreadPoolExecutor(max_workers=max(1, len(groups)))
-        return PendingChecksums([pool.submit(task, group) for group in groups], pool,
-                                lambda: os.close(fd))
+        """Start checking every array's checksum on worker threads (see `PendingChecksums`)."""
+        return PendingChecksums(self)
 
     def verify(self) -> None:
         """Check every array's checksum without keeping anything (reuse check on ingest)."""
@@ -458,7 +418,7 @@ class Reader:
         try:
             out = self._load_mlx()
         except BaseException:
-            pending.wait()  # a checksum's or a short read's message names the array
+            pending.wait()  # a damaged file explains MLX's failure: report that instead
             raise
         return out, pending
 
@@ -467,17 +427,18 @@ class Reader:
         import numpy as np
 
         tensors = self.header.tensors
-        fd_path = f"/dev/fd/{self.file.fileno()}"
+        fd_path = f"{FD_DIR}/{self.file.fileno()}"
         if not os.path.exists(fd_path):  # no /dev/fd: read into numpy, then copy into MLX
             out = {}
             for t in tensors.values():
                 arr = mx.array(self._read(t).view(np.dtype(DTYPES[t.dtype][1])).reshape(t.shape))
                 out[t.name] = arr.view(mx.bfloat16) if t.dtype == "BF16" else arr
             return out
-        try:
-            loaded = mx.load(fd_path, format="safetensors")
-        except Exception as err:
-            raise self.corrupt(f"MLX cannot read it: {err}") from None
+        # Where /dev/fd/N duplicates the descriptor (macOS), MLX reads from its current offset.
+        os.lseek(self.file.fileno(), 0, os.SEEK_SET)
+        # MLX's errors stay as they are (out of memory is not a damaged file); a damaged or
+        # truncated file is reported by the checksums, which the caller then waits for.
+        loaded = mx.load(fd_path, format="safetensors")
         if set(loaded) != set(tensors):
             raise self.corrupt("MLX reads other arrays than its header lists")
         out = {}
@@ -486,10 +447,7 @@ class Reader:
             if tuple(arr.shape) != t.shape or _MX_NAMES.get(str(arr.dtype).rsplit(".", 1)[-1]) != t.dtype:
                 raise self.corrupt(f"array {t.name!r} reads back as {arr.dtype} {arr.shape}")
             out[t.name] = arr
-        try:
-            mx.eval(list(out.values()))
-        except RuntimeError as err:
-            raise self.corrupt(f"it could not be read to the end ({err})") from None
+        mx.eval(list(out.values()))
         return out
 
     def _read(self, t: Tensor):
@@ -501,30 +459,108 @@ class Reader:
 
 
 class PendingChecksums:
-    """Checksums of arrays already handed out, computed on a thread pool."""
+    """Checksums of a cache file's arrays, checked on worker threads while the caller goes on.
 
-    def __init__(self, futures: list, pool: ThreadPoolExecutor, close=None):
-        self._futures, self._pool, self._close = futures, pool, close
+    One task per worker over runs of consecutive arrays of about equal bytes; each reads its
+    arrays in chunks into one reused buffer (positional reads on a duplicate of the reader's
+    descriptor, so the checks outlive the reader; hashlib releases the GIL) and stops early once
+    any check fails or the checks are abandoned. `wait()` also refuses a file whose size or
+    modification time changed since it was opened (edited in place while it was read).
+    """
+
+    def __init__(self, reader: "Reader"):
+        import numpy as np
+
+        header, corrupt = reader.header, reader.corrupt
+        tensors = list(header.tensors.values())
+        self._corrupt, self._opened = corrupt, reader.opened
+        self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._done = False
+        stop = self._stop = threading.Event()  # set by a failed check, or by abandoning them
+        fd = self._fd = os.dup(reader.file.fileno())
+        self._futures: list = []
+        self._pool: ThreadPoolExecutor | None = None
+
+        def read_into(view: memoryview, offset: int, what: str) -> None:
+            done = 0
+            while done < len(view):
+                if hasattr(os, "preadv"):
+                    got = os.preadv(fd, [view[done:]], offset + done)
+                else:
+                    chunk = os.pread(fd, len(view) - done, offset + done)
+                    got = len(chunk)
+                    view[done:done + got] = chunk
+                if not got:
+                    raise corrupt(f"truncated inside {what}")
+                done += got
+
+        def task(group):
+            scratch = np.empty(min(CHUNK, max((t.nbytes for t in group), default=1)), dtype=np.uint8)
+            for t in group:
+                try:
+                    digest = hashlib.sha256()
+                    for lo in range(0, t.nbytes, len(scratch)):
+                        if stop.is_set():
+                            return
+                        view = memoryview(scratch)[: min(len(scratch), t.nbytes - lo)]
+                        read_into(view, header.data_start + t.begin + lo, f"array {t.name!r}")
+                        digest.update(view)
+                    if digest.hexdigest() != header.checksums[t.name]:
+                        raise corrupt(f"array {t.name!r} fails its checksum")
+                except BaseException:
+                    stop.set()
+                    raise
+
+        try:
+            workers = max(1, min(8, os.cpu_count() or 1, len(tensors)))
+            groups = reader._groups(tensors, workers) if tensors else []
+            self._pool = ThreadPoolExecutor(max_workers=max(1, len(groups)))
+        except BaseException:
+            os.close(fd)
+            raise
+        # Dropped without wait(): stop the tasks, let them finish their chunk, close the fd.
+        self._finalizer = weakref.finalize(self, PendingChecksums._release, (stop, self._pool, fd))
+        try:
+            self._futures = [self._pool.submit(task, group) for group in groups]
+        except BaseException:
+            self._finalizer()
+            raise
+
+    @staticmethod
+    def _release(resources: tuple) -> None:
+        stop, pool, fd = resources
+        stop.set()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        os.close(fd)
 
     def wait(self) -> None:
-        """Block until every checksum is checked; raise CacheCorrupt if any failed (every call
-        does, once one has)."""
-        if not self._done:
-            try:
-                for future in self._futures:
-                    error = future.exception()
-                    if error is not None and self._error is None:
-                        self._error = error
-            finally:
-                self._futures = []
-                self._pool.shutdown(wait=True)
-                self._done = True
-                if self._close is not None:
-                    self._close()
-        if self._error is not None:
-            raise self._error
+        """Block until every checksum is checked; raise CacheCorrupt if any failed or the file
+        changed (every call does, once one has). Interrupted, the checks stop and every later
+        call raises too: an unfinished check never passes for a finished one."""
+        with self._lock:
+            if not self._done:
+                try:
+                    for future in self._futures:
+                        error = future.exception()
+                        if error is not None and self._error is None:
+                            self._error = error
+                    if self._error is None:
+                        st = os.fstat(self._fd)
+                        if (st.st_size, st.st_mtime_ns) != self._opened:
+                            self._error = self._corrupt("it changed while it was being read")
+                except BaseException:
+                    self._stop.set()
+                    if self._error is None:
+                        self._error = RuntimeError("the cache's checksum checks were interrupted")
+                    raise
+                finally:
+                    self._done = True
+                    self._futures = []
+                    self._finalizer()  # stops and joins the tasks, closes the fd
+            if self._error is not None:
+                raise self._error
 
 
 def open_cache(path: Path, label: str, hint: str) -> Reader:
