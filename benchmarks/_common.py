@@ -88,3 +88,23 @@ def document_of(lm, directory: Path, n: int, question: str) -> tuple[Path, list[
     doc.write_text(" ".join(words[:lo]))
     lay = prompt.layout(lm.tokenizer, doc.name, doc.read_text())
     return doc, prompt.prefix_tokens(lm.tokenizer, lay), prompt.question_tokens(lm.tokenizer, lay, question)
+
+
+def setup(default_tokens: list[int], tag: str):
+    """The common arguments of the per-phase benchmarks (--tokens, --preset, --model, --repeat,
+    --name), a fresh LONGCTX_HOME for their ingests, and the loaded model: (args, home, lm)."""
+    import argparse
+    import tempfile
+
+    from longctx.runtime import models
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=default_tokens)
+    ap.add_argument("--preset", default="tq4")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+    home = Path(tempfile.mkdtemp(prefix=f"longctx-{tag}-"))
+    os.environ["LONGCTX_HOME"] = str(home)
+    return args, home, models.load(models.resolve(args.model))

@@ -12,15 +12,12 @@ Usage: python benchmarks/restore_phases.py --tokens 4096 [--preset tq4] [--model
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import document_of, write  # noqa: E402
+from _common import document_of, setup, write  # noqa: E402
 
 from longctx.runtime.blas import tune_malloc  # noqa: E402
 
@@ -29,23 +26,13 @@ tune_malloc()
 import mlx.core as mx  # noqa: E402
 
 from longctx import engine, kvcache, session  # noqa: E402
-from longctx.runtime import models  # noqa: E402
 from longctx.store import Store  # noqa: E402
 
 QUESTION = "What does the document say about the chief engineer?"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
-    ap.add_argument("--preset", default="tq4")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--name", default=None)
-    args = ap.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="longctx-phases-"))
-    os.environ["LONGCTX_HOME"] = str(home)
-    lm = models.load(models.resolve(args.model))
+    args, home, lm = setup([4096], "phases")
     from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
     preset = kvcache.get_preset(args.preset)

@@ -12,17 +12,15 @@ Usage: python benchmarks/restore_profile.py --tokens 8000 32000 [--model SPEC]
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import document_of, write  # noqa: E402
+from _common import document_of, setup, write  # noqa: E402
 
 from longctx.runtime.blas import tune_malloc  # noqa: E402
 
@@ -34,7 +32,6 @@ import numpy as np  # noqa: E402
 from longctx import kvcache, session  # noqa: E402
 from longctx.kvcache import attention  # noqa: E402
 from longctx.kvcache.turbo import CompressedKV  # noqa: E402
-from longctx.runtime import models  # noqa: E402
 from longctx.store import Store  # noqa: E402
 from longctx.store import format as fmt  # noqa: E402
 
@@ -174,16 +171,7 @@ def decode_variants(lm, cache: list, question: list[int], steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=[8000])
-    ap.add_argument("--preset", default="tq4")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--name", default=None)
-    args = ap.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="longctx-profile-"))
-    os.environ["LONGCTX_HOME"] = str(home)
-    lm = models.load(models.resolve(args.model))
+    args, home, lm = setup([8000], "profile")
     preset = kvcache.get_preset(args.preset)
     rows = []
     for n in args.tokens:
