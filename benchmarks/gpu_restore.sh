@@ -2,8 +2,10 @@
 # Restore timings on the lent GPU machine (MLX CUDA) at 8k tokens and beyond: SmolLM2-135M to its
 # 8k context, and with RoPE x4 (ntk-by-parts) to 32k (timing only: the restore path does not
 # depend on the RoPE frequencies). Run after the staged install (see benchmarks/gpu_niah.sh):
-#   bash .gpu/pN/install.sh && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu_restore.sh [phases|restore|all]
-# phases: benchmarks/restore_phases.py (where the time goes); restore: benchmarks/restore.py.
+#   bash .gpu/pN/install.sh && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu_restore.sh [phases|restore|profile|first|all]
+# phases: benchmarks/restore_phases.py (where the time goes); restore: benchmarks/restore.py;
+# profile: benchmarks/restore_profile.py (read variants, per-layer attention, decode per compile
+# mode); first: benchmarks/first_call.py (fresh processes; the first ones pay MLX's CUDA JIT).
 # Logs and JSON go to $OUT (the device tool brings it back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +24,15 @@ if [ "$what" = phases ] || [ "$what" = all ]; then
   run restore_phases_gpu 240 python3 benchmarks/restore_phases.py --model "$long" --tokens 8000 32000 \
     --preset tq4 --repeat 4 --name restore_phases_gpu
   cp benchmarks/results/restore_phases_gpu.json "$out/" 2>/dev/null
+fi
+if [ "$what" = profile ]; then
+  run restore_profile_gpu 300 python3 benchmarks/restore_profile.py --model "$long" --tokens 8000 32000 \
+    --repeat 4 --name restore_profile_gpu
+  cp benchmarks/results/restore_profile_gpu.json "$out/" 2>/dev/null
+fi
+if [ "$what" = first ]; then
+  run first_call_gpu 500 python3 benchmarks/first_call.py --tokens 8000 --runs 2 --name first_call_gpu
+  cp benchmarks/results/first_call_gpu.json "$out/" 2>/dev/null
 fi
 if [ "$what" = restore ] || [ "$what" = all ]; then
   run restore_gpu_8k 200 python3 benchmarks/restore.py --tokens 8000 --presets tq4 tq4k3v tq5k4v \
