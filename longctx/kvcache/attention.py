@@ -151,7 +151,7 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
         fused = use_fused(mask, Lq)
     elif fused and not _kernel_mask(mask):
         raise ValueError("the fused kernel takes mask None or 'causal'")
-    if fused and kv.dense is None and _compile_wanted(Lq) and not _executor_installed():
+    if fused and _compile_wanted(Lq) and not _executor_installed():
         return _compiled_attention(queries, kv, scale, mask)
     kc, vc = kv.key_codec, kv.value_codec
     tables = (kernel_table(kc), kernel_table(vc)) if fused else None
@@ -186,7 +186,7 @@ class _Traced:
         return self.codec.rotation.inverse(y, signs=self.arrays["signs"])
 
     def qjl_project(self, q_rot: mx.array) -> mx.array:
-        return q_rot.astype(mx.float32) @ self.arrays["qjl"]
+        return self.codec.qjl.project(q_rot, projection_t=self.arrays["qjl"])
 
 
 def _codec_arrays(codec) -> dict:
@@ -202,20 +202,20 @@ def _compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask)
     lq = queries.shape[2]
     lengths = tuple(n for *_, n in kv.segments)
     has_sink, has_window = kv.sink is not None, kv.window is not None
-    # Positions only matter to a mask; without one, every decode step shares the function.
-    offset = kv.offset if mask is not None else None
-    traced_offset = kv.offset  # an int: the closure must not keep this call's arrays alive
+    # Positions only matter to a mask; without one, every decode step shares the function (and
+    # the traced view's offset, never read then, is the first call's).
+    offset = kv.offset  # an int: the closure must not keep this call's arrays alive
     from longctx.kernels import backend
     from longctx.kernels import decode_attend as da
 
     key = (kc.dim, kc.spec, vc.dim, vc.spec, float(scale), mask, lq, lengths, has_sink,
-           has_window, offset, queries.dtype, backend(), da.KPT, da.VECTOR_ROWS, da.TARGET_GROUPS)
+           has_window, offset if mask is not None else None, queries.dtype, backend(), da.KPT,
+           da.VECTOR_ROWS, da.TARGET_GROUPS)
     fn = _COMPILED.get(key)
     if fn is None:
         def traced(q, k_arrays, v_arrays, segments, sink, window, value_mean):
-            # without a mask the offset is never read: the traced value serves every call
             view = CompressedKV(kc, vc, tuple((k, v, n) for (k, v), n in zip(segments, lengths)),
-                                traced_offset if offset is None else offset, value_mean,
+                                offset, value_mean,
                                 tuple(window) if has_window else None,
                                 tuple(sink) if has_sink else None, None)
             tk, tv = _Traced(kc, k_arrays), _Traced(vc, v_arrays)

@@ -121,16 +121,18 @@ class QJLSketch:
         """S^T, (dim, m) float32: what `project` multiplies by."""
         return self._st
 
-    def project(self, q: mx.array) -> mx.array:
+    def project(self, q: mx.array, projection_t: mx.array | None = None) -> mx.array:
         """S q, computed once per query.
 
         Args:
             q: (..., dim).
+            projection_t: stand-in for `projection_t` (a traced input of a compiled function
+                that serves every layer's sketch of this size).
 
         Returns:
             (..., m) float32.
         """
-        return q.astype(mx.float32) @ self._st
+        return q.astype(mx.float32) @ (self._st if projection_t is None else projection_t)
 
     def sketch(self, r: mx.array) -> tuple[mx.array, mx.array]:
         """Signs of S r, packed, and ||r||.

@@ -234,7 +234,6 @@ class Reader:
     def __init__(self, path: Path, label: str, hint: str):
         self.path, self.label, self.hint = path, label, hint
         try:
-            self._lock = threading.Lock()
             # O_NONBLOCK: a FIFO planted in place of the file must not hang the open.
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
         except FileNotFoundError:
@@ -261,21 +260,8 @@ class Reader:
         self.close()
 
     def _read_into(self, view: memoryview, offset: int, what: str) -> None:
-        """Fill `view` from `offset`; a short read means the file shrank under us. Thread-safe:
-        positional reads (`os.preadv`) run side by side; without them, one seek + read at a time."""
-        def read_at(chunk: memoryview, at: int) -> int:
-            if hasattr(os, "preadv"):
-                return os.preadv(self.file.fileno(), [chunk], at)
-            with self._lock:
-                self.file.seek(at)
-                return self.file.readinto(chunk)
-
-        done = 0
-        while done < len(view):
-            got = read_at(view[done:], offset + done)
-            if not got:
-                raise self.corrupt(f"truncated inside {what}")
-            done += got
+        """Fill `view` from `offset` (see `_read_fully`)."""
+        _read_fully(self.file.fileno(), view, offset, lambda: self.corrupt(f"truncated inside {what}"))
 
     def _read_exact(self, offset: int, n: int) -> bytes:
         buf = bytearray(n)
@@ -374,20 +360,6 @@ class Reader:
             raise self.corrupt("the checksum table does not list exactly the file's arrays")
         return sums
 
-    def _groups(self, tensors: list, workers: int) -> list:
-        """Runs of consecutive arrays of about equal bytes, one per worker."""
-        total = sum(t.nbytes for t in tensors) or 1
-        groups, run, acc = [], [], 0
-        for t in tensors:
-            run.append(t)
-            acc += t.nbytes
-            if acc * workers >= total * (len(groups) + 1) and len(groups) < workers - 1:
-                groups.append(run)
-                run = []
-        if run:
-            groups.append(run)
-        return groups
-
     def checksums_running(self) -> "PendingChecksums":
         """Start checking every array's checksum on worker threads (see `PendingChecksums`)."""
         return PendingChecksums(self)
@@ -412,8 +384,6 @@ class Reader:
         this very file through /dev/fd, after the header was validated here; its names, shapes
         and dtypes must match. The checksums cover the bytes as this reader reads them, from
         the same file."""
-        import mlx.core as mx
-
         pending = self.checksums_running()
         try:
             out = self._load_mlx()
@@ -458,6 +428,37 @@ class Reader:
         return buf
 
 
+def _read_fully(fd: int, view: memoryview, offset: int, truncated) -> None:
+    """Fill `view` from `offset` of `fd` with positional reads (thread-safe, the descriptor's
+    offset untouched); a short read means the file shrank under us: raise `truncated()`."""
+    done = 0
+    while done < len(view):
+        if hasattr(os, "preadv"):
+            got = os.preadv(fd, [view[done:]], offset + done)
+        else:
+            chunk = os.pread(fd, len(view) - done, offset + done)
+            got = len(chunk)
+            view[done:done + got] = chunk
+        if not got:
+            raise truncated()
+        done += got
+
+
+def _groups(tensors: list, workers: int) -> list:
+    """Runs of consecutive arrays of about equal bytes, one per worker."""
+    total = sum(t.nbytes for t in tensors) or 1
+    groups, run, acc = [], [], 0
+    for t in tensors:
+        run.append(t)
+        acc += t.nbytes
+        if acc * workers >= total * (len(groups) + 1) and len(groups) < workers - 1:
+            groups.append(run)
+            run = []
+    if run:
+        groups.append(run)
+    return groups
+
+
 class PendingChecksums:
     """Checksums of a cache file's arrays, checked on worker threads while the caller goes on.
 
@@ -480,20 +481,6 @@ class PendingChecksums:
         stop = self._stop = threading.Event()  # set by a failed check, or by abandoning them
         fd = self._fd = os.dup(reader.file.fileno())
         self._futures: list = []
-        self._pool: ThreadPoolExecutor | None = None
-
-        def read_into(view: memoryview, offset: int, what: str) -> None:
-            done = 0
-            while done < len(view):
-                if hasattr(os, "preadv"):
-                    got = os.preadv(fd, [view[done:]], offset + done)
-                else:
-                    chunk = os.pread(fd, len(view) - done, offset + done)
-                    got = len(chunk)
-                    view[done:done + got] = chunk
-                if not got:
-                    raise corrupt(f"truncated inside {what}")
-                done += got
 
         def task(group):
             scratch = np.empty(min(CHUNK, max((t.nbytes for t in group), default=1)), dtype=np.uint8)
@@ -504,7 +491,8 @@ class PendingChecksums:
                         if stop.is_set():
                             return
                         view = memoryview(scratch)[: min(len(scratch), t.nbytes - lo)]
-                        read_into(view, header.data_start + t.begin + lo, f"array {t.name!r}")
+                        _read_fully(fd, view, header.data_start + t.begin + lo,
+                                    lambda: corrupt(f"truncated inside array {t.name!r}"))
                         digest.update(view)
                     if digest.hexdigest() != header.checksums[t.name]:
                         raise corrupt(f"array {t.name!r} fails its checksum")
@@ -514,15 +502,15 @@ class PendingChecksums:
 
         try:
             workers = max(1, min(8, os.cpu_count() or 1, len(tensors)))
-            groups = reader._groups(tensors, workers) if tensors else []
-            self._pool = ThreadPoolExecutor(max_workers=max(1, len(groups)))
+            groups = _groups(tensors, workers) if tensors else []
+            pool = ThreadPoolExecutor(max_workers=max(1, len(groups)))
         except BaseException:
             os.close(fd)
             raise
         # Dropped without wait(): stop the tasks, let them finish their chunk, close the fd.
-        self._finalizer = weakref.finalize(self, PendingChecksums._release, (stop, self._pool, fd))
+        self._finalizer = weakref.finalize(self, PendingChecksums._release, (stop, pool, fd))
         try:
-            self._futures = [self._pool.submit(task, group) for group in groups]
+            self._futures = [pool.submit(task, group) for group in groups]
         except BaseException:
             self._finalizer()
             raise
@@ -531,8 +519,7 @@ class PendingChecksums:
     def _release(resources: tuple) -> None:
         stop, pool, fd = resources
         stop.set()
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=True, cancel_futures=True)
         os.close(fd)
 
     def wait(self) -> None:
