@@ -90,9 +90,10 @@ def document_of(lm, directory: Path, n: int, question: str) -> tuple[Path, list[
     return doc, prompt.prefix_tokens(lm.tokenizer, lay), prompt.question_tokens(lm.tokenizer, lay, question)
 
 
-def setup(default_tokens: list[int], tag: str):
+def setup(default_tokens: list[int], tag: str, extra=None):
     """The common arguments of the per-phase benchmarks (--tokens, --preset, --model, --repeat,
-    --name), a fresh LONGCTX_HOME for their ingests, and the loaded model: (args, home, lm)."""
+    --name; `extra(parser)` adds more), a fresh LONGCTX_HOME for their ingests, and the loaded
+    model: (args, home, lm)."""
     import argparse
     import tempfile
 
@@ -104,6 +105,8 @@ def setup(default_tokens: list[int], tag: str):
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--name", default=None)
+    if extra is not None:
+        extra(ap)
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix=f"longctx-{tag}-"))
     os.environ["LONGCTX_HOME"] = str(home)

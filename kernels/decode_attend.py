@@ -21,9 +21,10 @@ Returns the segment's softmax state, natural-log units, float32, to merge with o
     m (B, H, R, 1) running max, l (B, H, R, 1) sum of exp(s - m), acc (B, H, R, P) unnormalized.
 
 Thread plan (GPU). The dispatcher pre-multiplies q (and q_proj) by scale * log2(e), so the kernel
-works in base 2 (exp2). Grid: one threadgroup of NT = 128 threads per (b, h, split); a split is a
-chunk of keys (a multiple of 128; chosen so about TARGET_GROUPS threadgroups cover the sequence). A
-threadgroup stages its rows' q (transposed, [d][row]) and the two tables in threadgroup memory and
+works in base 2 (exp2). Grid, one launch: one threadgroup of NT = 128 threads per (b, h, split, row
+block); a row block is up to R <= max_rows rows (48 rows at P = 64: three blocks of 16, evenly
+filled); a split is a chunk of keys (a multiple of 128; chosen so about TARGET_GROUPS threadgroups
+cover the sequence). A threadgroup stages its rows' q (transposed, [d][row]) and the two tables in threadgroup memory and
 walks its chunk in tiles of NT * KPT keys:
   1. scores: thread t owns keys t + j * 128 (j < KPT) of the tile: it reads each key's packed
      words (optionally whole rows through 16-byte loads, VECTOR_ROWS), decodes 32 codes
@@ -38,8 +39,8 @@ walks its chunk in tiles of NT * KPT keys:
      w[row] * T_v[code] into R x DPT register accumulators.
 Two barriers per tile. At the end the G groups' accumulators are summed through threadgroup memory
 and each split writes (m, l, acc) partials; `split_combine` merges the splits (a second kernel).
-Limits: P in 32/64/128/256; rows per launch <= min(16, 1024 / max(P, M)) (more rows are split
-into several launches); b1 + b2 <= 8, bv <= 8.
+Limits: P in 32/64/128/256; rows per threadgroup <= min(16, 1024 / max(P, M)) (more rows: more
+row blocks in the same launch); b1 + b2 <= 8, bv <= 8.
 
 Measured (H200, MLX 0.32.4 CUDA, Llama-3.1-8B shapes, 128k, tq4; benchmarks/results/attend_h200*):
 the kernel takes ~0.2 ms where its 138 MB of packed cache would take ~0.03 ms at copy bandwidth.
@@ -102,10 +103,15 @@ _SPEC = KernelSpec(
   const int chunk = params[1];
   const int causal_base = params[2];
   const int S = params[3];
-  const int row0 = params[4];
+  const int RT = params[4];  // rows in all; this threadgroup takes the R rows from row0
+  const int NRB = (RT + R - 1) / R;
   const int H = q_shape[1];
-  const int split = (int)(lc_tg % (uint32_t)S);
-  const int bh = (int)(lc_tg / (uint32_t)S);
+  const int rb = (int)(lc_tg % (uint32_t)NRB);
+  const int sg = (int)(lc_tg / (uint32_t)NRB);  // bh * S + split
+  const int split = sg % S;
+  const int bh = sg / S;
+  const int row0 = rb * R;
+  const int nr = RT - row0 < R ? RT - row0 : R;  // rows of this block that exist (the rest: q = 0)
   const int hh = bh % H;
   const int bb = bh / H;
   const int k0 = split * chunk;
@@ -117,14 +123,14 @@ _SPEC = KernelSpec(
   for (int i = tid; i < R * P; i += NT) {
     const int r = i / P;
     const int d = i - r * P;
-    q_s[d * R + r] = q[qo + r * q_strides[2] + d * q_strides[3]];
+    q_s[d * R + r] = r < nr ? q[qo + (row0 + r) * q_strides[2] + d * q_strides[3]] : 0.0f;
   }
   if (QJL) {
     const int64_t po = bb * qp_strides[0] + hh * qp_strides[1];
     for (int i = tid; i < R * M; i += NT) {
       const int r = i / M;
       const int j = i - r * M;
-      qp_s[j * R + r] = qp[po + r * qp_strides[2] + j * qp_strides[3]];
+      qp_s[j * R + r] = r < nr ? qp[po + (row0 + r) * qp_strides[2] + j * qp_strides[3]] : 0.0f;
     }
   }
   for (int i = tid; i < (1 << (B1 + B2)); i += NT) ktab_s[i] = k_table[i];
@@ -331,8 +337,8 @@ _SPEC = KernelSpec(
     if (lc_lane == 0u) red_s[(int)lc_warp * R + r] = ls;
   }
   LC_BARRIER();
-  const int64_t ob = (int64_t)lc_tg * R;
-  for (int i = tid; i < R * P; i += NT) {
+  const int64_t ob = (int64_t)sg * RT + row0;
+  for (int i = tid; i < nr * P; i += NT) {
     const int r = i / P;
     const int d = i - r * P;
     float a = 0.0f;
@@ -340,7 +346,7 @@ _SPEC = KernelSpec(
     acc_out[ob * P + i] = a;
   }
   LC_UNROLL for (int r = 0; r < R; ++r) {
-    if (tid == r) {
+    if (tid == r && r < nr) {
       float lt = 0.0f;
       for (int w = 0; w < NW; ++w) lt += red_s[w * R + r];
       l_out[ob + r] = lt;
@@ -414,7 +420,7 @@ def _kpt(rows: int) -> int:
 
 
 def max_rows(p: int, m_qjl: int = 0) -> int:
-    """Rows one launch handles: R * P and R * M <= 1024 floats of threadgroup memory each."""
+    """Rows one threadgroup handles: R * P and R * M <= 1024 floats of threadgroup memory each."""
     return max(1, min(16, 1024 // max(p, m_qjl)))
 
 
@@ -465,16 +471,8 @@ def decode_attend(q_rot, keys, values, key_table, value_table, *, key_bits, valu
     q = _as(q_rot, mx.float32) * c
     qp = (q_proj.astype(mx.float32) * (c * math.sqrt(math.pi / 2) / m_qjl)
           if q_proj is not None else None)
-    step = max_rows(P, m_qjl if q_proj is not None else 0)
-    parts = []
-    for r0 in range(0, R, step):
-        r1 = min(R, r0 + step)
-        parts.append(_launch(q[:, :, r0:r1], None if qp is None else qp[:, :, r0:r1], keys, values,
-                             key_table, value_table, key_bits, key_bits2, value_bits, m_qjl, lq,
-                             causal_base, r0))
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(mx.concatenate([p[i] for p in parts], axis=2) for i in range(3))
+    return _launch(q, qp, keys, values, key_table, value_table, key_bits, key_bits2, value_bits,
+                   m_qjl, lq, causal_base)
 
 
 def _check(q_rot, keys, values, key_table, value_table, key_bits, key_bits2, value_bits, q_proj):
@@ -526,26 +524,35 @@ def _params(values: tuple) -> mx.array:
     return _PARAMS[values]
 
 
+def row_blocks(rows: int, p: int, m_qjl: int = 0) -> tuple[int, int]:
+    """(rows per threadgroup, row blocks): as few blocks of at most max_rows as cover `rows`,
+    evenly filled (48 rows at P = 64: 3 x 16; 20: 2 x 10)."""
+    blocks = groups(rows, max_rows(p, m_qjl))
+    return groups(rows, blocks), blocks
+
+
 def _launch(q, qp, keys, values, key_table, value_table, key_bits, key_bits2, value_bits, m_qjl,
-            lq, causal_base, row0):
-    """One kernel launch for up to max_rows(P) rows, then the split merge."""
+            lq, causal_base):
+    """One kernel launch for all rows (row blocks x KV heads x splits threadgroups), then the
+    split merge."""
     B, H, R, P = q.shape
     L = keys["norm"].shape[2]
-    chunk, splits = _splits(L, B * H)
+    rb, nrb = row_blocks(R, P, m_qjl if qp is not None else 0)
+    chunk, splits = _splits(L, B * H * nrb)
     dummy4, dummy3, dummyf = _dummies()
-    params = _params((L, chunk, 0 if causal_base is None else causal_base, splits, row0))
+    params = _params((L, chunk, 0 if causal_base is None else causal_base, splits, R))
     u32, f16, f32 = mx.uint32, mx.float16, mx.float32  # fixed: MLX caches modules by name
     inputs = [q, qp if qp is not None else dummyf,
               _as(keys["idx"], u32), _as(keys["idx2"], u32) if key_bits2 else dummy4,
               _as(keys["norm"], f16), _as(keys["qjl"], u32) if qp is not None else dummy4,
               _as(keys["rnorm"], f16) if qp is not None else dummy3, _as(values["idx"], u32),
               _as(values["norm"], f16), _as(key_table, f32), _as(value_table, f32), params]
-    template = [("P", P), ("R", R), ("LQ", lq), ("B1", key_bits), ("B2", key_bits2),
+    template = [("P", P), ("R", rb), ("LQ", lq), ("B1", key_bits), ("B2", key_bits2),
                 ("BV", value_bits), ("QJL", int(qp is not None)), ("M", m_qjl),
                 ("CAUSAL", int(causal_base is not None)), ("NT", NT),
-                ("DPT", _dpt(P, R, value_bits)), ("KPT", KPT if KPT else _kpt(R)),
+                ("DPT", _dpt(P, rb, value_bits)), ("KPT", KPT if KPT else _kpt(rb)),
                 ("VEC", int(VECTOR_ROWS))]
-    n = B * H * splits
+    n = B * H * splits * nrb
     m_p, l_p, acc_p = run(_SPEC, Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
                                         [(B * H, splits, R), (B * H, splits, R),
                                          (B * H, splits, R, P)], [mx.float32] * 3))

@@ -232,17 +232,20 @@ def test_launch_plans():
     assert _geometry(pl) == (1, 256) and pl.output_shapes == [(15, 12)]
     assert _geometry(hl) == (7, 128) and hl.output_shapes == [(7, 16), (7,)]
     assert _geometry(ql) == (9, 64) and ql.output_shapes == [(9, 2), (9,)]
-    # decode_attend: 20 rows > max_rows(64) = 16 -> two launches (16 + 4 rows), each + combine.
+    # decode_attend: 20 rows > max_rows(64) = 16 -> one launch of two row blocks of 10 rows each,
+    # then one combine.
     names = [s.name for s, _ in rec.launches[3:]]
-    assert names == ["lc_decode_attend", "lc_split_combine"] * 2
-    main = [lt for s, lt in rec.launches[3:] if s.name == "lc_decode_attend"]
-    for launch, rows in zip(main, (16, 4)):
-        groups_, threads = _geometry(launch)
-        t = dict(launch.template)
-        chunk, splits = int(launch.inputs[-1][1]), int(launch.inputs[-1][3])
-        assert threads == da.NT and groups_ == 2 * 3 * splits and t["R"] == rows
-        assert chunk % da.NT == 0 and (splits - 1) * chunk < 1000 <= splits * chunk
-        assert t["DPT"] * t["BV"] <= 32 and t["DPT"] * rows <= 32
+    assert names == ["lc_decode_attend", "lc_split_combine"]
+    launch = rec.launches[3][1]
+    groups_, threads = _geometry(launch)
+    t = dict(launch.template)
+    chunk, splits, rows = (int(launch.inputs[-1][i]) for i in (1, 3, 4))
+    assert threads == da.NT and groups_ == 2 * 3 * splits * 2 and t["R"] == 10 and rows == 20
+    assert chunk % da.NT == 0 and (splits - 1) * chunk < 1000 <= splits * chunk
+    assert t["DPT"] * t["BV"] <= 32 and t["DPT"] * t["R"] <= 32
+    assert launch.output_shapes == [(6, splits, 20), (6, splits, 20), (6, splits, 20, 64)]
+    assert da.row_blocks(48, 64) == (16, 3) and da.row_blocks(3, 64) == (3, 1)
+    assert da.row_blocks(17, 128) == (6, 3)  # max_rows(128) = 8
     assert m.shape == (2, 3, 20, 1) and acc.shape == (2, 3, 20, 64)
     assert not da._SPEC.row_contiguous  # slices of the cache's tail are read in place
 

@@ -144,6 +144,10 @@ def from_arrays(arrays: dict, model, preset: Preset, dtype) -> list:
 
     template = make(model, preset)
     dims = head_dims(model)
+    per_layer: dict[str, dict] = {}  # "i" -> {name within layer: array}, grouped in one pass
+    for name, arr in arrays.items():
+        layer, _, rest = name.partition(".")
+        per_layer.setdefault(layer, {})[rest] = arr
     out = []
     for i, c in enumerate(template):
         if type(c) is KVCache:
@@ -154,8 +158,7 @@ def from_arrays(arrays: dict, model, preset: Preset, dtype) -> list:
             v = tuple(arrays[f"{i}.v.{p}"] for p in _AFFINE_PARTS)
             c.keys, c.values, c.offset = k, v, k[0].shape[2]
         elif isinstance(c, TurboQuantCache):
-            layer = {k[len(f"{i}."):]: v for k, v in arrays.items() if k.startswith(f"{i}.")}
-            c = TurboQuantCache.from_arrays(preset, i, layer, dims[i])
+            c = TurboQuantCache.from_arrays(preset, i, per_layer.get(str(i), {}), dims[i])
         elif type(c) is RotatingKVCache:
             keys, values = arrays[f"{i}.k"], arrays[f"{i}.v"]
             c = _rotating(c, keys.astype(dtype), values.astype(dtype), int(arrays["tokens"].shape[0]))
