@@ -34,21 +34,15 @@ if [ "$what" = first ]; then
   run first_call_gpu 500 python3 benchmarks/first_call.py --tokens 8000 --runs 2 --name first_call_gpu
   cp benchmarks/results/first_call_gpu.json "$out/" 2>/dev/null
 fi
-if [ "$what" = next ]; then  # after a kernel/reader change: GPU kernel tests, then timings at 8k
-  run gpu_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-    -k "causal_and_strided or (gpu_decode_attend and 8-256) or compiled_path or end_to_end"
+if [ "$what" = next ]; then  # after a kernel or reader change: GPU kernel tests, then 8k timings
+  run gpu_tests 280 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+    -k "causal_and_strided or (gpu_decode_attend and 8-256) or compiled_path"
   run restore_profile_gpu 150 python3 benchmarks/restore_profile.py --model "$long" --tokens 8000 \
     --repeat 5 --quick --name restore_profile_gpu_next
-  for reader in mlx threads; do
-    export LONGCTX_READER=$reader
-    run restore_phases_gpu_$reader 90 python3 benchmarks/restore_phases.py \
-      --model "$long" --tokens 8000 --preset tq4 --repeat 5 --name restore_phases_gpu_$reader
-  done
-  unset LONGCTX_READER
-  run restore_gpu_8k 150 python3 benchmarks/restore.py --tokens 8000 --presets tq4 --repeat 5 \
+  run restore_gpu_8k 150 python3 benchmarks/restore.py --tokens 8000 --presets tq4 --repeat 7 \
     --no-reprefill --name restore_gpu_8k_next
-  cp benchmarks/results/restore_profile_gpu_next.json benchmarks/results/restore_phases_gpu_*.json \
-    benchmarks/results/restore_gpu_8k_next.json "$out/" 2>/dev/null
+  cp benchmarks/results/restore_profile_gpu_next.json benchmarks/results/restore_gpu_8k_next.json \
+    "$out/" 2>/dev/null
 fi
 if [ "$what" = restore ] || [ "$what" = all ]; then
   run restore_gpu_8k 200 python3 benchmarks/restore.py --tokens 8000 --presets tq4 tq4k3v tq5k4v \

@@ -9,7 +9,8 @@
     separates the cache format from the answering loop;
 (c) longctx: restore the stored cache of each preset, then the question.
 
-In-process times exclude model loading (the same for all three); the whole `longctx ask` process
+Every timed variant runs --repeat times, the variants interleaved; the best time is reported (and
+the median). In-process times exclude model loading (the same for all three); the whole `longctx ask` process
 (python start, imports, model load, restore, question, first token on stdout) is timed separately.
 On the CPU, (c) includes decoding the compressed prefix once (`kvcache.decode_once`).
 
@@ -59,10 +60,6 @@ def stock_first_token(lm, cache: list, tokens: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def best_of(fn, repeat: int) -> float:
-    return min(fn() for _ in range(repeat))
-
-
 def process_first_token(home: Path, doc: str) -> float:
     """Wall time from starting `longctx ask` to its first answer byte on stdout."""
     env = {**os.environ, "LONGCTX_HOME": str(home)}
@@ -95,6 +92,7 @@ def main() -> None:
     for n in args.tokens:
         doc, prefix, question = document_of(lm, home, n, QUESTION)
         row = {"tokens": len(prefix)}
+        runs = {}  # timed variant -> a function returning its seconds
 
         # (a) full re-prefill, once (it is the slow one)
         if not args.no_reprefill:
@@ -132,8 +130,8 @@ def main() -> None:
                 loaded = load_prompt_cache(str(path))
                 return time.perf_counter() - start + answer(lm, loaded, question)
 
-            row[f"b_{label}_s"] = best_of(run_b, args.repeat)
-            row[f"b_{label}_engine_s"] = best_of(lambda: run_b(answer=first_token_after), args.repeat)
+            runs[f"b_{label}_s"] = run_b
+            runs[f"b_{label}_engine_s"] = lambda run_b=run_b: run_b(answer=first_token_after)
             row[f"b_{label}_bytes"] = path.stat().st_size
 
         # (c) longctx restore per preset
@@ -149,11 +147,21 @@ def main() -> None:
                 pending.wait()  # checksums overlap the question; the token waits for them
                 return time.perf_counter() - start
 
-            row[f"c_{name}_s"] = best_of(run_c, args.repeat)
+            runs[f"c_{name}_s"] = run_c
             row[f"c_{name}_bytes"] = entry.bytes
             row[f"c_{name}_bits_per_channel"] = entry.bits_per_channel
             if args.process:
                 row[f"c_{name}_process_s"] = min(process_first_token(home, entry.id) for _ in range(2))
+        # Repetitions interleave every (b) and (c) variant, so that a machine whose speed drifts
+        # during the run (the lent GPU VM does, by 20-50% over minutes) favours none of them.
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(args.repeat):
+            for key, fn in runs.items():
+                times[key].append(fn())
+        for key, ts in times.items():
+            row[key] = min(ts)
+            row[key[:-2] + "_median_s"] = sorted(ts)[len(ts) // 2]
+        row["all_s"] = times
         rows.append(row)
         b8 = (f", affine8 {row['b_affine8_s']:.3f}s ({row['b_affine8_bytes'] / 2**20:.1f} MiB)"
               if "b_affine8_s" in row else "")
@@ -165,6 +173,8 @@ def main() -> None:
               f"{row['b_native_bytes'] / 2**20:.1f} MiB){b8}")
         for name in args.presets:
             c = row[f"c_{name}_s"]
+            print(f"   (medians: b_fp16 {row.get('b_fp16_median_s', float('nan')):.3f}s, "
+                  f"c_{name} {row[f'c_{name}_median_s']:.3f}s)")
             proc = f", process {row[f'c_{name}_process_s']:.2f}s" if args.process else ""
             print(f"   longctx {name:>8}: {c:.3f}s ({row[f'c_{name}_bytes'] / 2**20:.1f} MiB, "
                   f"{row[f'c_{name}_bits_per_channel']:.2f} b/ch) a/c {a / c:.0f}x, "

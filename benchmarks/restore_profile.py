@@ -1,13 +1,13 @@
 """Break the restore path's two phases into their parts, to see what bounds each (diagnostic;
 benchmarks/restore_phases.py has the phase totals).
 
-Read + verify of a tq4 cache file: positional reads only, reads + sha256, reads + sha256 + copy
-into MLX (the shipped `Reader.arrays()`), at several thread counts, against `mx.load` (no
-verification). Question: one layer's attention over the restored cache, Lq tokens, synchronized
+Read + verify of a tq4 cache file: the shipped reader (arrays out, checks' wait, first GPU pass
+over the arrays); unless --quick, also positional reads only, reads + sha256, reads + sha256 + copy
+into MLX, at several thread counts, against `mx.load` (no verification). Question: one layer's attention over the restored cache, Lq tokens, synchronized
 and repeated: the shipped `compressed_attention`, the fused kernel alone, the same attention under
 `mx.compile`, and fp16 `scaled_dot_product_attention` over the same number of keys.
 
-Usage: python benchmarks/restore_profile.py --tokens 8000 32000 [--model SPEC]
+Usage: python benchmarks/restore_profile.py --tokens 8000 32000 [--model SPEC] [--quick]
 """
 
 from __future__ import annotations
@@ -86,38 +86,22 @@ def read_variants(path: Path, repeat: int) -> dict:
 
 
 def reader_paths(path: Path, repeat: int) -> dict:
-    """The shipped reader per `format.READER` mode: arrays handed out (checks still running),
-    the checks' wait, then a first GPU pass over every array (where managed memory migrates),
-    and for "threads" its allocation (zero fill) alone."""
-    res = {}
-    saved = fmt.READER
-    try:
-        for mode in ("mlx", "threads"):
-            fmt.READER = mode
-            parts: dict[str, list] = {}
-            for _ in range(repeat):
-                with fmt.open_cache(path, "x", "x") as r:
-                    t = time.perf_counter()
-                    arrays, pending = r.arrays_verifying()
-                    t1 = time.perf_counter()
-                    pending.wait()
-                    t2 = time.perf_counter()
-                mx.eval([a.astype(mx.float32).sum() for a in arrays.values()])
-                t3 = time.perf_counter()
-                for k, v in (("read", t1 - t), ("wait", t2 - t1), ("first_gpu_pass", t3 - t2)):
-                    parts.setdefault(k, []).append(v)
-                del arrays
-            res[mode] = {k: min(v) for k, v in parts.items()}
+    """The shipped reader: arrays handed out (checks still running), the checks' wait, then a
+    first GPU pass over every array (where CUDA's managed memory migrates to the GPU)."""
+    parts: dict[str, list] = {}
+    for _ in range(repeat):
         with fmt.open_cache(path, "x", "x") as r:
-            tensors = list(r.header.tensors.values())
-
-        def alloc():
-            mx.eval([mx.zeros(t.shape, dtype=getattr(mx, fmt.DTYPES[t.dtype][1]), stream=mx.cpu)
-                     for t in tensors])
-        res["threads_alloc_only"] = best(alloc, repeat)
-    finally:
-        fmt.READER = saved
-    return res
+            t = time.perf_counter()
+            arrays, pending = r.arrays_verifying()
+            t1 = time.perf_counter()
+            pending.wait()
+            t2 = time.perf_counter()
+        mx.eval([a.astype(mx.float32).sum() for a in arrays.values()])
+        t3 = time.perf_counter()
+        for k, v in (("read", t1 - t), ("wait", t2 - t1), ("first_gpu_pass", t3 - t2)):
+            parts.setdefault(k, []).append(v)
+        del arrays
+    return {k: min(v) for k, v in parts.items()}
 
 
 def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repeat: int) -> dict:

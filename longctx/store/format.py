@@ -57,10 +57,6 @@ MAX_HEADER_BYTES = 16 << 20  # ~100 bytes per array: room for 100k+ arrays
 MAX_NDIM = 8
 CHUNK = 4 << 20  # bytes a checksum task reads at a time
 FD_DIR = "/dev/fd"  # MLX's reader opens the already-opened file through it
-# How arrays reach MLX: "threads" (positional reads on worker threads straight into arrays MLX
-# allocated) or "mlx" (MLX's own safetensors reader, one thread, through FD_DIR).
-READER = os.environ.get("LONGCTX_READER", "threads")
-READ_WORKERS = 8  # at most; never more than the CPU count
 FREE_SPACE_MARGIN = 64 << 20  # left free after a write, for the index and everything else
 TEMP_PREFIX = ".tmp-"
 _ZERO_SHA = "0" * 64
@@ -390,46 +386,11 @@ class Reader:
         the same file."""
         pending = self.checksums_running()
         try:
-            out = self._load_threads() if READER == "threads" else self._load_mlx()
+            out = self._load_mlx()
         except BaseException:
             pending.wait()  # a damaged file explains MLX's failure: report that instead
             raise
         return out, pending
-
-    def _load_threads(self) -> dict:
-        """Allocate every array in MLX (CPU stream, evaluated), then fill their memory in place
-        with positional reads of up to CHUNK bytes on worker threads (one copy, page cache to
-        array; preadv releases the GIL)."""
-        import mlx.core as mx
-
-        tensors = list(self.header.tensors.values())
-        out = {t.name: mx.zeros(t.shape, dtype=getattr(mx, "uint16" if t.dtype == "BF16" else DTYPES[t.dtype][1]),
-                                stream=mx.cpu) for t in tensors}
-        mx.eval(list(out.values()))
-        jobs = []
-        for t in tensors:
-            if not t.nbytes:
-                continue
-            view = memoryview(out[t.name]).cast("B")
-            if len(view) != t.nbytes:  # MLX hands out its own buffer, exactly this size
-                raise RuntimeError(f"MLX array for {t.name!r} has {len(view)} bytes, not {t.nbytes}")
-            jobs += [(view[lo:lo + CHUNK], t.begin + lo, t.name) for lo in range(0, t.nbytes, CHUNK)]
-
-        def read(job):
-            view, begin, name = job
-            self._read_into(view, self.header.data_start + begin, f"array {name!r}")
-
-        workers = max(1, min(READ_WORKERS, os.cpu_count() or 1, len(jobs)))
-        if workers == 1:
-            for job in jobs:
-                read(job)
-        else:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                list(pool.map(read, jobs))
-        for t in tensors:
-            if t.dtype == "BF16":
-                out[t.name] = out[t.name].view(mx.bfloat16)
-        return out
 
     def _load_mlx(self) -> dict:
         import mlx.core as mx
