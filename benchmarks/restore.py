@@ -10,8 +10,9 @@
 (c) longctx: restore the stored cache of each preset, then the question.
 
 Every timed variant runs --repeat times, the variants interleaved; the best time is reported (and
-the median). In-process times exclude model loading (the same for all three); the whole `longctx ask` process
-(python start, imports, model load, restore, question, first token on stdout) is timed separately.
+the median). In-process times exclude model loading (the same for all three); the whole `longctx
+ask` process (python start, imports, model load, restore, question, first token on stdout) is timed
+separately.
 On the CPU, (c) includes decoding the compressed prefix once (`kvcache.decode_once`).
 
 Usage: python benchmarks/restore.py [--tokens 1024 4096] [--presets fp16 tq4 ...]

@@ -3,9 +3,10 @@ benchmarks/restore_phases.py has the phase totals).
 
 Read + verify of a tq4 cache file: the shipped reader (arrays out, checks' wait, first GPU pass
 over the arrays); unless --quick, also positional reads only, reads + sha256, reads + sha256 + copy
-into MLX, at several thread counts, against `mx.load` (no verification). Question: one layer's attention over the restored cache, Lq tokens, synchronized
-and repeated: the shipped `compressed_attention`, the fused kernel alone, the same attention under
-`mx.compile`, and fp16 `scaled_dot_product_attention` over the same number of keys.
+into MLX, at several thread counts, against `mx.load` (no verification). Question: one layer's
+attention over the restored cache, Lq tokens, synchronized and repeated: the shipped
+`compressed_attention`, the fused kernel alone, the same attention under `mx.compile`, and fp16
+`scaled_dot_product_attention` over the same number of keys.
 
 Usage: python benchmarks/restore_profile.py --tokens 8000 32000 [--model SPEC] [--quick]
 """

@@ -24,8 +24,8 @@ Thread plan (GPU). The dispatcher pre-multiplies q (and q_proj) by scale * log2(
 works in base 2 (exp2). Grid, one launch: one threadgroup of NT = 128 threads per (b, h, split, row
 block); a row block is up to R <= max_rows rows (48 rows at P = 64: three blocks of 16, evenly
 filled); a split is a chunk of keys (a multiple of 128; chosen so about TARGET_GROUPS threadgroups
-cover the sequence). A threadgroup stages its rows' q (transposed, [d][row]) and the two tables in threadgroup memory and
-walks its chunk in tiles of NT * KPT keys:
+cover the sequence). A threadgroup stages its rows' q (transposed, [d][row]) and the two tables in
+threadgroup memory and walks its chunk in tiles of NT * KPT keys:
   1. scores: thread t owns keys t + j * 128 (j < KPT) of the tile: it reads each key's packed
      words (optionally whole rows through 16-byte loads, VECTOR_ROWS), decodes 32 codes
      per group with compile-time shifts (a 3-bit code may straddle two words), looks each code up
@@ -537,7 +537,7 @@ def _launch(q, qp, keys, values, key_table, value_table, key_bits, key_bits2, va
     split merge."""
     B, H, R, P = q.shape
     L = keys["norm"].shape[2]
-    rb, nrb = row_blocks(R, P, m_qjl if qp is not None else 0)
+    per_block, nrb = row_blocks(R, P, m_qjl if qp is not None else 0)
     chunk, splits = _splits(L, B * H * nrb)
     dummy4, dummy3, dummyf = _dummies()
     params = _params((L, chunk, 0 if causal_base is None else causal_base, splits, R))
@@ -547,10 +547,10 @@ def _launch(q, qp, keys, values, key_table, value_table, key_bits, key_bits2, va
               _as(keys["norm"], f16), _as(keys["qjl"], u32) if qp is not None else dummy4,
               _as(keys["rnorm"], f16) if qp is not None else dummy3, _as(values["idx"], u32),
               _as(values["norm"], f16), _as(key_table, f32), _as(value_table, f32), params]
-    template = [("P", P), ("R", rb), ("LQ", lq), ("B1", key_bits), ("B2", key_bits2),
+    template = [("P", P), ("R", per_block), ("LQ", lq), ("B1", key_bits), ("B2", key_bits2),
                 ("BV", value_bits), ("QJL", int(qp is not None)), ("M", m_qjl),
                 ("CAUSAL", int(causal_base is not None)), ("NT", NT),
-                ("DPT", _dpt(P, rb, value_bits)), ("KPT", KPT if KPT else _kpt(rb)),
+                ("DPT", _dpt(P, per_block, value_bits)), ("KPT", KPT if KPT else _kpt(per_block)),
                 ("VEC", int(VECTOR_ROWS))]
     n = B * H * splits * nrb
     m_p, l_p, acc_p = run(_SPEC, Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),

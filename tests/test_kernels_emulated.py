@@ -82,6 +82,7 @@ CASES = [  # B, H, R, P, L, preset, lq, causal_base, target_groups, kpt
     (2, 2, 8, 64, 130, "rvq2+2", 2, None, None, 0),
     (1, 2, 6, 128, 260, "tq3", 3, 250, None, 0),
     (1, 1, 20, 64, 129, "tq4k3v", 4, None, None, 0),  # 20 rows: two row blocks of 10
+    (1, 1, 20, 64, 129, "tq4k3v", 4, 100, None, 0),  # causal: block 2 starts mid-token (row 10)
     (1, 2, 17, 128, 260, "tq4", 1, None, None, 0),  # 3 row blocks of 6: the last has 5 rows
     (1, 2, 19, 64, 300, "tq3+qjl", 19, 250, None, 0),  # blocks of 10 + 9, causal, QJL
     (1, 1, 2, 256, 150, "tq4", 1, None, None, 0),
