@@ -14,7 +14,6 @@ Usage: python benchmarks/restore_profile.py --tokens 8000 32000 [--model SPEC] [
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -51,14 +50,11 @@ def best(fn, repeat: int) -> float:
 def read_variants(path: Path, repeat: int) -> dict:
     with fmt.open_cache(path, "x", "x") as r:
         tensors = list(r.header.tensors.values())
-        start = r.header.data_start
-        fd = r.file.fileno()
 
         def job(kind):
             def run(group):
                 for t in group:
-                    buf = np.empty(t.nbytes, dtype=np.uint8)
-                    os.preadv(fd, [memoryview(buf)], start + t.begin)
+                    buf = r._read(t)  # positional reads into a fresh numpy buffer
                     if kind >= 1:
                         hashlib.sha256(buf).hexdigest()
                     if kind >= 2:
@@ -105,20 +101,14 @@ def reader_paths(path: Path, repeat: int) -> dict:
             t1 = time.perf_counter()
             pending.wait()
             t2 = time.perf_counter()
-            tensors, start, fd = list(r.header.tensors.values()), r.header.data_start, r.file.fileno()
+            tensors = list(r.header.tensors.values())
             parts.setdefault("read", []).append(t1 - t)
             parts.setdefault("wait", []).append(t2 - t1)
             parts.setdefault("first_gpu_pass", []).append(first_pass(list(arrays.values())))
             del arrays
-
-            def read(t_):
-                buf = np.empty(t_.nbytes, dtype=np.uint8)
-                os.preadv(fd, [memoryview(buf)], start + t_.begin)
-                return buf
-
             t = time.perf_counter()
             with ThreadPoolExecutor(8) as pool:
-                bufs = list(pool.map(read, tensors))
+                bufs = list(pool.map(r._read, tensors))
             t1 = time.perf_counter()
             arrays = [mx.array(b.view(np.dtype(fmt.DTYPES[t_.dtype][1])).reshape(t_.shape))
                       for b, t_ in zip(bufs, tensors)]
