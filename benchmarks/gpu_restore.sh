@@ -2,10 +2,11 @@
 # Restore timings on the lent GPU machine (MLX CUDA) at 8k tokens and beyond: SmolLM2-135M to its
 # 8k context, and with RoPE x4 (ntk-by-parts) to 32k (timing only: the restore path does not
 # depend on the RoPE frequencies). Run after the staged install (see benchmarks/gpu_niah.sh):
-#   bash .gpu/pN/install.sh && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu_restore.sh [phases|restore|profile|first|next|all]
+#   bash .gpu/pN/install.sh && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu_restore.sh [phases|restore|profile|first|next|readers|all]
 # phases: benchmarks/restore_phases.py (where the time goes); restore: benchmarks/restore.py;
 # profile: benchmarks/restore_profile.py (read variants, per-layer attention, decode per compile
-# mode); first: benchmarks/first_call.py (fresh processes; the first ones pay MLX's CUDA JIT).
+# mode); first: benchmarks/first_call.py (fresh processes; the first ones pay MLX's CUDA JIT);
+# next: GPU kernel tests + the quick profile; readers: restore.py at 8k, MLX's reader vs threads.
 # Logs and JSON go to $OUT (the device tool brings it back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,10 +40,12 @@ if [ "$what" = next ]; then  # after a kernel or reader change: GPU kernel tests
     -k "causal_and_strided or (gpu_decode_attend and 8-256) or compiled_path"
   run restore_profile_gpu 150 python3 benchmarks/restore_profile.py --model "$long" --tokens 8000 \
     --repeat 5 --quick --name restore_profile_gpu_next
-  run restore_gpu_8k 150 python3 benchmarks/restore.py --tokens 8000 --presets tq4 --repeat 7 \
-    --no-reprefill --name restore_gpu_8k_next
-  cp benchmarks/results/restore_profile_gpu_next.json benchmarks/results/restore_gpu_8k_next.json \
-    "$out/" 2>/dev/null
+  cp benchmarks/results/restore_profile_gpu_next.json "$out/" 2>/dev/null
+fi
+if [ "$what" = readers ]; then  # (c) with MLX's reader and the threaded one, interleaved with (b)
+  run restore_gpu_8k_readers 300 python3 benchmarks/restore.py --tokens 8000 --presets tq4 \
+    --repeat 9 --no-reprefill --readers mlx threads --name restore_gpu_8k_readers
+  cp benchmarks/results/restore_gpu_8k_readers.json "$out/" 2>/dev/null
 fi
 if [ "$what" = restore ] || [ "$what" = all ]; then
   run restore_gpu_8k 200 python3 benchmarks/restore.py --tokens 8000 --presets tq4 tq4k3v tq5k4v \

@@ -16,11 +16,13 @@ separately.
 On the CPU, (c) includes decoding the compressed prefix once (`kvcache.decode_once`).
 
 Usage: python benchmarks/restore.py [--tokens 1024 4096] [--presets fp16 tq4 ...]
+       [--readers mlx threads] (A/B of the array readers, interleaved like the rest)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -40,6 +42,7 @@ import mlx.core as mx  # noqa: E402
 from longctx import engine, kvcache, session  # noqa: E402
 from longctx.runtime import models  # noqa: E402
 from longctx.store import Store  # noqa: E402
+from longctx.store import format as fmt  # noqa: E402
 
 QUESTION = "What does the document say about the chief engineer?"
 
@@ -84,6 +87,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model spec (default: the default model); e.g. "
                     "a `#rope=ntk-by-parts:4` spec to time contexts past the model's own")
     ap.add_argument("--no-reprefill", action="store_true", help="skip (a)")
+    ap.add_argument("--readers", nargs="+", default=None, choices=["mlx", "threads"],
+                    help="time (c) with each of these array readers (longctx.store.format.READER; "
+                    "default: the shipped one); variants after the first are named c_<preset>@<reader>")
     args = ap.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="longctx-bench-"))
@@ -139,7 +145,9 @@ def main() -> None:
         for name in args.presets:
             entry = session.ingest(doc, model=args.model, preset=name).entry
 
-            def run_c(entry=entry):
+            def run_c(entry=entry, reader=None):
+                if reader is not None:
+                    fmt.READER = reader
                 start = time.perf_counter()
                 store = Store()
                 cache, pending = session.restore_verifying(entry, lm, store)  # as `ask` does
@@ -148,7 +156,10 @@ def main() -> None:
                 pending.wait()  # checksums overlap the question; the token waits for them
                 return time.perf_counter() - start
 
-            runs[f"c_{name}_s"] = run_c
+            readers = args.readers or [None]
+            runs[f"c_{name}_s"] = functools.partial(run_c, reader=readers[0])
+            for reader in readers[1:]:
+                runs[f"c_{name}@{reader}_s"] = functools.partial(run_c, reader=reader)
             row[f"c_{name}_bytes"] = entry.bytes
             row[f"c_{name}_bits_per_channel"] = entry.bits_per_channel
             if args.process:
@@ -173,6 +184,9 @@ def main() -> None:
               f"(its file through longctx's loop {row['b_native_engine_s']:.3f}s; "
               f"{row['b_native_bytes'] / 2**20:.1f} MiB){b8}")
         for name in args.presets:
+            for reader in (args.readers or [None])[1:]:
+                print(f"   longctx {name} read by {reader}: {row[f'c_{name}@{reader}_s']:.3f}s "
+                      f"(median {row[f'c_{name}@{reader}_median_s']:.3f}s)")
             c = row[f"c_{name}_s"]
             print(f"   (medians: b_fp16 {row.get('b_fp16_median_s', float('nan')):.3f}s, "
                   f"c_{name} {row[f'c_{name}_median_s']:.3f}s)")

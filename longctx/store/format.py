@@ -60,6 +60,10 @@ FD_DIR = "/dev/fd"  # MLX's reader opens the already-opened file through it
 FREE_SPACE_MARGIN = 64 << 20  # left free after a write, for the index and everything else
 TEMP_PREFIX = ".tmp-"
 _ZERO_SHA = "0" * 64
+# How restored arrays are read: "mlx" (MLX's safetensors reader through /dev/fd, one copy from
+# the file into array memory) or "threads" (positional reads on 8 threads into numpy, then a
+# copy into MLX; also the fallback where /dev/fd is missing). LONGCTX_READER overrides.
+READER = os.environ.get("LONGCTX_READER", "mlx")
 
 # safetensors dtype -> (bytes per element, numpy dtype used to carry the bytes into MLX)
 DTYPES = {"BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"), "U16": (2, "uint16"),
@@ -398,11 +402,17 @@ class Reader:
 
         tensors = self.header.tensors
         fd_path = f"{FD_DIR}/{self.file.fileno()}"
-        if not os.path.exists(fd_path):  # no /dev/fd: read into numpy, then copy into MLX
+        if READER == "threads" or not os.path.exists(fd_path):
+            # positional reads on worker threads into numpy, then one copy each into MLX
+            listed = list(tensors.values())
+            workers = max(1, min(8, len(listed)))
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                bufs = list(pool.map(self._read, listed))
             out = {}
-            for t in tensors.values():
-                arr = mx.array(self._read(t).view(np.dtype(DTYPES[t.dtype][1])).reshape(t.shape))
+            for t, buf in zip(listed, bufs):
+                arr = mx.array(buf.view(np.dtype(DTYPES[t.dtype][1])).reshape(t.shape))
                 out[t.name] = arr.view(mx.bfloat16) if t.dtype == "BF16" else arr
+            mx.eval(list(out.values()))
             return out
         # Where /dev/fd/N duplicates the descriptor (macOS), MLX reads from its current offset.
         os.lseek(self.file.fileno(), 0, os.SEEK_SET)
