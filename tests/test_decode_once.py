@@ -49,10 +49,10 @@ def test_scoring_vectors_give_the_estimated_scores(spec):
     np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-4, atol=1e-4)
 
 
-def _restored(name: str, n: int = 300, heads: int = 2, dim: int = 64) -> TurboQuantCache:
+def _restored(name: str, n: int = 300, heads: int = 2, dim: int = 64, batch: int = 1) -> TurboQuantCache:
     preset = get_preset(name)
     c = TurboQuantCache(preset, 0)
-    kv = mx.random.normal((2, 1, heads, n, dim), key=mx.random.key(7)) + 0.3
+    kv = mx.random.normal((2, batch, heads, n, dim), key=mx.random.key(7)) + 0.3
     c.update_and_fetch(kv[0], kv[1])
     c.seal()
     return TurboQuantCache.from_arrays(preset, 0, c.arrays(), dim)
@@ -72,6 +72,45 @@ def test_attention_over_decoded_prefix_equals_blocked_path(name, lq, mask):
         outs.append(compressed_attention(q, view, 0.125, mask=mask, fused=False))
     assert view.dense is not None
     np.testing.assert_allclose(np.array(outs[1]), np.array(outs[0]), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dim", [64, 80])  # 80: rotations pad to 128
+@pytest.mark.parametrize("lq,mask,earlier", [(1, None, 0), (7, "causal", 0), (5, "causal", 9)])
+def test_numpy_dense_path_equals_blocked_path(monkeypatch, dim, lq, mask, earlier):
+    """On the CPU a decoded prefix plus the window is attended in numpy as one block (the
+    window rotated into the prefix's frames); `earlier` tokens already in the window before the
+    queries are visible to all of them, the queries' own causally."""
+    from longctx.kvcache import attention
+
+    blocked, dense = (_restored("tq4", n=200, dim=dim, batch=2) for _ in range(2))
+    dense.decode_prefix()
+    calls = []
+    real = attention._dense_numpy_attention
+    monkeypatch.setattr(attention, "_dense_numpy_attention",
+                        lambda *a: calls.append(1) or real(*a))
+    q = mx.random.normal((2, 4, lq, dim), key=mx.random.key(21)) * 3.0
+    outs = []
+    for cache in (blocked, dense):
+        if earlier:
+            kv = mx.random.normal((2, 2, 2, earlier, dim), key=mx.random.key(22))
+            cache.update_and_fetch(kv[0], kv[1])
+        kv = mx.random.normal((2, 2, 2, lq, dim), key=mx.random.key(23))
+        view, _ = cache.update_and_fetch(kv[0], kv[1])
+        outs.append(compressed_attention(q, view, 0.125, mask=mask, fused=False))
+    assert calls == [1]  # the dense cache only
+    assert outs[1].shape == (2, 4, lq, dim) and outs[1].dtype == q.dtype
+    np.testing.assert_allclose(np.array(outs[1]), np.array(outs[0]), rtol=2e-5, atol=2e-5)
+
+
+def test_rotation_matrices_are_the_rotation():
+    from longctx.kvcache.attention import rotation_matrices
+
+    codec = VectorCodec(80, QuantSpec(4), seed=4)
+    r, u = rotation_matrices(codec)
+    x = mx.random.normal((3, 80), key=mx.random.key(1))
+    np.testing.assert_allclose(np.array(x) @ r, np.array(codec.rotate(x)), atol=1e-5)
+    y = mx.random.normal((3, codec.padded_dim), key=mx.random.key(2))
+    np.testing.assert_allclose(np.array(y) @ u, np.array(codec.unrotate(y)), atol=1e-5)
 
 
 def test_decoded_prefix_survives_answer_tokens_leaving_the_window():

@@ -156,7 +156,68 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
     kc, vc = kv.key_codec, kv.value_codec
     tables = (kernel_table(kc), kernel_table(vc)) if fused else None
     cpu = mx.default_device().type == mx.DeviceType.cpu
+    if cpu and not fused and _dense_numpy_applies(kv, mask, Lq):
+        return _dense_numpy_attention(queries, kv, scale, mask)
     return _attend(queries, kv, kc, vc, tables, scale, mask, block, fused, cpu)
+
+
+@functools.lru_cache(maxsize=256)
+def rotation_matrices(codec) -> tuple[np.ndarray, np.ndarray]:
+    """A codec's rotation as matrices: `rotate(x) == x @ R` (D, Dp) and `unrotate(y) == y @ U`
+    (Dp, D), float32 (the transform is linear: its images of the identity)."""
+    r = codec.rotate(mx.eye(codec.dim, dtype=mx.float32))
+    u = codec.unrotate(mx.eye(codec.padded_dim, dtype=mx.float32))
+    return np.array(r, dtype=np.float32), np.array(u, dtype=np.float32)
+
+
+def _dense_numpy_applies(kv: CompressedKV, mask, lq: int) -> bool:
+    """Whether `_dense_numpy_attention` covers this view: a decoded prefix and nothing compressed
+    after it (a long answer's tail takes the blocked path), a mask that is none or causal, and
+    queries that all follow the decoded prefix."""
+    if kv.dense is None or len(kv.segments) != 1 or not _kernel_mask(mask):
+        return False
+    return kv.dense[0].shape[2] <= kv.offset - lq
+
+
+def _dense_numpy_attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.array:
+    """Attention over a decoded prefix plus the exact window, in numpy, as one block.
+
+    The CPU answering path (`kvcache.decode_once`): the window's keys and values are rotated into
+    the prefix's frames (a (D, Dp) matmul each; window and prefix are both centered), so every key
+    takes part in one score matmul, one softmax and one value matmul, and the output is rotated
+    back once. The blocked path would run two blocks and merge them: ~30 MLX operations of
+    ~20-50 us each on a CPU, for a few MFLOP of arithmetic (SmolLM2-135M, 1k tokens, 16 query
+    tokens: 1.9 -> 1.1 ms per layer).
+    """
+    B, Hq, Lq, D = queries.shape
+    Hkv = kv.value_mean.shape[1]
+    r = Hq // Hkv
+    rk, _ = rotation_matrices(kv.key_codec)
+    rv, uv = rotation_matrices(kv.value_codec)
+    dense_k, dense_v = kv.dense
+    window = kv.window
+    mx.eval(queries, dense_k, dense_v, kv.value_mean, *(window or ()))
+    q = np.asarray(queries.astype(mx.float32)).reshape(B, Hkv, r * Lq, D) @ rk
+    scores = [q @ np.asarray(dense_k).swapaxes(-1, -2)]
+    n_dense = dense_k.shape[2]
+    if window is not None:
+        win_k = np.asarray(window[0]) @ rk
+        s_win = q @ win_k.swapaxes(-1, -2)  # (B, Hkv, r*Lq, W)
+        if mask is not None:  # window key j sits at n_dense + j, query i at offset - Lq + i
+            w = win_k.shape[2]
+            seen = np.arange(w)[None, :] <= np.arange(kv.offset - Lq, kv.offset)[:, None] - n_dense
+            s_win = np.where(np.tile(seen, (r, 1)), s_win, np.float32(-np.inf))
+        scores.append(s_win)
+    s = np.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    s *= np.float32(scale)
+    np.subtract(s, s.max(axis=-1, keepdims=True), out=s)  # the prefix is always visible: finite
+    np.exp(s, out=s)
+    acc = s[..., :n_dense] @ np.asarray(dense_v)
+    if window is not None:
+        acc += s[..., n_dense:] @ (np.asarray(window[1]) @ rv)
+    out = (acc / s.sum(axis=-1, keepdims=True)) @ uv  # (B, Hkv, r*Lq, D)
+    out = out.reshape(B, Hkv, r, Lq, D) + np.asarray(kv.value_mean)[:, :, None]
+    return mx.array(out.reshape(B, Hq, Lq, D)).astype(queries.dtype)
 
 
 def _compile_wanted(lq: int) -> bool:
