@@ -19,7 +19,7 @@ SPECS = [QuantSpec(b) for b in range(1, 9)] + [QuantSpec(2, 2), QuantSpec(3, 1),
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
-@pytest.mark.parametrize("dim", [64, 80])  # 80 pads to 128: values past the dim are dropped
+@pytest.mark.parametrize("dim", [64, 72, 80])  # 72 pads to 80 (values past the dim are dropped); 80 is a non-power-of-two size
 def test_lookup_decode_is_bit_identical(spec, dim):
     codec = VectorCodec(dim, spec, seed=3)
     x = mx.random.normal((2, 3, 37, dim), key=mx.random.key(spec.bits * 10 + spec.bits2)) * 3.0
@@ -74,7 +74,7 @@ def test_attention_over_decoded_prefix_equals_blocked_path(name, lq, mask):
     np.testing.assert_allclose(np.array(outs[1]), np.array(outs[0]), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("dim", [64, 80])  # 80: rotations pad to 128
+@pytest.mark.parametrize("dim", [64, 72])  # 72: rotations pad to 80
 @pytest.mark.parametrize("lq,mask,earlier", [(1, None, 0), (7, "causal", 0), (5, "causal", 9)])
 def test_numpy_dense_path_equals_blocked_path(monkeypatch, dim, lq, mask, earlier):
     """On the CPU a decoded prefix plus the window is attended in numpy as one block (the
@@ -105,12 +105,13 @@ def test_numpy_dense_path_equals_blocked_path(monkeypatch, dim, lq, mask, earlie
 def test_rotation_matrices_are_the_rotation():
     from longctx.kvcache.attention import rotation_matrices
 
-    codec = VectorCodec(80, QuantSpec(4), seed=4)
+    codec = VectorCodec(72, QuantSpec(4), seed=4)
     r, u = rotation_matrices(codec)
-    x = mx.random.normal((3, 80), key=mx.random.key(1))
-    np.testing.assert_allclose(np.array(x) @ r, np.array(codec.rotate(x)), atol=1e-5)
+    assert r.shape == (72, 80) and u.shape == (80, 72)
+    x = mx.random.normal((3, 72), key=mx.random.key(1))
+    np.testing.assert_allclose(np.array(x @ r), np.array(codec.rotate(x)), atol=1e-5)
     y = mx.random.normal((3, codec.padded_dim), key=mx.random.key(2))
-    np.testing.assert_allclose(np.array(y) @ u, np.array(codec.unrotate(y)), atol=1e-5)
+    np.testing.assert_allclose(np.array(y @ u), np.array(codec.unrotate(y)), atol=1e-5)
 
 
 def test_decoded_prefix_survives_answer_tokens_leaving_the_window():

@@ -162,12 +162,13 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
 
 
 @functools.lru_cache(maxsize=256)
-def rotation_matrices(codec) -> tuple[np.ndarray, np.ndarray]:
+def rotation_matrices(codec) -> tuple[mx.array, mx.array]:
     """A codec's rotation as matrices: `rotate(x) == x @ R` (D, Dp) and `unrotate(y) == y @ U`
-    (Dp, D), float32 (the transform is linear: its images of the identity)."""
+    (Dp, D), float32 (the transform is linear: its images of the identity), evaluated."""
     r = codec.rotate(mx.eye(codec.dim, dtype=mx.float32))
     u = codec.unrotate(mx.eye(codec.padded_dim, dtype=mx.float32))
-    return np.array(r, dtype=np.float32), np.array(u, dtype=np.float32)
+    mx.eval(r, u)
+    return r, u
 
 
 def _dense_numpy_applies(kv: CompressedKV, mask, lq: int) -> bool:
@@ -180,14 +181,15 @@ def _dense_numpy_applies(kv: CompressedKV, mask, lq: int) -> bool:
 
 
 def _dense_numpy_attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.array:
-    """Attention over a decoded prefix plus the exact window, in numpy, as one block.
+    """Attention over a decoded prefix plus the exact window as one block, softmax in numpy.
 
     The CPU answering path (`kvcache.decode_once`): the window's keys and values are rotated into
-    the prefix's frames (a (D, Dp) matmul each; window and prefix are both centered), so every key
-    takes part in one score matmul, one softmax and one value matmul, and the output is rotated
-    back once. The blocked path would run two blocks and merge them: ~30 MLX operations of
-    ~20-50 us each on a CPU, for a few MFLOP of arithmetic (SmolLM2-135M, 1k tokens, 16 query
-    tokens: 1.9 -> 1.1 ms per layer).
+    the prefix's frames (window and prefix are both centered), so all scores go through one
+    softmax and the output is rotated back once; the blocked path would run two blocks and merge
+    them, ~30 MLX operations of ~20-50 us each on a CPU for a few MFLOP of arithmetic. Matmuls stay
+    in MLX: numpy's own BLAS threads would fight MLX's for the cores between layers (a 1k-token
+    question then took 2x longer, not less). Only the exponentials run in numpy (see
+    `_softmax_step`), in place on the scores' buffer.
     """
     B, Hq, Lq, D = queries.shape
     Hkv = kv.value_mean.shape[1]
@@ -195,29 +197,26 @@ def _dense_numpy_attention(queries: mx.array, kv: CompressedKV, scale: float, ma
     rk, _ = rotation_matrices(kv.key_codec)
     rv, uv = rotation_matrices(kv.value_codec)
     dense_k, dense_v = kv.dense
-    window = kv.window
-    mx.eval(queries, dense_k, dense_v, kv.value_mean, *(window or ()))
-    q = np.asarray(queries.astype(mx.float32)).reshape(B, Hkv, r * Lq, D) @ rk
-    scores = [q @ np.asarray(dense_k).swapaxes(-1, -2)]
     n_dense = dense_k.shape[2]
+    q = queries.astype(mx.float32).reshape(B, Hkv, r * Lq, D) @ rk
+    window = kv.window
     if window is not None:
-        win_k = np.asarray(window[0]) @ rk
-        s_win = q @ win_k.swapaxes(-1, -2)  # (B, Hkv, r*Lq, W)
-        if mask is not None:  # window key j sits at n_dense + j, query i at offset - Lq + i
-            w = win_k.shape[2]
-            seen = np.arange(w)[None, :] <= np.arange(kv.offset - Lq, kv.offset)[:, None] - n_dense
-            s_win = np.where(np.tile(seen, (r, 1)), s_win, np.float32(-np.inf))
-        scores.append(s_win)
-    s = np.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-    s *= np.float32(scale)
-    np.subtract(s, s.max(axis=-1, keepdims=True), out=s)  # the prefix is always visible: finite
-    np.exp(s, out=s)
-    acc = s[..., :n_dense] @ np.asarray(dense_v)
-    if window is not None:
-        acc += s[..., n_dense:] @ (np.asarray(window[1]) @ rv)
-    out = (acc / s.sum(axis=-1, keepdims=True)) @ uv  # (B, Hkv, r*Lq, D)
-    out = out.reshape(B, Hkv, r, Lq, D) + np.asarray(kv.value_mean)[:, :, None]
-    return mx.array(out.reshape(B, Hq, Lq, D)).astype(queries.dtype)
+        keys = mx.concatenate([dense_k, window[0] @ rk], axis=2)
+        values = mx.concatenate([dense_v, window[1] @ rv], axis=2)
+    else:
+        keys, values = dense_k, dense_v
+    s = (q @ keys.swapaxes(-1, -2)) * scale  # (B, Hkv, r*Lq, n): a fresh array, read only here
+    mx.eval(s)
+    sn = np.asarray(s)
+    if mask is not None and window is not None:  # key p is seen by the query at position t if p <= t
+        seen = np.arange(n_dense, keys.shape[2])[None, :] <= np.arange(kv.offset - Lq, kv.offset)[:, None]
+        sn[..., n_dense:] = np.where(np.tile(seen, (r, 1)), sn[..., n_dense:], np.float32(-np.inf))
+    np.subtract(sn, sn.max(axis=-1, keepdims=True), out=sn)  # the prefix is always seen: finite
+    np.exp(sn, out=sn)
+    total = mx.array(sn.sum(axis=-1, keepdims=True))
+    out = ((s @ values) / total) @ uv  # s holds the probabilities now
+    out = out.reshape(B, Hkv, r, Lq, D) + kv.value_mean[:, :, None]
+    return out.reshape(B, Hq, Lq, D).astype(queries.dtype)
 
 
 def _compile_wanted(lq: int) -> bool:
