@@ -2,11 +2,12 @@
 # Restore timings on the lent GPU machine (MLX CUDA) at 8k tokens and beyond: SmolLM2-135M to its
 # 8k context, and with RoPE x4 (ntk-by-parts) to 32k (timing only: the restore path does not
 # depend on the RoPE frequencies). Run after the staged install (see benchmarks/gpu_niah.sh):
-#   bash .gpu/pN/install.sh && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu_restore.sh [phases|restore|profile|first|next|readers|all]
+#   bash .gpu/pN/install.sh && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu_restore.sh [phases|restore|profile|first|next|stacked|readers|all]
 # phases: benchmarks/restore_phases.py (where the time goes); restore: benchmarks/restore.py;
 # profile: benchmarks/restore_profile.py (read variants, per-layer attention, decode per compile
 # mode); first: benchmarks/first_call.py (fresh processes; the first ones pay MLX's CUDA JIT);
-# next: GPU kernel tests + the quick profile; readers: restore.py at 8k, MLX's reader vs threads.
+# next: GPU kernel tests + the quick profile; readers: restore.py at 8k, MLX's reader vs threads;
+# stacked: kernel tests incl. stacked slices + restore.py at 8k (format 3).
 # Logs and JSON go to $OUT (the device tool brings it back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +42,13 @@ if [ "$what" = next ]; then  # after a kernel or reader change: GPU kernel tests
   run restore_profile_gpu 150 python3 benchmarks/restore_profile.py --model "$long" --tokens 8000 \
     --repeat 5 --quick --name restore_profile_gpu_next
   cp benchmarks/results/restore_profile_gpu_next.json "$out/" 2>/dev/null
+fi
+if [ "$what" = stacked ]; then  # after the format-3 change: kernel tests incl. stacked slices, 8k
+  run gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+    -k "stacked or causal_and_strided or compiled_path or fused_attention_end_to_end"
+  run restore_gpu_8k_v3 300 python3 benchmarks/restore.py --tokens 8000 --presets tq4 tq4k3v \
+    --repeat 9 --no-reprefill --name restore_gpu_8k_v3
+  cp benchmarks/results/restore_gpu_8k_v3.json "$out/" 2>/dev/null
 fi
 if [ "$what" = readers ]; then  # (c) with MLX's reader and the threaded one, interleaved with (b)
   run restore_gpu_8k_readers 300 python3 benchmarks/restore.py --tokens 8000 --presets tq4 \

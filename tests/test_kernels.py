@@ -369,6 +369,40 @@ def test_gpu_fused_attention_end_to_end(name):
     assert float(mx.abs(a - b).max() / mx.abs(a).max()) < 1e-4
 
 
+def _stacked_views_case(name: str):
+    """Three compressed layers through `to_arrays` (small parts stacked) and `split_layers`: the
+    last layer's arrays are slices at an offset into the stacked ones. Returns (attention over
+    the original layer, over the restored one, both fused where the backend has a kernel, and
+    the restored one's MLX path)."""
+    preset = kvcache.get_preset(name)
+    layers = []
+    for i in range(3):
+        c = TurboQuantCache(preset, i)
+        kv = mx.random.normal((2, 1, 2, 300, 64), key=mx.random.key(40 + i)) + 0.2
+        c.update_and_fetch(kv[0], kv[1])
+        layers.append(c)
+    arrays = kvcache.to_arrays(layers, preset)
+    assert any(n.startswith("turbo.") for n in arrays) and "2.k.idx" in arrays
+    per_layer = kvcache.split_layers(arrays, [0, 1, 2])
+    restored = TurboQuantCache.from_arrays(preset, 2, per_layer["2"], 64)
+    q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(5))
+    outs = [compressed_attention(q, c.view(), 0.125) for c in (layers[2], restored)]
+    return outs[0], outs[1], compressed_attention(q, restored.view(), 0.125, fused=False)
+
+
+@pytest.mark.parametrize("name", ["tq4", "tq3+qjl"])
+def test_attention_reads_stacked_slices(name):
+    original, restored, mlx_path = _stacked_views_case(name)
+    np.testing.assert_array_equal(np.array(restored), np.array(original))
+    np.testing.assert_allclose(np.array(restored), np.array(mlx_path), rtol=1e-4, atol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["tq4", "tq3+qjl"])
+def test_gpu_kernel_reads_stacked_slices(name):
+    test_attention_reads_stacked_slices(name)
+
+
 def test_kernel_tables_are_codec_values():
     """The fused kernel's tables decode exactly what VectorCodec.decode_rotated decodes."""
     for spec in (QuantSpec(3), QuantSpec(2, bits2=2)):

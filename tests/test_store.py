@@ -294,7 +294,7 @@ def test_layout_names_every_layer_and_token_axis(tiny_model, text_doc):
         layout.expected({"tokens": "0", "kv_config": "{}"})
 
 
-@pytest.mark.parametrize(("version", "newer"), [("3", True), ("17", True), ("1", False)])
+@pytest.mark.parametrize(("version", "newer"), [("4", True), ("17", True), ("1", False)])
 def test_other_format_versions(tiny_model, text_doc, version, newer):
     entry = _ingest(text_doc, tiny_model)
     _forge(Store().cache_path(entry.id), lambda h: h["__metadata__"].update(format_version=version))
@@ -303,6 +303,62 @@ def test_other_format_versions(tiny_model, text_doc, version, newer):
     message = str(err.value)
     assert ("upgrade longctx" in message) == newer and "longctx ingest --force" in message
     assert f"format {version}" in message
+
+
+def test_compressed_layers_small_arrays_are_stacked(tiny_model, text_doc):
+    """Format 3: means, sinks and norms of all compressed layers are one array each (a leading
+    axis over the layers); the packed indices stay per layer."""
+    entry = _ingest(text_doc, tiny_model, "tq3+qjl")
+    with fmt.open_cache(Store().cache_path(entry.id), entry.name, "hint") as reader:
+        tensors = reader.header.tensors
+    n_layers = len(json.loads(reader.header.meta["kv_config"])["head_dims"])
+    assert n_layers > 1
+    for tag, parts in (("k", ("mu", "sink", "norm", "rnorm")), ("v", ("mu", "sink", "norm"))):
+        for part in parts:
+            assert tensors[f"turbo.{tag}.{part}"].shape[0] == n_layers
+            assert not any(f"{i}.{tag}.{part}" in tensors for i in range(n_layers))
+        assert all(f"{i}.{tag}.idx" in tensors for i in range(n_layers))
+    assert "0.k.qjl" in tensors and "turbo.v.rnorm" not in tensors
+
+
+@pytest.mark.parametrize("preset", ["tq4", "tq3+qjl"])
+def test_format_2_files_still_restore(tiny_model, text_doc, monkeypatch, preset):
+    """A file of format 2 (every array per layer) restores to the same caches as format 3."""
+    entry = _ingest(text_doc, tiny_model, preset)
+    path = Store().cache_path(entry.id)
+    want = _restore(entry, tiny_model)
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    per_layer = {}
+    for name, arr in arrays.items():
+        if name.startswith("turbo."):
+            per_layer.update({f"{i}.{name[6:]}": arr[i] for i in range(arr.shape[0])})
+        else:
+            per_layer[name] = arr
+    assert len(per_layer) > len(arrays)
+    keep = {k: v for k, v in meta.items() if k not in ("format_version", "checksums", "header_sha256")}
+
+    def write_v2(arrays_v2):
+        monkeypatch.setattr(fmt, "FORMAT_VERSION", "2")
+        fmt.write(path, arrays_v2, keep)
+        monkeypatch.setattr(fmt, "FORMAT_VERSION", "3")
+
+    write_v2(per_layer)
+    with fmt.open_cache(path, entry.name, "hint") as reader:
+        assert reader.header.meta["format_version"] == "2"
+        assert not any(n.startswith("turbo.") for n in reader.header.tensors)
+    got = _restore(entry, tiny_model)
+    for a, b in zip(want, got):
+        assert a.offset == b.offset and set(a.arrays()) == set(b.arrays())
+        for name, x in a.arrays().items():
+            y = b.arrays()[name]
+            assert x.dtype == y.dtype, name
+            np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=name)
+    # and the layout of format 2 is enforced as such: a stacked name in a format-2 file is refused
+    arrays2 = dict(per_layer)
+    arrays2["turbo.k.mu"] = mx.stack([arrays2.pop(f"{i}.k.mu") for i in range(arrays["turbo.k.mu"].shape[0])])
+    write_v2(arrays2)
+    with pytest.raises(CacheCorrupt, match="do not match its KV layout"):
+        Store().load(entry)
 
 
 def test_version_1_file_written_by_mlx(tiny_model, text_doc):

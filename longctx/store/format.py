@@ -50,7 +50,8 @@ from longctx.errors import CacheCorrupt, CacheFormatUnsupported, StoreError
 from longctx.store.failpoints import failpoint
 from longctx.units import human_bytes
 
-FORMAT_VERSION = "2"
+FORMAT_VERSION = "3"  # 3: compressed layers' small arrays stacked (`longctx.kvcache`)
+READABLE_VERSIONS = ("2", "3")  # 2: every array per layer
 REQUIRED_META = ("format_version", "model_id", "weights_sha256", "tokenizer_sha256",
                  "document_sha256", "tokens", "kv_config", "checksums", "header_sha256")
 MAX_HEADER_BYTES = 16 << 20  # ~100 bytes per array: room for 100k+ arrays
@@ -310,13 +311,14 @@ class Reader:
         return Header(meta, tensors, 8 + n, size, checksums)
 
     def _check_version(self, version) -> None:
-        if version == FORMAT_VERSION:
+        if version in READABLE_VERSIONS:
             return
         if isinstance(version, str) and version.isdigit() and len(version) < 6:
             newer = int(version) > int(FORMAT_VERSION)
             raise CacheFormatUnsupported(
                 f"The cache of '{self.label}' was written by {'a newer' if newer else 'an older'} "
-                f"longctx (cache format {version}; this one reads format {FORMAT_VERSION}); "
+                f"longctx (cache format {version}; this one reads formats "
+                f"{' and '.join(READABLE_VERSIONS)}); "
                 f"{'upgrade longctx, or ' if newer else ''}{self.hint}.")
         raise self.corrupt("the header has no valid format version")
 

@@ -9,7 +9,9 @@ the names, dtypes and shapes of every array follow (naming as in `longctx.kvcach
 - turbo: `{i}.{k,v}.mu` float32 (1, H, 1, D), the exact first tokens `{i}.{k,v}.sink` float16
   (1, H, S, D) when the preset keeps S = min(T, sink) > 0, plus the codec's arrays
   (1, H, T - S, ...) as `longctx.quant.codec` documents them, sized with the quant modules' own
-  shape functions;
+  shape functions; from format 3 on, when every compressed layer has the same H and D, the
+  parts named in `kvcache.STACKED_PARTS` are instead one array each, `turbo.{k,v}.<part>`,
+  with a leading axis over the compressed layers in order;
 - sliding-window layers (optional `windows`: per layer W > 0, else 0), whatever the kind:
   `{i}.k`, `{i}.v` float16 (1, H, min(T, W), D).
 
@@ -89,9 +91,14 @@ def expected(meta: dict[str, str]) -> dict[str, tuple[tuple[str, ...], tuple]]:
     tokens = int(meta["tokens"]) if meta["tokens"].isdigit() else -1
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError("tokens is not a positive count")
+    from longctx.kvcache import STACK_PREFIX, STACKED_PARTS, stackable
+
     cfg = kv_config(meta)
     out: dict = {"tokens": (("I32",), (tokens,))}
     windows = cfg.get("windows", [0] * len(cfg["head_dims"]))
+    turbo = [i for i, w in enumerate(windows) if not w] if cfg["kind"] == "turbo" else []
+    shapes = [(cfg["kv_heads"][i], cfg["head_dims"][i]) for i in turbo]
+    stacked = meta.get("format_version") != "2" and stackable(shapes)
     for i, (d, h) in enumerate(zip(cfg["head_dims"], cfg["kv_heads"])):
         for tag in ("k", "v"):
             if windows[i]:
@@ -113,6 +120,13 @@ def expected(meta: dict[str, str]) -> dict[str, tuple[tuple[str, ...], tuple]]:
                     out[f"{i}.{tag}.sink"] = (("F16",), (1, h, sink, d))
                 for name, (dtype, trailing) in parts.items():
                     out[f"{i}.{tag}.{name}"] = ((dtype,), (1, h, tokens - sink, *trailing))
+    if stacked:
+        for tag in ("k", "v"):
+            for part in STACKED_PARTS:
+                per_layer = [out.pop(f"{i}.{tag}.{part}", None) for i in turbo]
+                if per_layer[0] is not None:
+                    dtypes, shape = per_layer[0]
+                    out[f"{STACK_PREFIX}{tag}.{part}"] = (dtypes, (len(turbo), *shape))
     return out
 
 
