@@ -46,6 +46,8 @@ fi
 if [ "$what" = stacked ]; then  # after the format-3 change: kernel tests incl. stacked slices, 8k
   run gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
     -k "stacked or causal_and_strided or compiled_path or fused_attention_end_to_end"
+  run mxload_layouts_gpu 60 python3 benchmarks/mxload_layouts.py --name mxload_layouts_gpu
+  cp benchmarks/results/mxload_layouts_gpu.json "$out/" 2>/dev/null
   run restore_gpu_8k_v3 300 python3 benchmarks/restore.py --tokens 8000 --presets tq4 tq4k3v \
     --repeat 9 --no-reprefill --name restore_gpu_8k_v3
   cp benchmarks/results/restore_gpu_8k_v3.json "$out/" 2>/dev/null
