@@ -149,7 +149,7 @@ def main() -> None:
                 if reader is not None:
                     fmt.READER = reader
                 start = time.perf_counter()
-                store = Store()
+                store = Store(cleanup=False)  # as `ask` opens it
                 cache, pending = session.restore_verifying(entry, lm, store)  # as `ask` does
                 store.close()
                 first_token_after(lm, kvcache.fork(cache), question)

@@ -61,7 +61,7 @@ def main() -> None:
             lap("b_question", t)
             del loaded
             t = time.perf_counter()
-            store = Store()
+            store = Store(cleanup=False)  # as `ask` opens it
             t = lap("c_open", t)
             arrays, _, pending = store.load_verifying(entry, lambda m: None)
             t = lap("c_read", t)

@@ -272,7 +272,7 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
     """
     answer = answer if answer is not None else Answer()
     start = time.perf_counter()
-    store = Store()
+    store = Store(cleanup=False)  # read-only: crashed writers' leftovers go at the next ingest/list
     try:
         entry = store.find(doc)
         answer.entry = entry

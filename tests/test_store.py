@@ -648,3 +648,18 @@ def test_no_pickle_eval_or_exec_in_the_package():
                 if isinstance(f, ast.Name) and f.id in ("globals", "locals"):
                     problems.append(f"{path}:{node.lineno} indexes {f.id}()")
     assert problems == []
+
+
+def test_reading_a_known_entry_leaves_the_index_closed(tiny_model, text_doc):
+    """The index opens on first use: restoring an entry already at hand never opens it (diskcache's
+    open writes its settings back), and `ask`'s store skips the cleanup scan."""
+    entry = _ingest(text_doc, tiny_model, "tq4")
+    store = Store(cleanup=False)
+    try:
+        arrays, meta, pending = store.load_verifying(entry)
+        pending.wait()
+        assert arrays and store._index is None
+        assert store.find(entry.name).id == entry.id and store._index is not None
+    finally:
+        store.close()
+    assert store._index is None

@@ -141,23 +141,33 @@ class Store:
             self.root = _private_dir(root or subdir("store"))
             self.caches = _private_dir(self.root / "caches")
             self.locks = _private_dir(self.root / "locks")
-            index_dir = _private_dir(self.root / "index")
+            self._index_dir = _private_dir(self.root / "index")
         except OSError as err:
             raise StoreError(f"Cannot create the store in {root or 'the data directory'}: "
                              f"{err.strerror or err}; set LONGCTX_HOME to a writable directory.") from err
-        try:
-            self.index = open_index(index_dir)
-        except Exception as err:  # sqlite and settings errors surface as several types
-            raise StoreError(f"Cannot open the index in {index_dir}: {err}") from err
-        try:
-            os.chmod(index_dir / "cache.db", 0o600)
-        except OSError:
-            pass
+        self._index = None
         if cleanup:
             self.cleanup()
 
+    @property
+    def index(self):
+        """The diskcache index, opened on first use: reading a cache file of a known entry needs
+        none (diskcache's open writes its settings back, ~3-5 ms with the close)."""
+        if self._index is None:
+            try:
+                self._index = open_index(self._index_dir)
+            except Exception as err:  # sqlite and settings errors surface as several types
+                raise StoreError(f"Cannot open the index in {self._index_dir}: {err}") from err
+            try:
+                os.chmod(self._index_dir / "cache.db", 0o600)
+            except OSError:
+                pass
+        return self._index
+
     def close(self) -> None:
-        self.index.close()
+        if self._index is not None:
+            self._index.close()
+            self._index = None
 
     # -- index access: every failure becomes a StoreError ----------------------------------------
     @contextmanager
