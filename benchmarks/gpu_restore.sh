@@ -2,12 +2,13 @@
 # Restore timings on the lent GPU machine (MLX CUDA) at 8k tokens and beyond: SmolLM2-135M to its
 # 8k context, and with RoPE x4 (ntk-by-parts) to 32k (timing only: the restore path does not
 # depend on the RoPE frequencies). Run after the staged install (see benchmarks/gpu_niah.sh):
-#   bash .gpu/pN/install.sh && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu_restore.sh [phases|restore|profile|first|next|stacked|readers|all]
+#   bash .gpu/pN/install.sh && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu_restore.sh [phases|restore|profile|first|next|stacked|ratios|readers|all]
 # phases: benchmarks/restore_phases.py (where the time goes); restore: benchmarks/restore.py;
 # profile: benchmarks/restore_profile.py (read variants, per-layer attention, decode per compile
 # mode); first: benchmarks/first_call.py (fresh processes; the first ones pay MLX's CUDA JIT);
 # next: GPU kernel tests + the quick profile; readers: restore.py at 8k, MLX's reader vs threads;
-# stacked: kernel tests incl. stacked slices + restore.py at 8k (format 3).
+# stacked: kernel tests incl. stacked slices + restore.py at 8k (format 3); ratios: restore.py
+# at 8k, 16k, 32k and the 8k phases.
 # Logs and JSON go to $OUT (the device tool brings it back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +52,16 @@ if [ "$what" = stacked ]; then  # after the format-3 change: kernel tests incl. 
   run restore_gpu_8k_v3 300 python3 benchmarks/restore.py --tokens 8000 --presets tq4 tq4k3v \
     --repeat 9 --no-reprefill --name restore_gpu_8k_v3
   cp benchmarks/results/restore_gpu_8k_v3.json "$out/" 2>/dev/null
+fi
+if [ "$what" = ratios ]; then  # the 2x target at 8k, 16k and 32k, interleaved, plus 8k phases
+  run restore_gpu_8k_r6 200 python3 benchmarks/restore.py --tokens 8000 --presets tq4 tq4k3v \
+    --repeat 9 --no-reprefill --name restore_gpu_8k_r6
+  run restore_phases_gpu_r5 120 python3 benchmarks/restore_phases.py --tokens 8000 --preset tq4 \
+    --repeat 5 --name restore_phases_gpu_r5
+  run restore_gpu_32k_r4 260 python3 benchmarks/restore.py --model "$long" --tokens 16384 32000 \
+    --presets tq4 --repeat 5 --no-reprefill --name restore_gpu_32k_r4
+  cp benchmarks/results/restore_gpu_8k_r6.json benchmarks/results/restore_phases_gpu_r5.json \
+    benchmarks/results/restore_gpu_32k_r4.json "$out/" 2>/dev/null
 fi
 if [ "$what" = readers ]; then  # (c) with MLX's reader and the threaded one, interleaved with (b)
   run restore_gpu_8k_readers 300 python3 benchmarks/restore.py --tokens 8000 --presets tq4 \
