@@ -306,8 +306,8 @@ def test_other_format_versions(tiny_model, text_doc, version, newer):
 
 
 def test_compressed_layers_small_arrays_are_stacked(tiny_model, text_doc):
-    """Format 3: means, sinks and norms of all compressed layers are one array each (a leading
-    axis over the layers); the packed indices stay per layer."""
+    """Format 3: means, sinks and norms of all compressed layers are one array each (the layers'
+    arrays concatenated along the batch axis); the packed indices stay per layer."""
     entry = _ingest(text_doc, tiny_model, "tq3+qjl")
     with fmt.open_cache(Store().cache_path(entry.id), entry.name, "hint") as reader:
         tensors = reader.header.tensors
@@ -331,7 +331,7 @@ def test_format_2_files_still_restore(tiny_model, text_doc, monkeypatch, preset)
     per_layer = {}
     for name, arr in arrays.items():
         if name.startswith("turbo."):
-            per_layer.update({f"{i}.{name[6:]}": arr[i] for i in range(arr.shape[0])})
+            per_layer.update({f"{i}.{name[6:]}": arr[i:i + 1] for i in range(arr.shape[0])})
         else:
             per_layer[name] = arr
     assert len(per_layer) > len(arrays)
@@ -355,7 +355,7 @@ def test_format_2_files_still_restore(tiny_model, text_doc, monkeypatch, preset)
             np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=name)
     # and the layout of format 2 is enforced as such: a stacked name in a format-2 file is refused
     arrays2 = dict(per_layer)
-    arrays2["turbo.k.mu"] = mx.stack([arrays2.pop(f"{i}.k.mu") for i in range(arrays["turbo.k.mu"].shape[0])])
+    arrays2["turbo.k.mu"] = mx.concatenate([arrays2.pop(f"{i}.k.mu") for i in range(arrays["turbo.k.mu"].shape[0])])
     write_v2(arrays2)
     with pytest.raises(CacheCorrupt, match="do not match its KV layout"):
         Store().load(entry)

@@ -11,7 +11,7 @@ the names, dtypes and shapes of every array follow (naming as in `longctx.kvcach
   (1, H, T - S, ...) as `longctx.quant.codec` documents them, sized with the quant modules' own
   shape functions; from format 3 on, when every compressed layer has the same H and D, the
   parts named in `kvcache.STACKED_PARTS` are instead one array each, `turbo.{k,v}.<part>`,
-  with a leading axis over the compressed layers in order;
+  the compressed layers' arrays in order, concatenated along the first (batch) axis;
 - sliding-window layers (optional `windows`: per layer W > 0, else 0), whatever the kind:
   `{i}.k`, `{i}.v` float16 (1, H, min(T, W), D).
 
@@ -125,8 +125,8 @@ def expected(meta: dict[str, str]) -> dict[str, tuple[tuple[str, ...], tuple]]:
             for part in STACKED_PARTS:
                 per_layer = [out.pop(f"{i}.{tag}.{part}", None) for i in turbo]
                 if per_layer[0] is not None:
-                    dtypes, shape = per_layer[0]
-                    out[f"{STACK_PREFIX}{tag}.{part}"] = (dtypes, (len(turbo), *shape))
+                    dtypes, shape = per_layer[0]  # concatenated along the batch axis
+                    out[f"{STACK_PREFIX}{tag}.{part}"] = (dtypes, (len(turbo) * shape[0], *shape[1:]))
     return out
 
 
