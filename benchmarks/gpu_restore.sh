@@ -2,11 +2,12 @@
 # Restore timings on the lent GPU machine (MLX CUDA) at 8k tokens and beyond: SmolLM2-135M to its
 # 8k context, and with RoPE x4 (ntk-by-parts) to 32k (timing only: the restore path does not
 # depend on the RoPE frequencies). Run after the staged install (see benchmarks/gpu_niah.sh):
-#   bash .gpu/pN/install.sh && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu_restore.sh [phases|restore|profile|first|next|stacked|ratios|readers|all]
+#   bash .gpu/pN/install.sh && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu_restore.sh [phases|restore|profile|first|next|stacked|ratios|checks|all]
 # phases: benchmarks/restore_phases.py (where the time goes); restore: benchmarks/restore.py;
 # profile: benchmarks/restore_profile.py (read variants, per-layer attention, decode per compile
 # mode); first: benchmarks/first_call.py (fresh processes; the first ones pay MLX's CUDA JIT);
-# next: GPU kernel tests + the quick profile; readers: restore.py at 8k, MLX's reader vs threads;
+# next: GPU kernel tests + the quick profile; checks: restore.py at 8k, checksums overlapping the
+# read or after it, and the 8k phases;
 # stacked: kernel tests incl. stacked slices + restore.py at 8k (format 3); ratios: restore.py
 # at 8k, 16k, 32k and the 8k phases.
 # Logs and JSON go to $OUT (the device tool brings it back).
@@ -63,10 +64,12 @@ if [ "$what" = ratios ]; then  # the 2x target at 8k, 16k and 32k, interleaved, 
   cp benchmarks/results/restore_gpu_8k_r6.json benchmarks/results/restore_phases_gpu_r5.json \
     benchmarks/results/restore_gpu_32k_r4.json "$out/" 2>/dev/null
 fi
-if [ "$what" = readers ]; then  # (c) with MLX's reader and the threaded one, interleaved with (b)
-  run restore_gpu_8k_readers 300 python3 benchmarks/restore.py --tokens 8000 --presets tq4 \
-    --repeat 9 --no-reprefill --readers mlx threads --name restore_gpu_8k_readers
-  cp benchmarks/results/restore_gpu_8k_readers.json "$out/" 2>/dev/null
+if [ "$what" = checks ]; then  # (c) with the checksums overlapping the read, or after it
+  run restore_gpu_8k_checks 240 python3 benchmarks/restore.py --tokens 8000 --presets tq4 \
+    --repeat 9 --no-reprefill --checks overlap after --name restore_gpu_8k_checks
+  run restore_phases_gpu_r6 100 python3 benchmarks/restore_phases.py --tokens 8000 --preset tq4 \
+    --repeat 5 --name restore_phases_gpu_r6
+  cp benchmarks/results/restore_gpu_8k_checks.json benchmarks/results/restore_phases_gpu_r6.json "$out/" 2>/dev/null
 fi
 if [ "$what" = restore ] || [ "$what" = all ]; then
   run restore_gpu_8k 200 python3 benchmarks/restore.py --tokens 8000 --presets tq4 tq4k3v tq5k4v \

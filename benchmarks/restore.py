@@ -16,7 +16,7 @@ separately.
 On the CPU, (c) includes decoding the compressed prefix once (`kvcache.decode_once`).
 
 Usage: python benchmarks/restore.py [--tokens 1024 4096] [--presets fp16 tq4 ...]
-       [--readers mlx threads] (A/B of the array readers, interleaved like the rest)
+       [--checks overlap after] (A/B of when the checksum threads start, interleaved)
 """
 
 from __future__ import annotations
@@ -87,9 +87,10 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model spec (default: the default model); e.g. "
                     "a `#rope=ntk-by-parts:4` spec to time contexts past the model's own")
     ap.add_argument("--no-reprefill", action="store_true", help="skip (a)")
-    ap.add_argument("--readers", nargs="+", default=None, choices=["mlx", "threads"],
-                    help="time (c) with each of these array readers (longctx.store.format.READER; "
-                    "default: the shipped one); variants after the first are named c_<preset>@<reader>")
+    ap.add_argument("--checks", nargs="+", default=None, choices=["overlap", "after"],
+                    help="time (c) with the checksum threads started at each of these points "
+                    "(longctx.store.format.CHECKS; default: the shipped one); variants after the "
+                    "first are named c_<preset>@<checks>")
     args = ap.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="longctx-bench-"))
@@ -145,9 +146,9 @@ def main() -> None:
         for name in args.presets:
             entry = session.ingest(doc, model=args.model, preset=name).entry
 
-            def run_c(entry=entry, reader=None):
-                if reader is not None:
-                    fmt.READER = reader
+            def run_c(entry=entry, checks=None):
+                if checks is not None:
+                    fmt.CHECKS = checks
                 start = time.perf_counter()
                 store = Store(cleanup=False)  # as `ask` opens it
                 cache, pending = session.restore_verifying(entry, lm, store)  # as `ask` does
@@ -156,10 +157,10 @@ def main() -> None:
                 pending.wait()  # checksums overlap the question; the token waits for them
                 return time.perf_counter() - start
 
-            readers = args.readers or [None]
-            runs[f"c_{name}_s"] = functools.partial(run_c, reader=readers[0])
-            for reader in readers[1:]:
-                runs[f"c_{name}@{reader}_s"] = functools.partial(run_c, reader=reader)
+            checks = args.checks or [None]
+            runs[f"c_{name}_s"] = functools.partial(run_c, checks=checks[0])
+            for when in checks[1:]:
+                runs[f"c_{name}@{when}_s"] = functools.partial(run_c, checks=when)
             row[f"c_{name}_bytes"] = entry.bytes
             row[f"c_{name}_bits_per_channel"] = entry.bits_per_channel
             if args.process:
@@ -184,9 +185,9 @@ def main() -> None:
               f"(its file through longctx's loop {row['b_native_engine_s']:.3f}s; "
               f"{row['b_native_bytes'] / 2**20:.1f} MiB){b8}")
         for name in args.presets:
-            for reader in (args.readers or [None])[1:]:
-                print(f"   longctx {name} read by {reader}: {row[f'c_{name}@{reader}_s']:.3f}s "
-                      f"(median {row[f'c_{name}@{reader}_median_s']:.3f}s)")
+            for when in (args.checks or [None])[1:]:
+                print(f"   longctx {name} checks {when}: {row[f'c_{name}@{when}_s']:.3f}s "
+                      f"(median {row[f'c_{name}@{when}_median_s']:.3f}s)")
             c = row[f"c_{name}_s"]
             print(f"   (medians: b_fp16 {row.get('b_fp16_median_s', float('nan')):.3f}s, "
                   f"c_{name} {row[f'c_{name}_median_s']:.3f}s)")

@@ -170,17 +170,13 @@ def test_ask_shows_nothing_from_a_cache_that_fails_its_checksums(tiny_model, tex
     assert shown == []
 
 
-@pytest.mark.parametrize("route", ["no /dev/fd", "LONGCTX_READER=threads"])
-def test_arrays_read_through_numpy_are_the_same(tiny_model, text_doc, monkeypatch, route):
-    """Where /dev/fd does not exist, or the threaded reader is chosen, arrays are read on worker
-    threads and copied through numpy: the same arrays as MLX's reader gives."""
+def test_without_dev_fd_arrays_come_through_numpy(tiny_model, text_doc, monkeypatch):
+    """Where /dev/fd does not exist arrays are read on worker threads and copied through numpy:
+    the same arrays as MLX's reader gives."""
     entry = _ingest(text_doc, tiny_model)
     store = Store()
     want, _ = store.load(entry)
-    if route == "no /dev/fd":
-        monkeypatch.setattr(fmt, "FD_DIR", "/nonexistent-fd-dir")
-    else:
-        monkeypatch.setattr(fmt, "READER", "threads")
+    monkeypatch.setattr(fmt, "FD_DIR", "/nonexistent-fd-dir")
     got, _ = store.load(entry)
     for name in want:
         assert got[name].dtype == want[name].dtype
