@@ -146,8 +146,7 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
             import mlx.core as mx
 
             arrays["tokens"] = mx.array(p.tokens, dtype=mx.int32)
-            heads = [next(int(a.shape[1]) for n, a in arrays.items() if n.startswith(f"{i}.k"))
-                     for i in range(len(dims))]
+            heads = [_cache_heads(c) for c in cache]
             entry = Entry(
                 id=p.entry_id, name=p.document.name, path=str(Path(path).resolve()),
                 document_sha256=p.document.sha256, kind=p.document.kind, pages=p.document.pages,
@@ -170,6 +169,18 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
                                 empty_pages=empty)
     finally:
         store.close()
+
+
+def _cache_heads(c) -> int:
+    """The KV head count a filled per-layer cache holds."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from longctx.kvcache.turbo import TurboQuantCache
+
+    if isinstance(c, TurboQuantCache):
+        return int(c.means[0].shape[1])
+    keys = c.keys[0] if isinstance(c, QuantizedKVCache) else c.keys
+    return int(keys.shape[1])
 
 
 def _check_same_model(entry: Entry, ref: models.ModelRef) -> None:
@@ -213,6 +224,19 @@ def _check_cache_fits(entry: Entry, meta: dict, lm: models.LoadedModel,
             f"The cache of '{entry.name}' was built for {len(cfg['head_dims'])} layers of head "
             f"dims {sorted(set(cfg['head_dims']))}, but {lm.ref.model_id} has {len(dims)} layers "
             f"of head dims {sorted(set(dims))}; {rebuild_hint(entry)}.")
+    heads = kvcache.kv_heads(lm.model)
+    if any(h is not None and h != f for h, f in zip(heads, cfg["kv_heads"])):
+        raise CacheMismatch(
+            f"The cache of '{entry.name}' was built for KV heads {cfg['kv_heads']}, but "
+            f"{lm.ref.model_id} has {heads}; {rebuild_hint(entry)}.")
+    from mlx_lm.models.cache import make_prompt_cache
+
+    windows = kvcache.windows(make_prompt_cache(lm.model))
+    if cfg.get("windows", [0] * len(dims)) != windows:
+        raise CacheMismatch(
+            f"The cache of '{entry.name}' was built with sliding windows "
+            f"{cfg.get('windows', 'none')}, but {lm.ref.model_id} slides {windows}; "
+            f"{rebuild_hint(entry)}.")
 
 
 def restore(entry: Entry, lm: models.LoadedModel, store: Store, answering: bool = True) -> list:

@@ -74,15 +74,20 @@ def test_attention_over_decoded_prefix_equals_blocked_path(name, lq, mask):
     np.testing.assert_allclose(np.array(outs[1]), np.array(outs[0]), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("name", ["tq4", "tq3+qjl", "rvq2+2"])
 @pytest.mark.parametrize("dim", [64, 72])  # 72: rotations pad to 80
 @pytest.mark.parametrize("lq,mask,earlier", [(1, None, 0), (7, "causal", 0), (5, "causal", 9)])
-def test_numpy_dense_path_equals_blocked_path(monkeypatch, dim, lq, mask, earlier):
-    """On the CPU a decoded prefix plus the window is attended in numpy as one block (the
-    window rotated into the prefix's frames); `earlier` tokens already in the window before the
-    queries are visible to all of them, the queries' own causally."""
+@pytest.mark.parametrize("writes_through", [True, False])
+def test_numpy_dense_path_equals_blocked_path(monkeypatch, name, dim, lq, mask, earlier, writes_through):
+    """On the CPU a decoded prefix plus the window is attended as one softmax (the window rotated
+    into the prefix's frames); `earlier` tokens already in the window before the queries are
+    visible to all of them, the queries' own causally. Where numpy's view of MLX memory were a
+    copy, the probabilities go back into MLX by copy: same result."""
     from longctx.kvcache import attention
 
-    blocked, dense = (_restored("tq4", n=200, dim=dim, batch=2) for _ in range(2))
+    if not writes_through:
+        monkeypatch.setattr(attention, "_numpy_writes_through", lambda: False)
+    blocked, dense = (_restored(name, n=200, dim=dim, batch=2) for _ in range(2))
     dense.decode_prefix()
     calls = []
     real = attention._dense_numpy_attention
@@ -100,6 +105,13 @@ def test_numpy_dense_path_equals_blocked_path(monkeypatch, dim, lq, mask, earlie
     assert calls == [1]  # the dense cache only
     assert outs[1].shape == (2, 4, lq, dim) and outs[1].dtype == q.dtype
     np.testing.assert_allclose(np.array(outs[1]), np.array(outs[0]), rtol=2e-5, atol=2e-5)
+
+
+def test_numpy_views_of_mlx_arrays_write_through():
+    """The in-place softmax relies on it with this MLX (else it copies, tested above)."""
+    from longctx.kvcache.attention import _numpy_writes_through
+
+    assert _numpy_writes_through()
 
 
 def test_rotation_matrices_are_the_rotation():

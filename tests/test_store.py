@@ -659,3 +659,44 @@ def test_reading_a_known_entry_leaves_the_index_closed(tiny_model, text_doc):
     finally:
         store.close()
     assert store._index is None
+
+
+@pytest.mark.parametrize("field", ["windows", "kv_heads"])
+def test_a_file_for_other_layer_shapes_is_a_mismatch(tiny_model, text_doc, field):
+    """Sliding windows or KV heads other than the model's are refused as a mismatch (not a
+    traceback from unstacking the arrays)."""
+    entry = _ingest(text_doc, tiny_model, "tq4")
+
+    def edit(header):
+        cfg = json.loads(header["__metadata__"]["kv_config"])
+        n = len(cfg["head_dims"])
+        cfg[field] = [0] * (n - 1) + [64] if field == "windows" else [h + 1 for h in cfg["kv_heads"]]
+        header["__metadata__"]["kv_config"] = json.dumps(cfg)
+
+    _forge(Store().cache_path(entry.id), edit)
+    with pytest.raises(CacheMismatch, match="sliding windows" if field == "windows" else "KV heads"):
+        _restore(entry, tiny_model)
+
+
+def test_checks_started_after_the_read_still_refuse_a_damaged_file(tiny_model, text_doc, monkeypatch):
+    entry = _ingest(text_doc, tiny_model, "tq4")
+    path = Store().cache_path(entry.id)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10
+    path.write_bytes(bytes(data))
+    monkeypatch.setattr(fmt, "CHECKS", "after")
+    with pytest.raises(CacheCorrupt, match="fails its checksum"):
+        Store().load(entry)
+
+
+def test_a_stacked_array_of_the_wrong_layer_count_is_refused(tiny_model, text_doc):
+    entry = _ingest(text_doc, tiny_model, "tq4")
+    path = Store().cache_path(entry.id)
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    arrays["turbo.k.norm"] = arrays["turbo.k.norm"][:-1]
+    keep = {k: v for k, v in meta.items() if k not in ("format_version", "checksums", "header_sha256")}
+    fmt.write(path, arrays, keep)
+    with pytest.raises(CacheCorrupt, match="turbo.k.norm"):
+        Store().load(entry)
+    with pytest.raises(ValueError, match="does not stack"):
+        kvcache.split_layers({"turbo.k.mu": mx.zeros((4, 1, 1, 8))}, [0, 1, 2])

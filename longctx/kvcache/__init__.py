@@ -23,7 +23,7 @@ from longctx.errors import ConfigError
 from longctx.kvcache.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset
 
 __all__ = ["ANSWER_EXACT", "DEFAULT_PRESET", "PRESETS", "Preset", "get_preset", "make", "to_arrays", "from_arrays",
-           "split_layers", "fork", "head_dims", "seal", "to_mlx_lm", "windows", "window_config"]
+           "split_layers", "fork", "head_dims", "kv_heads", "seal", "to_mlx_lm", "windows", "window_config"]
 
 _AFFINE_PARTS = ("w", "s", "b")
 STACKED_PARTS = ("mu", "sink", "norm", "rnorm")  # per compressed layer, stacked across layers
@@ -45,6 +45,16 @@ def head_dims(model) -> list[int]:
             dim = attn.k_proj.weight.shape[0] // getattr(attn, "n_kv_heads")
         dims.append(int(dim))
     return dims
+
+
+def kv_heads(model) -> list[int | None]:
+    """Per-layer KV head count from the attention modules (None where a module does not say)."""
+    out = []
+    for layer in model.layers:
+        attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+        n = getattr(attn, "n_kv_heads", None)
+        out.append(int(n) if n is not None else None)
+    return out
 
 
 def make(model, preset: Preset) -> list:

@@ -104,7 +104,8 @@ def _softmax_step(s: mx.array, m: mx.array, cpu: bool, inplace: bool = False):
         sn, mn = np.asarray(s), np.asarray(m)
         m_new = np.maximum(mn, sn.max(axis=-1, keepdims=True))
         m_safe = np.where(m_new == -np.inf, np.float32(0.0), m_new)  # rows with nothing visible
-        if inplace and sn.flags.c_contiguous and sn.flags.writeable and sn.dtype == np.float32:
+        if (inplace and sn.flags.c_contiguous and sn.flags.writeable and sn.dtype == np.float32
+                and _numpy_writes_through()):
             np.subtract(sn, m_safe, out=sn)
             np.exp(sn, out=sn)
             p, p_mx = sn, s
@@ -181,15 +182,15 @@ def _dense_numpy_applies(kv: CompressedKV, mask, lq: int) -> bool:
 
 
 def _dense_numpy_attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.array:
-    """Attention over a decoded prefix plus the exact window as one block, softmax in numpy.
+    """Attention over a decoded prefix plus the exact window as one softmax, exponentials in numpy.
 
     The CPU answering path (`kvcache.decode_once`): the window's keys and values are rotated into
-    the prefix's frames (window and prefix are both centered), so all scores go through one
-    softmax and the output is rotated back once; the blocked path would run two blocks and merge
-    them, ~30 MLX operations of ~20-50 us each on a CPU for a few MFLOP of arithmetic. Matmuls stay
-    in MLX: numpy's own BLAS threads would fight MLX's for the cores between layers (a 1k-token
-    question then took 2x longer, not less). Only the exponentials run in numpy (see
-    `_softmax_step`), in place on the scores' buffer.
+    the prefix's frames (window and prefix are both centered), so prefix and window scores share
+    one running max and one sum, and the output is rotated back once; the blocked path would run
+    two blocks and merge them, ~30 MLX operations of ~20-50 us each on a CPU for a few MFLOP.
+    Matmuls stay in MLX: numpy's own BLAS threads would fight MLX's for the cores between layers
+    (a 1k-token question then took 2x longer, not less). The two score arrays are exponentiated in
+    place (see `_softmax_step`) and never concatenated, so no score block is copied.
     """
     B, Hq, Lq, D = queries.shape
     Hkv = kv.value_mean.shape[1]
@@ -199,27 +200,43 @@ def _dense_numpy_attention(queries: mx.array, kv: CompressedKV, scale: float, ma
     dense_k, dense_v = kv.dense
     n_dense = dense_k.shape[2]
     q = queries.astype(mx.float32).reshape(B, Hkv, r * Lq, D) @ rk
-    window = kv.window
-    # scores side by side (the prefix is not copied next to the window: that was 5% of a layer)
-    s = q @ dense_k.swapaxes(-1, -2)
-    if window is not None:
-        win_k, win_v = window[0] @ rk, window[1] @ rv
-        s = mx.concatenate([s, q @ win_k.swapaxes(-1, -2)], axis=-1)
-    s = s * scale  # (B, Hkv, r*Lq, n): a fresh array, read only here
-    mx.eval(s)
-    sn = np.asarray(s)
-    if mask is not None and window is not None:  # key p is seen by the query at position t if p <= t
-        seen = np.arange(n_dense, sn.shape[-1])[None, :] <= np.arange(kv.offset - Lq, kv.offset)[:, None]
-        sn[..., n_dense:] = np.where(np.tile(seen, (r, 1)), sn[..., n_dense:], np.float32(-np.inf))
-    np.subtract(sn, sn.max(axis=-1, keepdims=True), out=sn)  # the prefix is always seen: finite
-    np.exp(sn, out=sn)
-    total = mx.array(sn.sum(axis=-1, keepdims=True))
-    acc = s[..., :n_dense] @ dense_v  # s holds the probabilities now
-    if window is not None:
-        acc = acc + s[..., n_dense:] @ win_v
-    out = (acc / total) @ uv
+    blocks = [((q @ dense_k.swapaxes(-1, -2)) * scale, dense_v)]  # fresh arrays, read only here
+    if kv.window is not None:
+        win_k, win_v = kv.window[0] @ rk, kv.window[1] @ rv
+        blocks.append(((q @ win_k.swapaxes(-1, -2)) * scale, win_v))
+    mx.eval([b[0] for b in blocks])
+    scores = [np.asarray(b[0]) for b in blocks]
+    if mask is not None and len(scores) > 1:  # key p is seen by the query at position t if p <= t
+        w = scores[1].shape[-1]
+        seen = np.arange(n_dense, n_dense + w)[None, :] <= np.arange(kv.offset - Lq, kv.offset)[:, None]
+        np.copyto(scores[1], np.float32(-np.inf), where=~np.tile(seen, (r, 1)))
+    top = scores[0].max(axis=-1, keepdims=True)  # the prefix is always seen: finite
+    if len(scores) > 1:
+        top = np.maximum(top, scores[1].max(axis=-1, keepdims=True))
+    total = 0
+    acc = None
+    for (s, values), sn in zip(blocks, scores):
+        np.subtract(sn, top, out=sn)
+        np.exp(sn, out=sn)
+        total = total + sn.sum(axis=-1, keepdims=True)
+        p = s if _numpy_writes_through() else mx.array(sn)
+        acc = p @ values if acc is None else acc + p @ values
+    out = (acc / mx.array(total)) @ uv
     out = out.reshape(B, Hkv, r, Lq, D) + kv.value_mean[:, :, None]
     return out.reshape(B, Hq, Lq, D).astype(queries.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _numpy_writes_through() -> bool:
+    """Whether numpy's view of an evaluated MLX array shares its memory (writes seen by MLX), as
+    the in-place softmax steps assume; checked once, else they copy back into MLX."""
+    a = mx.zeros((4,), dtype=mx.float32)
+    mx.eval(a)
+    view = np.asarray(a)
+    if not view.flags.writeable:
+        return False
+    view[2] = 7.0
+    return float(a[2].item()) == 7.0
 
 
 def _compile_wanted(lq: int) -> bool:

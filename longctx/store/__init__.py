@@ -12,7 +12,8 @@ so concurrent ingests of one document build it once and the others reuse it. The
 keeps the store consistent if a process dies anywhere: a cache file is complete before it is
 renamed into place, it is indexed only after that, and `remove` unindexes before it deletes.
 What a crash can leave (a temp file, a file no entry names) is cleaned when a store is next
-opened, but only under the entry's lock, so a live writer's files are never touched.
+opened by any command but `ask` (which only reads, and skips the scan), but only under the
+entry's lock, so a live writer's files are never touched.
 """
 
 from __future__ import annotations

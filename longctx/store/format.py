@@ -62,8 +62,9 @@ FREE_SPACE_MARGIN = 64 << 20  # left free after a write, for the index and every
 TEMP_PREFIX = ".tmp-"
 _ZERO_SHA = "0" * 64
 # When `arrays_verifying` starts the checksum threads: "overlap" (before MLX reads the arrays,
-# the checks running alongside) or "after" (once the arrays are in: the checks then run while
-# the caller computes, not against the reader). LONGCTX_CHECKS overrides.
+# the checks running alongside; any value but "after" means this) or "after" (once the arrays are
+# in: the checks then run while the caller computes, not against the reader; on the H200 no
+# steadier, restore_gpu_8k_checks.json). LONGCTX_CHECKS overrides.
 CHECKS = os.environ.get("LONGCTX_CHECKS", "overlap")
 
 # safetensors dtype -> (bytes per element, numpy dtype used to carry the bytes into MLX)
@@ -407,18 +408,14 @@ class Reader:
         tensors = self.header.tensors
         fd_path = f"{FD_DIR}/{self.file.fileno()}"
         if not os.path.exists(fd_path):
-            # no /dev/fd: positional reads on worker threads into numpy, then a copy each into
-            # MLX (on the H200 this route took 0.170 s to a first token at 8k where MLX's
-            # reader took 0.068 s: restore_gpu_8k_readers.json)
-            listed = list(tensors.values())
-            workers = max(1, min(8, len(listed)))
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                bufs = list(pool.map(self._read, listed))
+            # no /dev/fd: read each array into numpy, then copy it into MLX, one at a time (reading
+            # on 8 threads first was slower on the CPU and, holding every buffer at once, took
+            # twice the memory; on the H200 that route took 0.170 s to a first token at 8k where
+            # MLX's reader took 0.068 s: restore_gpu_8k_readers.json)
             out = {}
-            for t, buf in zip(listed, bufs):
-                arr = mx.array(buf.view(np.dtype(DTYPES[t.dtype][1])).reshape(t.shape))
+            for t in tensors.values():
+                arr = mx.array(self._read(t).view(np.dtype(DTYPES[t.dtype][1])).reshape(t.shape))
                 out[t.name] = arr.view(mx.bfloat16) if t.dtype == "BF16" else arr
-            mx.eval(list(out.values()))
             return out
         # Where /dev/fd/N duplicates the descriptor (macOS), MLX reads from its current offset.
         os.lseek(self.file.fileno(), 0, os.SEEK_SET)
