@@ -91,7 +91,7 @@ def expected(meta: dict[str, str]) -> dict[str, tuple[tuple[str, ...], tuple]]:
     tokens = int(meta["tokens"]) if meta["tokens"].isdigit() else -1
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError("tokens is not a positive count")
-    from longctx.kvcache import STACK_PREFIX, STACKED_PARTS, stackable
+    from longctx.kvcache import stack_parts, stackable
 
     cfg = kv_config(meta)
     out: dict = {"tokens": (("I32",), (tokens,))}
@@ -120,13 +120,8 @@ def expected(meta: dict[str, str]) -> dict[str, tuple[tuple[str, ...], tuple]]:
                     out[f"{i}.{tag}.sink"] = (("F16",), (1, h, sink, d))
                 for name, (dtype, trailing) in parts.items():
                     out[f"{i}.{tag}.{name}"] = ((dtype,), (1, h, tokens - sink, *trailing))
-    if stacked:
-        for tag in ("k", "v"):
-            for part in STACKED_PARTS:
-                per_layer = [out.pop(f"{i}.{tag}.{part}", None) for i in turbo]
-                if per_layer[0] is not None:
-                    dtypes, shape = per_layer[0]  # concatenated along the batch axis
-                    out[f"{STACK_PREFIX}{tag}.{part}"] = (dtypes, (len(turbo) * shape[0], *shape[1:]))
+    if stacked:  # the layers' (dtypes, shape), all alike, concatenated along the batch axis
+        stack_parts(out, turbo, lambda parts: (parts[0][0], (len(parts) * parts[0][1][0], *parts[0][1][1:])))
     return out
 
 
