@@ -12,7 +12,8 @@ A kernel body uses only these names (plus plain C++ arithmetic, `uint32_t`, `int
                 LC_EXP(x), LC_EXP2(x), LC_SQRT(x), LC_MAX(a, b), LC_MIN(a, b)
     loops       LC_UNROLL before a loop with a compile-time trip count
     vectors     LC_U4 t = LC_LD_U4(ptr, offset): four uint32 words (.x .y .z .w) in one 16-byte
-                load; ptr + offset must be 16-byte aligned
+                load; ptr + offset must be 16-byte aligned; ptr may be an input in either Metal
+                address space (MLX puts inputs of < 8 elements in `constant`, others in `device`)
     helpers     lc_pack_word(...) (packing.py's layout, see COMMON below)
 
 MLX generates the signature: inputs arrive as `const T* name` (Metal: `const device T*`) plus
@@ -24,15 +25,26 @@ the ids are defined by a short prefix prepended to every body. Simdgroups are 32
 Apple GPU MLX supports, which the Metal prelude assumes. The CUDA prelude has been compiled and run
 on an H200; the Metal prelude has NOT been compiled on a Mac (none was available).
 
-`run(spec, launch)` builds each kernel object once (cached by backend, name and source digest;
-the digest is also part of the MLX kernel name, since MLX caches compiled modules by name and
-template values only) and calls it. Tests may install another executor (a CPU emulator).
+`run(spec, launch, reference)` builds each kernel object once (cached by backend, name and source
+digest; the digest is also part of the MLX kernel name, since MLX caches compiled modules by name
+and template values only) and calls it. Tests may install another executor (a CPU emulator).
+
+Safety net: MLX compiles a kernel lazily, on the first evaluation of its outputs, and a build or
+launch failure (a Metal compiler error, a CUDA resource limit) would surface far away, in the
+middle of an answer. So the first launch of each distinct compiled variant (template values,
+input dtypes and Metal address-space classes) is evaluated on the spot; if it raises, one
+`KernelFallbackWarning` names the kernel, the backend and the first line of MLX's message, the
+kernel is switched to its pure-MLX reference for the rest of the process, and this call returns
+the reference's outputs. A first launch inside a function transformation (`mx.compile` tracing)
+cannot be evaluated: it takes the reference (correct; callers trace only after an eager first
+call, `kvcache.attention`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import warnings
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -89,7 +101,15 @@ METAL_HEADER = r"""
 #define LC_FN inline
 #define LC_UNROLL _Pragma("clang loop unroll(full)")
 #define LC_U4 uint4
-#define LC_LD_U4(p, off) (*((const device uint4*)((p) + (off))))
+// MLX declares an input `const constant T*` when it has fewer than 8 elements and `const device
+// T*` otherwise, and MSL refuses casts between address spaces: one overload per space.
+inline uint4 lc_ld_u4(const device uint32_t* p, int64_t off) {
+  return *((const device uint4*)(p + off));
+}
+inline uint4 lc_ld_u4(const constant uint32_t* p, int64_t off) {
+  return *((const constant uint4*)(p + off));
+}
+#define LC_LD_U4(p, off) lc_ld_u4((p), (int64_t)(off))
 inline float lc_simd_sum(float x) { return simd_sum(x); }
 inline float lc_simd_max(float x) { return simd_max(x); }
 inline uint32_t lc_simd_ballot(bool p, uint32_t lane) { return simd_or(p ? (1u << lane) : 0u); }
@@ -175,6 +195,12 @@ def assemble(spec: KernelSpec, which: str, preludes: dict | None = None) -> tupl
 _KERNELS: dict = {}
 _FORCED: str | None = None
 _EXECUTOR = None
+_VERIFIED: set = set()  # variants whose first launch evaluated cleanly
+_FAILED: dict = {}  # kernel name -> (backend, first line of the error), for the rest of the process
+
+
+class KernelFallbackWarning(RuntimeWarning):
+    """A kernel failed to build or launch; its pure-MLX reference serves from now on."""
 
 
 def _mlx_kernel(spec: KernelSpec, which: str):
@@ -189,29 +215,94 @@ def _mlx_kernel(spec: KernelSpec, which: str):
     return _KERNELS[key]
 
 
-def run(spec: KernelSpec, launch: Launch) -> list:
-    """Run `spec` on the current backend (or the installed executor) and return its outputs."""
-    if _EXECUTOR is not None:
-        return _EXECUTOR(spec, launch)
-    which = backend()
-    if which not in PRELUDES:
+def failed(name: str) -> bool:
+    """Whether kernel `name` failed earlier in this process (its reference serves instead)."""
+    return name in _FAILED
+
+
+def _variant(spec: KernelSpec, which: str, launch: Launch) -> tuple:
+    """What MLX compiles one module per: template values, dtypes, address-space classes."""
+    return (which, spec.name, spec.header, tuple(launch.template),
+            tuple((str(a.dtype), a.size < 8) for a in launch.inputs),
+            tuple(str(d) for d in launch.output_dtypes), id(_EXECUTOR))
+
+
+def _in_transformation(arrays: list) -> bool:
+    """Evaluate `arrays` (a kernel's inputs); True when that is refused because a function
+    transformation (`mx.compile`, `vmap`) is tracing them."""
+    try:
+        mx.eval(arrays)
+    except ValueError as err:
+        if "transformation" in str(err):
+            return True
+        raise
+    return False
+
+
+def _fall_back(spec: KernelSpec, which: str, err: Exception) -> None:
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    _FAILED[spec.name] = (which, first)
+    warnings.warn(f"kernel {spec.name} failed on {which} ({first}); using its MLX reference "
+                  f"for the rest of this process", KernelFallbackWarning, stacklevel=3)
+
+
+def run(spec: KernelSpec, launch: Launch, reference=None) -> list:
+    """Run `spec` on the current backend (or the installed executor) and return its outputs.
+
+    Args:
+        spec: the kernel.
+        launch: its inputs, template, grid and output shapes.
+        reference: a zero-argument callable returning the same outputs (shapes and dtypes of
+            `launch`) in pure MLX; with it a kernel that fails to build or launch falls back to
+            it for the rest of the process (one warning), without it the error propagates.
+    """
+    which = _FORCED if _EXECUTOR is not None else backend()
+    if reference is not None and spec.name in _FAILED:
+        return list(reference())
+    if _EXECUTOR is None and which not in PRELUDES:
         raise RuntimeError(f"no GPU backend for kernel {spec.name} (backend: {which})")
-    kernel = _mlx_kernel(spec, which)
-    return kernel(inputs=launch.inputs, template=launch.template, grid=launch.grid,
-                  threadgroup=launch.threadgroup, output_shapes=launch.output_shapes,
-                  output_dtypes=launch.output_dtypes)
+
+    def call():
+        if _EXECUTOR is not None:
+            return _EXECUTOR(spec, launch)
+        return _mlx_kernel(spec, which)(
+            inputs=launch.inputs, template=launch.template, grid=launch.grid,
+            threadgroup=launch.threadgroup, output_shapes=launch.output_shapes,
+            output_dtypes=launch.output_dtypes)
+
+    if reference is None:
+        return call()
+    variant = _variant(spec, which, launch)
+    if variant in _VERIFIED:
+        return call()
+    if _in_transformation(launch.inputs):
+        return list(reference())
+    try:
+        outputs = call()
+        mx.eval(outputs)
+    except Exception as err:  # noqa: BLE001 - any build/launch failure: MLX raises RuntimeError,
+        _fall_back(spec, which, err)  # an executor anything
+        return list(reference())
+    _VERIFIED.add(variant)
+    return outputs
 
 
 @contextlib.contextmanager
 def executor(fn, as_backend: str = "cuda"):
-    """Route every `run` through `fn(spec, launch)` and report `as_backend` (for CPU emulation)."""
+    """Route every `run` through `fn(spec, launch)` and report `as_backend` (for CPU emulation).
+    Kernel failures inside the block (fallbacks) are forgotten when it ends."""
     global _EXECUTOR, _FORCED
-    saved = _EXECUTOR, _FORCED
+    saved = _EXECUTOR, _FORCED, dict(_FAILED), set(_VERIFIED)
     _EXECUTOR, _FORCED = fn, as_backend
+    _FAILED.clear()
     try:
         yield
     finally:
-        _EXECUTOR, _FORCED = saved
+        _EXECUTOR, _FORCED = saved[:2]
+        _FAILED.clear()
+        _FAILED.update(saved[2])  # an executor's failures stay inside its block
+        _VERIFIED.clear()
+        _VERIFIED.update(saved[3])
 
 
 @contextlib.contextmanager

@@ -472,7 +472,8 @@ def decode_attend(q_rot, keys, values, key_table, value_table, *, key_bits, valu
     qp = (q_proj.astype(mx.float32) * (c * math.sqrt(math.pi / 2) / m_qjl)
           if q_proj is not None else None)
     return _launch(q, qp, keys, values, key_table, value_table, key_bits, key_bits2, value_bits,
-                   m_qjl, lq, causal_base)
+                   m_qjl, lq, causal_base, dict(kw, q_rot=q_rot, keys=keys, values=values,
+                                                key_table=key_table, value_table=value_table))
 
 
 def _check(q_rot, keys, values, key_table, value_table, key_bits, key_bits2, value_bits, q_proj):
@@ -531,10 +532,22 @@ def row_blocks(rows: int, p: int, m_qjl: int = 0) -> tuple[int, int]:
     return groups(rows, blocks), blocks
 
 
+def _reference_partials(splits: int, q_rot, keys, values, key_table, value_table, **kw):
+    """The kernel's outputs from the reference: the whole segment's state in split 0, "nothing
+    seen" (m = -inf, l = 0, acc = 0) in the others, which `split_combine` merges away."""
+    B, H, R, P = q_rot.shape
+    m, l, acc = decode_attend_reference(q_rot, keys, values, key_table, value_table, **kw)
+    pad = splits - 1
+    m_p = mx.concatenate([m.reshape(B * H, 1, R), mx.full((B * H, pad, R), -mx.inf)], axis=1)
+    l_p = mx.concatenate([l.reshape(B * H, 1, R), mx.zeros((B * H, pad, R))], axis=1)
+    acc_p = mx.concatenate([acc.reshape(B * H, 1, R, P), mx.zeros((B * H, pad, R, P))], axis=1)
+    return m_p, l_p, acc_p
+
+
 def _launch(q, qp, keys, values, key_table, value_table, key_bits, key_bits2, value_bits, m_qjl,
-            lq, causal_base):
+            lq, causal_base, reference):
     """One kernel launch for all rows (row blocks x KV heads x splits threadgroups), then the
-    split merge."""
+    split merge. `reference`: `decode_attend_reference`'s arguments, for the fallback."""
     B, H, R, P = q.shape
     L = keys["norm"].shape[2]
     per_block, nrb = row_blocks(R, P, m_qjl if qp is not None else 0)
@@ -555,6 +568,7 @@ def _launch(q, qp, keys, values, key_table, value_table, key_bits, key_bits2, va
     n = B * H * splits * nrb
     m_p, l_p, acc_p = run(_SPEC, Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
                                         [(B * H, splits, R), (B * H, splits, R),
-                                         (B * H, splits, R, P)], [mx.float32] * 3))
+                                         (B * H, splits, R, P)], [mx.float32] * 3),
+                          reference=lambda: _reference_partials(splits, **reference))
     m, l, acc = split_combine(m_p, l_p, acc_p)
     return m.reshape(B, H, R, 1), l.reshape(B, H, R, 1), acc.reshape(B, H, R, P)

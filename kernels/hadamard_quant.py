@@ -122,9 +122,9 @@ def hadamard_quantize(x: mx.array, signs: mx.array,
     n = x.size // d
     spec = KernelSpec(_SPEC.name, _SPEC.inputs, _SPEC.outputs, _SPEC.source, _scale_header(d))
     w = bits * d // 32
+    flat = x.astype(mx.float32).reshape(n, d)
     idx, norm = run(spec, Launch(
-        [x.astype(mx.float32).reshape(n, d), signs.astype(mx.float32),
-         boundaries.astype(mx.float32)],
+        [flat, signs.astype(mx.float32), boundaries.astype(mx.float32)],
         [("D", d), ("B", bits)], (n * d, 1, 1), (d, 1, 1), [(n, w), (n,)],
-        [mx.uint32, mx.float16]))
+        [mx.uint32, mx.float16]), reference=lambda: hadamard_quantize_reference(flat, signs, boundaries))
     return idx.reshape(*lead, w), norm.reshape(lead)

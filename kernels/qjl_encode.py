@@ -82,7 +82,9 @@ def qjl_encode(r: mx.array, proj_t: mx.array) -> tuple[mx.array, mx.array]:
         return qjl_encode_reference(r, proj_t)
     lead = r.shape[:-1]
     n = r.size // p
+    flat = r.astype(mx.float32).reshape(n, p)
     signs, rnorm = run(_SPEC, Launch(
-        [r.astype(mx.float32).reshape(n, p), proj_t.astype(mx.float32)], [("P", p), ("M", m)],
-        (n * m, 1, 1), (m, 1, 1), [(n, m // 32), (n,)], [mx.uint32, mx.float16]))
+        [flat, proj_t.astype(mx.float32)], [("P", p), ("M", m)],
+        (n * m, 1, 1), (m, 1, 1), [(n, m // 32), (n,)], [mx.uint32, mx.float16]),
+        reference=lambda: qjl_encode_reference(flat, proj_t))
     return signs.reshape(*lead, m // 32), rnorm.reshape(lead)

@@ -101,7 +101,8 @@ def quantize(x: mx.array, boundaries: mx.array) -> mx.array:
     flat = x.astype(mx.float32).reshape(-1)
     (out,) = run(_QUANTIZE, Launch([flat, boundaries.astype(mx.float32)], [("B", bits)],
                                    (groups(flat.size, _THREADS) * _THREADS, 1, 1),
-                                   (_THREADS, 1, 1), [flat.shape], [mx.uint8]))
+                                   (_THREADS, 1, 1), [flat.shape], [mx.uint8]),
+                 reference=lambda: [quantize_reference(flat, boundaries)])
     return out.reshape(x.shape)
 
 
@@ -121,5 +122,6 @@ def dequantize(idx: mx.array, centroids: mx.array) -> mx.array:
     flat = idx.astype(mx.uint8).reshape(-1)
     (out,) = run(_DEQUANTIZE, Launch([flat, centroids.astype(mx.float32)], [],
                                      (groups(flat.size, _THREADS) * _THREADS, 1, 1),
-                                     (_THREADS, 1, 1), [flat.shape], [mx.float32]))
+                                     (_THREADS, 1, 1), [flat.shape], [mx.float32]),
+                 reference=lambda: [dequantize_reference(flat, centroids)])
     return out.reshape(idx.shape)

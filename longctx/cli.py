@@ -13,6 +13,7 @@ import sys
 from contextlib import contextmanager
 from typing import Optional
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -46,19 +47,48 @@ def _rope_model(model: Optional[str], scale: Optional[float], kind: str) -> Opti
     return model if scale is None else models.with_rope_scale(model, scale, kind)
 
 
+def _one_line(text: str) -> str:
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else ""
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """Library warnings (a kernel falling back to its reference, ...) as one yellow line."""
+    err.print(f"[yellow]warning:[/yellow] {escape(_one_line(message))}", highlight=False,
+              soft_wrap=True)
+
+
 @contextmanager
 def _boundary():
-    """The one place errors are turned into messages and exit codes."""
+    """The one place errors are turned into messages and exit codes: library errors as their
+    message, anything else as an internal error, each one red line and exit code 1 (`--debug`:
+    the traceback)."""
+    import warnings
+
+    shown = warnings.showwarning
+    if not _state["debug"]:
+        warnings.showwarning = _show_warning
     try:
         yield
+    except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+        raise
+    except KeyboardInterrupt:
+        err.print("[red]interrupted[/red]")
+        raise typer.Exit(130)
     except LongctxError as e:
         if _state["debug"]:
             raise
         err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
-    except KeyboardInterrupt:
-        err.print("[red]interrupted[/red]")
-        raise typer.Exit(130)
+    except Exception as e:  # noqa: BLE001 - a bug: never a bare traceback without --debug
+        if _state["debug"]:
+            raise
+        err.print(f"[red]internal error:[/red] {escape(type(e).__name__)}: "
+                  f"{escape(_one_line(e))}; rerun with --debug for the traceback",
+                  highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    finally:
+        warnings.showwarning = shown
 
 
 def _version(value: bool):
@@ -198,11 +228,38 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
         if as_json:
             out.print_json(json.dumps([e.to_json() for e in entries]))
             return
-        table = Table("id", "name", "pages", "tokens", "model", "kv", "bits/ch", "on disk", "B/token")
-        for e in entries:
-            table.add_row(e.id, e.name, str(e.pages), f"{e.tokens:,}", e.model_id, e.kv_preset,
-                          f"{e.bits_per_channel:.2f}", human_bytes(e.bytes), f"{e.bytes_per_token:,.0f}")
-        out.print(table)
+        out.print(_entries_table(entries, out.width))
+
+
+def _entries_table(entries, width: int) -> Table:
+    """`list`'s table in `width` columns: the optional columns that fit, most useful first; the
+    name column shrinks (ellipsis) before the id, which never wraps. `--json` has every field."""
+    columns = {  # name -> (cells, justify); id, name and tokens always shown
+        "id": ([e.id for e in entries], "left"),
+        "name": ([e.name for e in entries], "left"),
+        "tokens": ([f"{e.tokens:,}" for e in entries], "right"),
+        "kv": ([e.kv_preset for e in entries], "left"),
+        "on disk": ([human_bytes(e.bytes) for e in entries], "right"),
+        "model": ([e.model_id for e in entries], "left"),
+        "pages": ([str(e.pages) for e in entries], "right"),
+        "bits/ch": ([f"{e.bits_per_channel:.2f}" for e in entries], "right"),
+        "B/token": ([f"{e.bytes_per_token:,.0f}" for e in entries], "right"),
+    }
+    need = {k: max([len(k)] + [len(c) for c in cells]) + 3 for k, (cells, _) in columns.items()}
+    name_min = 8 + 3
+    shown = ["id", "name", "tokens"]
+    used = 1 + need["id"] + min(need["name"], name_min) + need["tokens"]
+    for k in ("kv", "on disk", "model", "pages", "bits/ch", "B/token"):
+        if used + need[k] <= width:
+            shown.append(k)
+            used += need[k]
+    table = Table()
+    for k in [c for c in columns if c in shown]:
+        table.add_column(k, justify=columns[k][1], no_wrap=True,
+                         overflow="ellipsis" if k in ("name", "model") else "fold")
+    for row in zip(*[columns[k][0] for k in columns if k in shown]):
+        table.add_row(*row)
+    return table
 
 
 @app.command()

@@ -19,6 +19,10 @@ class ModelError(LongctxError):
     """The model cannot be found, imported or loaded."""
 
 
+class UnsupportedModel(ModelError):
+    """The model has a feature (layer kind, attention variant) the chosen KV preset cannot serve."""
+
+
 class ContextLengthError(LongctxError):
     """The prompt does not fit the model's context window."""
 

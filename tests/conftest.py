@@ -42,22 +42,28 @@ def _byte_tokenizer() -> tuple[dict, dict]:
 
 
 def make_tiny_model(path: Path, seed: int = 0, context: int = 4096, n_kv_heads: int = 2,
-                    head_dim: int = 32, layers: int = 2) -> Path:
-    """Write a random-weight llama (GQA) mlx-lm directory with a byte-level tokenizer."""
+                    head_dim: int = 32, layers: int = 2, model_type: str = "llama",
+                    **extra) -> Path:
+    """Write a random-weight mlx-lm directory (default: a GQA llama) with a byte-level tokenizer;
+    `extra` adds or overrides config entries of other architectures."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
 
+    arch = importlib.import_module(f"mlx_lm.models.{model_type}")
     tok_json, tok_config = _byte_tokenizer()
     vocab = len(tok_json["model"]["vocab"])
-    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": layers,
+    config = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": layers,
               "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": n_kv_heads,
               "head_dim": head_dim, "rms_norm_eps": 1e-5, "vocab_size": vocab, "rope_theta": 10000.0,
-              "max_position_embeddings": context, "tie_word_embeddings": True, "eos_token_id": 2}
+              "max_position_embeddings": context, "tie_word_embeddings": True, "eos_token_id": 2,
+              **extra}
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model = arch.Model(arch.ModelArgs.from_dict(config))
     # Larger-than-default embeddings make the random model's greedy choices well separated.
-    model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * 0.5
+    embed = model.model.embed_tokens
+    embed.weight = mx.random.normal(embed.weight.shape) * 0.5
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (path / "config.json").write_text(json.dumps(config))

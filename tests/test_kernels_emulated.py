@@ -153,3 +153,21 @@ def test_cuda_sources_compile_without_spills():
         report = kernel_emu.nvcc_check(spec, launch)
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
         assert spills and all(a == "0" and b == "0" for a, b in spills), (name, template, report)
+
+
+@pytest.mark.parametrize("name,p,length", [("tq4", 64, 37), ("tq3", 128, 5), ("rvq2+2", 64, 9),
+                                           ("tq5k4v", 256, 3)])
+def test_dequant(emulated, name, p, length):
+    from kernel_cases import tables
+
+    from longctx.kernels import dequant as dq
+
+    b1, b2, qjl, bv = preset_bits(name)
+    _, _, keys, values, kt, vt = random_segment(1, 2, 1, p, length, b1, b2, bv, qjl, seed=length,
+                                                capacity=length + 3)
+    head = mx.array(np.random.default_rng(1).normal(size=(1, 2, 4, p)).astype(np.float16))
+    after = mx.array(np.random.default_rng(2).normal(size=(1, 2, 5, p)).astype(np.float16))
+    for enc, table, bits, bits2 in ((keys, kt, b1, b2), (values, vt, bv, 0)):
+        for h, a in ((head, after), (None, None)):
+            kw = dict(bits=bits, bits2=bits2, p=p, head=h, after=a)
+            assert mx.array_equal(dq.dequant(enc, table, **kw), dq.dequant_reference(enc, table, **kw))

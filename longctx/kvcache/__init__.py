@@ -74,10 +74,17 @@ def make(model, preset: Preset) -> list:
 
     Full-attention layers get the preset's cache; layers for which the model asks for another kind
     (e.g. sliding-window `RotatingKVCache`) keep it.
+
+    Raises:
+        UnsupportedModel: a layer kind or attention feature the preset cannot serve
+            (`kvcache.support`).
     """
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
+    from longctx.kvcache import support
+
     base = make_prompt_cache(model)
+    support.check(model, base, preset.name, compressed=preset.kind != "fp16")
     if preset.kind == "fp16":
         return base
     if preset.kind == "affine":

@@ -77,9 +77,21 @@ def kernel_table(codec) -> mx.array:
 def use_fused(mask, lq: int) -> bool:
     """Whether compressed segments go to the fused kernel: on a GPU backend, few query tokens,
     and a mask the kernel expresses (none, or causal)."""
-    from longctx.kernels import backend
+    from longctx.kernels import backend, _prelude
 
-    return backend() != "cpu" and lq <= FUSED_MAX_LQ and _kernel_mask(mask)
+    return (backend() != "cpu" and lq <= FUSED_MAX_LQ and _kernel_mask(mask)
+            and not _prelude.failed("lc_decode_attend"))  # failed: the blocked path is its reference
+
+
+# Many query rows on a GPU (prefill chunks): dequantize + fp16 SDPA (`kvcache.dense_gpu`) instead
+# of the blocked path. LONGCTX_DENSE_GPU=0 turns it off (the blocked path then serves them).
+DENSE_GPU = os.environ.get("LONGCTX_DENSE_GPU", "1") != "0"
+
+
+def _dense_gpu_wanted(kv: CompressedKV, mask, head_dim: int) -> bool:
+    from longctx.kvcache import dense_gpu
+
+    return DENSE_GPU and dense_gpu.applies(kv, mask, head_dim)
 
 
 def _kernel_mask(mask) -> bool:
@@ -150,6 +162,10 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
     Lq = queries.shape[2]
     if fused is None:
         fused = use_fused(mask, Lq)
+        if not fused and _dense_gpu_wanted(kv, mask, queries.shape[-1]):
+            from longctx.kvcache import dense_gpu
+
+            return dense_gpu.attention(queries, kv, scale, mask)
     elif fused and not _kernel_mask(mask):
         raise ValueError("the fused kernel takes mask None or 'causal'")
     if fused and _compile_wanted(Lq) and not _executor_installed():
@@ -276,6 +292,10 @@ def _codec_arrays(codec) -> dict:
     return out
 
 
+def _eager_once():
+    """Marks a compile key whose first (eager) call has run."""
+
+
 def _compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.array:
     """The fused path under `mx.compile`, one compiled function per (sizes, specs, positions)."""
     kc, vc = kv.key_codec, kv.value_codec
@@ -293,6 +313,14 @@ def _compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask)
            da.VECTOR_ROWS, da.TARGET_GROUPS)
     fn = _COMPILED.get(key)
     if fn is None:
+        # The first call of a key runs eagerly: a kernel variant is checked on its first launch
+        # (`kernels._prelude.run`), which a compile trace cannot evaluate.
+        _COMPILED[key] = _eager_once
+        while len(_COMPILED) > _COMPILED_MAX:
+            _COMPILED.popitem(last=False)
+        tables = (kernel_table(kc), kernel_table(vc))
+        return _attend(queries, kv, kc, vc, tables, scale, mask, BLOCK, True, False)
+    if fn is _eager_once:
         def traced(q, k_arrays, v_arrays, segments, sink, window, value_mean):
             view = CompressedKV(kc, vc, tuple((k, v, n) for (k, v), n in zip(segments, lengths)),
                                 offset, value_mean,
@@ -303,10 +331,7 @@ def _compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask)
                            BLOCK, True, False)
 
         fn = _COMPILED[key] = mx.compile(traced)
-        while len(_COMPILED) > _COMPILED_MAX:
-            _COMPILED.popitem(last=False)
-    else:
-        _COMPILED.move_to_end(key)
+    _COMPILED.move_to_end(key)
     return fn(queries, _codec_arrays(kc), _codec_arrays(vc), [(k, v) for k, v, _ in kv.segments],
               list(kv.sink) if has_sink else [], list(kv.window) if has_window else [],
               kv.value_mean)

@@ -1,0 +1,87 @@
+"""GPU attention for many query rows (prefill chunks): dequantize, then fp16 SDPA.
+
+A prefill chunk has hundreds of queries per KV head. For them the per-key fused kernel
+(`kernels/decode_attend.py`, built for a few rows) and the blocked pure-MLX path (decode a block,
+matmul, online softmax: ~50 launches per block with fp32 intermediates) both lose to
+`mx.fast.scaled_dot_product_attention`, which runs flash attention on tensor cores. So this path
+decodes each compressed segment once per call into dense fp16 rows in the codecs' rotated frames
+(`kernels/dequant.py`; the exact sink and window rows, rotated, written into the same array) and
+hands them to the fused SDPA with queries rotated into the key frame; the output, in the value
+frame, is rotated back once and the value mean added. The dense rows of a layer live only while
+its attention runs, so the working set is one layer's fp16 keys and values, not the fp16 cache.
+
+Keys are stored centered: a key mean shifts every score of a query equally, which softmax
+ignores; values are centered too, and their mean is added back. QJL-sketched keys fold their
+correction into the dense keys (it is linear in the query; `VectorCodec.scoring_result`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from longctx.kvcache.turbo import CompressedKV
+
+
+def applies(kv: CompressedKV, mask, head_dim: int) -> bool:
+    """Whether this path serves the view: a GPU backend, segments present, and a head dim the
+    fused SDPA takes."""
+    from longctx.kernels import backend
+
+    return (backend() != "cpu" and bool(kv.segments) and kv.dense is None
+            and kv.key_codec.padded_dim in (64, 80, 128, 256)
+            and (mask is None or isinstance(mask, (str, mx.array))))
+
+
+def _rotated(codec, x: mx.array | None) -> mx.array | None:
+    return None if x is None else codec.rotate(x.astype(mx.float32)).astype(mx.float16)
+
+
+def _qjl_fold(codec, enc: dict) -> mx.array:
+    """The QJL correction as a key offset: q . (c * rnorm * S^T signs) = c * rnorm * <S q, signs>."""
+    c = math.sqrt(math.pi / 2) / codec.qjl.m
+    signs = codec.qjl.signs(enc["qjl"]) * (c * enc["rnorm"].astype(mx.float32))[..., None]
+    return signs @ codec.qjl.projection  # (B, H, L, P)
+
+
+def _dense(codec, table, segments: list, head, after) -> mx.array:
+    """All rows of one side (keys or values) as (B, H, N, P) fp16 in the rotated frame."""
+    from longctx.kernels.dequant import dequant
+
+    spec = codec.spec
+    bits2 = spec.bits2 if codec.rvq is not None else 0
+    parts = []
+    for i, enc in enumerate(segments):
+        first, last = i == 0, i == len(segments) - 1
+        rows = dequant(enc, table, bits=spec.bits, bits2=bits2, p=codec.padded_dim,
+                       head=head if first else None, after=after if last else None)
+        if codec.qjl is not None:
+            fold = _qjl_fold(codec, enc)
+            pad = [(0, 0), (0, 0), (head.shape[2] if first and head is not None else 0,
+                                    after.shape[2] if last and after is not None else 0), (0, 0)]
+            rows = (rows.astype(mx.float32) + mx.pad(fold, pad)).astype(mx.float16)
+        parts.append(rows)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.array:
+    """Softmax attention of `queries` (B, H_q, L_q, D) over the view, as `compressed_attention`."""
+    from longctx.kvcache.attention import kernel_table
+
+    B, Hq, Lq, D = queries.shape
+    Hkv = kv.value_mean.shape[1]
+    kc, vc = kv.key_codec, kv.value_codec
+    sink = kv.sink if kv.sink is not None else (None, None)
+    window = kv.window if kv.window is not None else (None, None)
+    keys = _dense(kc, kernel_table(kc), [s[0] for s in kv.segments], _rotated(kc, sink[0]),
+                  _rotated(kc, window[0]))
+    values = _dense(vc, kernel_table(vc), [s[1] for s in kv.segments], _rotated(vc, sink[1]),
+                    _rotated(vc, window[1]))
+    q = kc.rotate(queries.astype(mx.float32)).astype(mx.float16)  # (B, Hq, Lq, P)
+    if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+        mask = mask.astype(mx.float16)
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    out = vc.unrotate(out.astype(mx.float32))  # (B, Hq, Lq, D)
+    out = out.reshape(B, Hkv, Hq // Hkv, Lq, D) + kv.value_mean[:, :, None]
+    return out.reshape(B, Hq, Lq, D).astype(queries.dtype)

@@ -1,0 +1,63 @@
+"""The shared Metal compile check (../shared/tools/metal_check) with this project's extra launches.
+
+The shared tool drives a fixed launch plan (the kernels it was written for). Kernels added since
+are appended here to that plan, through the same recording executor, so their Metal source is
+built and compiled exactly as the tool does for the others. Same arguments as the tool:
+
+    .venv/bin/python scripts/metal_check.py . --hypothetical [--full]
+
+What the shared tool would need to cover them itself: the calls in `extra_launches` added to its
+`enumerate_launches`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+TOOL = Path(__file__).resolve().parents[2] / "shared" / "tools" / "metal_check" / "metal_check.py"
+
+
+def extra_launches(tool, full: bool) -> list:
+    """(origin, spec, launch) of the kernels the shared plan does not launch: lc_dequant."""
+    import mlx.core as mx
+
+    from longctx.kernels import _prelude
+    from longctx.kernels import dequant as dq
+    from longctx.kvcache.presets import PRESETS
+
+    rec = tool.Recorder()
+    widths = sorted({(p.key_bits, p.key_bits2) for p in PRESETS.values() if p.kind == "turbo"}
+                    | {(p.value_bits, 0) for p in PRESETS.values() if p.kind == "turbo"})
+    lengths = (1, 2, 17, 4096) if full else (1, 4096)
+    with _prelude.executor(rec, as_backend="metal"):
+        for b1, b2 in widths:
+            for p in (64, 128, 256):
+                for hkv in (1, 3, 8):
+                    for length in lengths:
+                        for exact in (False, True):
+                            rec.origin = f"dequant b={b1}+{b2} P={p} H={hkv} L={length} exact={exact}"
+                            enc = {"idx": mx.zeros((1, hkv, length, b1 * p // 32), dtype=mx.uint32),
+                                   "norm": mx.zeros((1, hkv, length), dtype=mx.float16)}
+                            if b2:
+                                enc["idx2"] = mx.zeros((1, hkv, length, b2 * p // 32), dtype=mx.uint32)
+                            rows = (lambda n: mx.zeros((1, hkv, n, p), dtype=mx.float16)) if exact else None
+                            dq.dequant(enc, mx.zeros((1 << (b1 + b2),)), bits=b1, bits2=b2, p=p,
+                                       head=rows(4) if rows else None,
+                                       after=rows(640) if rows else None)
+    return rec.launches
+
+
+def main(argv: list[str]) -> int:
+    spec = importlib.util.spec_from_file_location("metal_check", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules["metal_check"] = tool
+    spec.loader.exec_module(tool)
+    planned = tool.enumerate_launches
+    tool.enumerate_launches = lambda full: planned(full) + extra_launches(tool, full)
+    return tool.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
