@@ -209,6 +209,8 @@ def main() -> None:
             print(f"S={s:>6} {name:<20} sync {t_sync:7.3f} ms  pipelined {t_pipe:7.3f} ms  "
                   f"{r['gbs_pipelined']:7.0f} GB/s ({100 * r['gbs_pipelined'] / PEAK_GBS:4.1f}% "
                   f"of {PEAK_GBS:.0f})", flush=True)
+        if backend == "cuda":
+            rows += torch_rows(s)
         if s == max(args.lengths) and not args.no_sweep and backend != "cpu":
             sweeps[s] = sweep(env)
         del env
@@ -223,6 +225,52 @@ def main() -> None:
     print(f"wrote {path}")
 
 
+def torch_rows(s: int, steps: int = 30, reps: int = 7) -> list:
+    """torch's fp16 SDPA anchors (cuDNN, flash) at this length on the same GPU, when torch with
+    CUDA is installed: `steps` calls captured in a CUDA graph, replayed, timed by CUDA events,
+    median of `reps` replays per step (the pipelined analogue). [] where torch is missing."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.float16)
+    k = torch.randn(B, HKV, s, D, device="cuda", dtype=torch.float16)
+    v = torch.randn(B, HKV, s, D, device="cuda", dtype=torch.float16)
+    rows = []
+    for label, backend in (("torch_cudnn_fp16", SDPBackend.CUDNN_ATTENTION),
+                           ("torch_flash_fp16", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                f = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                    q, k, v, enable_gqa=True)
+                f()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(steps):
+                        f()
+            times = []
+            for _ in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                graph.replay()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b) / steps)
+            ms = statistics.median(times)
+            nb = k.numel() * 2 * 2
+            rows.append({"S": s, "method": label, "sync_ms": ms, "pipelined_ms": ms,
+                         "cache_bytes": nb, "gbs_sync": nb / ms / 1e6, "gbs_pipelined": nb / ms / 1e6,
+                         "anchor_ms": None, "timing": "torch CUDA graph replay"})
+            print(f"S={s:>6} {label:<20} {ms:7.3f} ms (graph replay)", flush=True)
+        except Exception as err:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
+            print(f"S={s:>6} {label:<20} unavailable: {type(err).__name__}: {err}", flush=True)
+    return rows
+
+
 def _ratios(rows) -> list:
     """Speedups of the fused step over the other methods, measured in this run."""
     t = {(r["S"], r["method"]): r for r in rows}
@@ -230,7 +278,8 @@ def _ratios(rows) -> list:
     for (s, name), r in t.items():
         if not name.startswith("fused_tq"):
             continue
-        for other, target in (("fp16_sdpa", 2.0), ("mlxlm_qsdpa_a8", 5.0), ("mlxlm_qsdpa_a4", 5.0),
+        for other, target in (("fp16_sdpa", 2.0), ("torch_cudnn_fp16", 1.0),
+                              ("mlxlm_qsdpa_a8", 5.0), ("mlxlm_qsdpa_a4", 5.0),
                               ("dequant_sdpa_a8", 1.5), ("dequant_sdpa_a4", 1.5),
                               (f"dequant_sdpa_{name[6:]}", 1.5)):
             if (s, other) not in t:

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Everything run on the lent GPU machine (MLX CUDA), by phase, after the staged install:
+#   bash .gpu/pN/install.sh && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu.sh PHASE...
+# Phases (any number, in order):
+#   tests    the GPU tests (kernels vs references, fused / dense attention paths) in parallel workers
+#   attend   benchmarks/attend.py: one decode step, fp16 SDPA vs the fused kernel (+ torch anchors)
+#   ncu      Nsight Compute profile of the fused decode kernel at 128k
+#   prefill  benchmarks/prefill_shapes.py: random-weight models of real shapes, fp16 vs tq4
+#   restore  benchmarks/restore.py: restore + first token vs mlx-lm's prompt cache (8k-32k)
+#   niah     benchmarks/niah.py on SmolLM2-135M (the anchor grid)
+#   all      tests attend prefill restore
+# Logs and results go to $OUT (the device tool brings that folder back).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-benchmarks/results/gpu_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 LONGCTX_HOME=/tmp/longctx-home TRANSFORMERS_VERBOSITY=error
+run() {  # name, timeout in s, command...: log to $out/name.log, print its tail
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "== $name rc=$? $((SECONDS - t0))s"
+  grep -v "Warn\|metric" "$out/$name.log" | tail -${TAIL:-25}
+}
+keep() { cp "$@" "$out/" 2>/dev/null; }
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+  python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+} 2>&1 | tee "$out/env.txt"
+
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(all)
+[ "${phases[0]}" = all ] && phases=(tests attend prefill restore)
+for phase in "${phases[@]}"; do
+  case $phase in
+    tests)
+      workers=""
+      python3 -c "import xdist" 2> /dev/null && workers="-n 12"
+      # Full fp32 matmuls: the test oracles need them (MLX uses TF32 by default on this GPU).
+      MLX_ENABLE_TF32=0 run gpu_tests 400 python3 -m pytest -q -rfEs -p no:cacheprovider $workers \
+        tests/test_kernels.py tests/test_kvcache.py tests/test_dense_gpu.py \
+        tests/test_kernel_fallback.py ;;
+    attend)
+      run attend 300 python3 benchmarks/attend.py --no-sweep --name attend_h200
+      keep benchmarks/results/attend_h200.json ;;
+    ncu)
+      run ncu 200 ncu --clock-control none --kernel-name regex:lc_decode_attend --launch-skip 3 \
+        --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section InstructionStats \
+        python3 benchmarks/attend.py --profile --lengths 131072 ;;
+    prefill)
+      run prefill 400 python3 benchmarks/prefill_shapes.py --shapes smollm2-135m llama-3.1-8b \
+        --tokens 8192 32768 --kv fp16 tq4 --blocked --name prefill_gpu
+      keep benchmarks/results/prefill_gpu.json ;;
+    restore)
+      run restore 300 python3 benchmarks/restore.py --model "smollm2#rope=ntk-by-parts:4" \
+        --tokens 8000 32000 --presets fp16 tq4 --repeat 5 --name restore_gpu
+      keep benchmarks/results/restore_gpu.json ;;
+    niah)
+      run niah 400 python3 benchmarks/niah.py --budget-s 360 --out "$out" --kv fp16,tq4 --model smollm2 ;;
+    *) echo "unknown phase $phase" >&2; exit 2 ;;
+  esac
+done

@@ -1,0 +1,103 @@
+"""GPU prefill of random-weight models of real shapes: fp16 cache vs compressed, side by side.
+
+For each shape (benchmarks/shapes.py) and length: `engine.prefill` into the fp16 cache and into
+each compressed preset, tokens/s and MLX peak memory, plus the longest single evaluation (one
+chunk; the Metal watchdog kills command buffers that run too long). `--blocked` also times the
+compressed preset with the dense GPU prefill path switched off (the blocked MLX path: what ran
+before `kvcache.dense_gpu`).
+
+Usage: python benchmarks/prefill_shapes.py [--shapes smollm2-135m llama-3.1-8b] [--tokens 8192 32768]
+       [--kv fp16 tq4] [--bits 0] [--blocked] [--name prefill_gpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write  # noqa: E402  (imports longctx first)
+
+import mlx.core as mx  # noqa: E402
+from shapes import random_model  # noqa: E402
+
+from longctx import engine, kvcache  # noqa: E402
+from longctx.kvcache import attention  # noqa: E402
+
+
+def prefill_once(model, ids, preset, chunk):
+    cache = kvcache.make(model, preset)
+    longest = 0.0
+    mx.synchronize()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    for lo in range(0, len(ids), chunk):
+        t = time.perf_counter()
+        model(mx.array(ids[lo:lo + chunk], dtype=mx.int32)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        longest = max(longest, time.perf_counter() - t)
+    mx.synchronize()
+    seconds = time.perf_counter() - start
+    peak = mx.get_peak_memory()
+    del cache
+    gc.collect()
+    mx.clear_cache()
+    return seconds, peak, longest
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=["smollm2-135m", "llama-3.1-8b"])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--kv", nargs="+", default=["fp16", "tq4"])
+    ap.add_argument("--bits", type=int, default=0, help="quantize the weights (0: bf16)")
+    ap.add_argument("--chunk", type=int, default=engine.DEFAULT_CHUNK)
+    ap.add_argument("--blocked", action="store_true")
+    ap.add_argument("--name", default="prefill_gpu")
+    args = ap.parse_args()
+
+    rows = []
+    print(f"{'shape':>14} {'kv':>12} {'tokens':>7} {'s':>7} {'tok/s':>8} {'peak GiB':>9} {'max eval s':>10}")
+    for shape in args.shapes:
+        model, _ = random_model(shape, bits=args.bits)
+        weights = mx.get_active_memory()
+        for n in args.tokens:
+            ids = mx.random.randint(0, 32000, (n,)).tolist()
+            prefill_once(model, ids[:1024], kvcache.get_preset("fp16"), args.chunk)  # warm-up
+            variants = [(kv, True) for kv in args.kv]
+            if args.blocked:
+                variants += [(kv + ":blocked", False) for kv in args.kv if kv != "fp16"]
+            for label, dense in variants:
+                preset = kvcache.get_preset(label.split(":")[0])
+                attention.DENSE_GPU = dense
+                if preset.kind != "fp16":  # first-use compilation outside the timing
+                    prefill_once(model, ids[:1024], preset, args.chunk)
+                s, peak, longest = prefill_once(model, ids, preset, args.chunk)
+                attention.DENSE_GPU = True
+                rows.append({"shape": shape, "kv": label, "tokens": n, "seconds": s,
+                             "tokens_per_second": n / s, "peak_bytes": peak,
+                             "weights_bytes": weights, "longest_eval_seconds": longest})
+                print(f"{shape:>14} {label:>12} {n:>7} {s:>7.2f} {n / s:>8.0f} "
+                      f"{peak / 2**30:>9.2f} {longest:>10.3f}", flush=True)
+        del model
+        gc.collect()
+        mx.clear_cache()
+    ratios = {}
+    for r in rows:
+        base = next(b for b in rows if b["shape"] == r["shape"] and b["tokens"] == r["tokens"]
+                    and b["kv"] == "fp16")
+        ratios[f"{r['shape']} {r['kv']} {r['tokens']}"] = {
+            "speed_vs_fp16": round(r["tokens_per_second"] / base["tokens_per_second"], 3),
+            "peak_vs_fp16": round(r["peak_bytes"] / base["peak_bytes"], 3)}
+    for k, v in ratios.items():
+        print(f"{k:>40}: {v['speed_vs_fp16']:.2f}x speed, {v['peak_vs_fp16']:.2f}x peak")
+    out = write(args.name, {"chunk": args.chunk, "weights_bits": args.bits or 16, "rows": rows,
+                            "ratios": ratios})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
