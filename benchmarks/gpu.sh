@@ -6,6 +6,8 @@
 #   attend   benchmarks/attend.py: one decode step, fp16 SDPA vs the fused kernel (+ torch anchors)
 #   ncu      Nsight Compute profile of the fused decode kernel at 128k
 #   prefill  benchmarks/prefill_shapes.py: random-weight models of real shapes, fp16 vs tq4
+#   profile  benchmarks/prefill_profile.py: one layer's prefill chunk, part by part
+#   answer   benchmarks/answer_shapes.py: Llama-3.1-8B shape, 32k / 128k cached tokens, fp16 vs tq4
 #   restore  benchmarks/restore.py: restore + first token vs mlx-lm's prompt cache (8k-32k)
 #   niah     benchmarks/niah.py on SmolLM2-135M (the anchor grid)
 #   all      tests attend prefill restore
@@ -52,8 +54,15 @@ for phase in "${phases[@]}"; do
         python3 benchmarks/attend.py --profile --lengths 131072 ;;
     prefill)
       run prefill 400 python3 benchmarks/prefill_shapes.py --shapes smollm2-135m llama-3.1-8b \
-        --tokens 8192 32768 --kv fp16 tq4 --blocked --name prefill_gpu
+        --tokens 8192 32768 --kv fp16 tq4 ${PREFILL_ARGS:-} --name prefill_gpu
       keep benchmarks/results/prefill_gpu.json ;;
+    profile)
+      run profile 200 python3 benchmarks/prefill_profile.py --name prefill_profile_gpu
+      keep benchmarks/results/prefill_profile_gpu.json ;;
+    answer)
+      run answer 500 python3 benchmarks/answer_shapes.py --tokens ${ANSWER_TOKENS:-32768 131072} \
+        --bits ${ANSWER_BITS:-4} --name answer_gpu
+      keep benchmarks/results/answer_gpu.json ;;
     restore)
       run restore 300 python3 benchmarks/restore.py --model "smollm2#rope=ntk-by-parts:4" \
         --tokens 8000 32000 --presets fp16 tq4 --repeat 5 --name restore_gpu

@@ -13,7 +13,9 @@ A kernel body uses only these names (plus plain C++ arithmetic, `uint32_t`, `int
     loops       LC_UNROLL before a loop with a compile-time trip count
     vectors     LC_U4 t = LC_LD_U4(ptr, offset): four uint32 words (.x .y .z .w) in one 16-byte
                 load; ptr + offset must be 16-byte aligned; ptr may be an input in either Metal
-                address space (MLX puts inputs of < 8 elements in `constant`, others in `device`)
+                address space (MLX puts inputs of < 8 elements in `constant`, others in `device`);
+                LC_ST_U4(out, offset, t): one 16-byte store into an output (aligned likewise);
+                LC_F2H_BITS(f): the 16 bits of f rounded to fp16, as a uint32
     helpers     lc_pack_word(...) (packing.py's layout, see COMMON below)
 
 MLX generates the signature: inputs arrive as `const T* name` (Metal: `const device T*`) plus
@@ -66,6 +68,8 @@ CUDA_HEADER = r"""
 #define LC_UNROLL _Pragma("unroll")
 #define LC_U4 uint4
 #define LC_LD_U4(p, off) (*reinterpret_cast<const uint4*>((p) + (off)))
+#define LC_ST_U4(p, off, v) (*reinterpret_cast<uint4*>((p) + (off)) = (v))
+#define LC_F2H_BITS(x) ((uint32_t)__half_as_ushort(__float2half_rn(x)))
 LC_FN float lc_simd_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
@@ -110,6 +114,8 @@ inline uint4 lc_ld_u4(const constant uint32_t* p, int64_t off) {
   return *((const constant uint4*)(p + off));
 }
 #define LC_LD_U4(p, off) lc_ld_u4((p), (int64_t)(off))
+#define LC_ST_U4(p, off, v) (*((device uint4*)((p) + (off))) = (v))
+#define LC_F2H_BITS(x) ((uint32_t)as_type<ushort>(half(x)))
 inline float lc_simd_sum(float x) { return simd_sum(x); }
 inline float lc_simd_max(float x) { return simd_max(x); }
 inline uint32_t lc_simd_ballot(bool p, uint32_t lane) { return simd_or(p ? (1u << lane) : 0u); }
@@ -290,11 +296,13 @@ def run(spec: KernelSpec, launch: Launch, reference=None) -> list:
 @contextlib.contextmanager
 def executor(fn, as_backend: str = "cuda"):
     """Route every `run` through `fn(spec, launch)` and report `as_backend` (for CPU emulation).
-    Kernel failures inside the block (fallbacks) are forgotten when it ends."""
+    The block starts with no kernel checked or failed, and its checks and failures (fallbacks)
+    are forgotten when it ends."""
     global _EXECUTOR, _FORCED
     saved = _EXECUTOR, _FORCED, dict(_FAILED), set(_VERIFIED)
     _EXECUTOR, _FORCED = fn, as_backend
     _FAILED.clear()
+    _VERIFIED.clear()
     try:
         yield
     finally:

@@ -22,10 +22,12 @@ float16 (any strides: slices of the cache's preallocated tail cost no copy), tab
 (2,) int32 = (S, W).
 Output: (B, H, S + L + W, P) float16, contiguous.
 
-Thread plan: one thread per (row, group of 32 dims) of the output, threadgroups of 256; the
-table is staged in threadgroup memory; a segment row's thread loads its group's b1 (+ b2) words,
-decodes the 32 codes with compile-time shifts (a code may straddle two words), and writes 32
-halves; a head / after row's thread copies 32 halves.
+Thread plan: one thread per (row, 8 dims) of the output, threadgroups of 256, so a warp writes
+512 consecutive bytes with 16-byte stores (a thread per 32 dims wrote 2-byte pieces 64 bytes
+apart: every store instruction touched 32 sectors). The table is staged in threadgroup memory.
+A segment row's thread reads the <= 3 words holding its 8 codes (byte aligned in the group's bit
+stream: 8 * b bits from bit 8 * b * (chunk % 4)), shifts them into one 64-bit value, looks the 8
+codes up and scales them by the norm; a head / after row's thread copies its 8 values.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ _SPEC = KernelSpec(
     row_contiguous=False,
     source=r"""
   constexpr int B2X = B2 > 0 ? B2 : 1;
-  constexpr int G = P / 32;
+  constexpr int C = P / 8;  // chunks of 8 dims per row: 16 bytes of output each
   constexpr uint32_t MASK1 = (1u << B1) - 1u;
   constexpr uint32_t MASK2 = (1u << B2X) - 1u;
   LC_SHARED float tab_s[1 << (B1 + B2)];
@@ -56,52 +58,65 @@ _SPEC = KernelSpec(
   const int H = idx_shape[1];
   const int L = idx_shape[2];
   const int N = S + L + W;  // output rows per (b, h)
-  const int64_t total = (int64_t)idx_shape[0] * H * N * G;
+  const int64_t total = (int64_t)idx_shape[0] * H * N * C;
   const int64_t t = (int64_t)lc_gid;
   if (t < total) {
-    const int g = (int)(t % G);
-    const int64_t row = t / G;  // (b * H + h) * N + n
+    const int c = (int)(t % C);
+    const int64_t row = t / C;  // (b * H + h) * N + n
     const int n = (int)(row % N);
     const int64_t bh = row / N;
     const int h = (int)(bh % H);
     const int b = (int)(bh / H);
-    const int64_t ob = row * P + g * 32;
+    float v[8];
     if (n < S) {
       const int64_t src = b * head_strides[0] + h * head_strides[1] + n * head_strides[2];
-      const int64_t sd = head_strides[3];
-      LC_UNROLL for (int i = 0; i < 32; ++i) out[ob + i] = head[src + (g * 32 + i) * sd];
+      LC_UNROLL for (int i = 0; i < 8; ++i) v[i] = LC_H2F(head[src + (c * 8 + i) * head_strides[3]]);
     } else if (n >= S + L) {
       const int64_t src = b * after_strides[0] + h * after_strides[1]
                           + (n - S - L) * after_strides[2];
-      const int64_t sd = after_strides[3];
-      LC_UNROLL for (int i = 0; i < 32; ++i) out[ob + i] = after[src + (g * 32 + i) * sd];
+      LC_UNROLL for (int i = 0; i < 8; ++i) v[i] = LC_H2F(after[src + (c * 8 + i) * after_strides[3]]);
     } else {
+      // Chunk c holds codes 8j..8j+7 of group g = c / 4 (j = c % 4): stream bits
+      // [8 * B * j, 8 * B * (j + 1)) of the group's B words, byte aligned, spanning <= 3 words.
       const int l = n - S;
+      const int g = c >> 2;
+      const int j = c & 3;
       const int64_t ib = b * idx_strides[0] + h * idx_strides[1] + l * idx_strides[2];
-      uint32_t w1[B1];
-      LC_UNROLL for (int k = 0; k < B1; ++k) w1[k] = idx[ib + (g * B1 + k) * idx_strides[3]];
-      uint32_t w2[B2X];
+      const int bit0 = 8 * B1 * j;
+      const int w0 = bit0 >> 5;
+      const int sh = bit0 & 31;
+      const int64_t iw = idx_strides[3];
+      const uint32_t x0 = idx[ib + (g * B1 + w0) * iw];
+      const uint32_t x1 = w0 + 1 < B1 ? idx[ib + (g * B1 + w0 + 1) * iw] : 0u;
+      const uint32_t x2 = w0 + 2 < B1 ? idx[ib + (g * B1 + w0 + 2) * iw] : 0u;
+      uint64_t bits = ((((uint64_t)x1) << 32) | (uint64_t)x0) >> sh;
+      if (sh > 0) bits |= ((uint64_t)x2) << (64 - sh);
+      uint64_t bits2 = 0;
       if (B2 > 0) {
         const int64_t i2b = b * idx2_strides[0] + h * idx2_strides[1] + l * idx2_strides[2];
-        LC_UNROLL for (int k = 0; k < B2X; ++k) w2[k] = idx2[i2b + (g * B2X + k) * idx2_strides[3]];
+        const int q0 = 8 * B2X * j;
+        const int u0 = q0 >> 5;
+        const int sh2 = q0 & 31;
+        const int64_t iw2 = idx2_strides[3];
+        const uint32_t y0 = idx2[i2b + (g * B2X + u0) * iw2];
+        const uint32_t y1 = u0 + 1 < B2X ? idx2[i2b + (g * B2X + u0 + 1) * iw2] : 0u;
+        const uint32_t y2 = u0 + 2 < B2X ? idx2[i2b + (g * B2X + u0 + 2) * iw2] : 0u;
+        bits2 = ((((uint64_t)y1) << 32) | (uint64_t)y0) >> sh2;
+        if (sh2 > 0) bits2 |= ((uint64_t)y2) << (64 - sh2);
       }
       const float nv = LC_H2F(norm[b * norm_strides[0] + h * norm_strides[1] + l * norm_strides[2]]);
-      LC_UNROLL for (int i = 0; i < 32; ++i) {
-        const int sh = (i * B1) & 31;
-        const int wi = (i * B1) >> 5;
-        uint32_t c = w1[wi] >> sh;
-        if (sh + B1 > 32) c |= w1[wi + 1] << (32 - sh);
-        c &= MASK1;
-        if (B2 > 0) {
-          const int sh2 = (i * B2X) & 31;
-          const int wi2 = (i * B2X) >> 5;
-          uint32_t c2 = w2[wi2] >> sh2;
-          if (sh2 + B2X > 32) c2 |= w2[wi2 + 1] << (32 - sh2);
-          c = (c << B2X) | (c2 & MASK2);
-        }
-        out[ob + i] = LC_F2H(tab_s[c] * nv);
+      LC_UNROLL for (int i = 0; i < 8; ++i) {
+        uint32_t code = (uint32_t)(bits >> (i * B1)) & MASK1;
+        if (B2 > 0) code = (code << B2X) | ((uint32_t)(bits2 >> (i * B2X)) & MASK2);
+        v[i] = tab_s[code] * nv;
       }
     }
+    LC_U4 o;
+    o.x = LC_F2H_BITS(v[0]) | (LC_F2H_BITS(v[1]) << 16);
+    o.y = LC_F2H_BITS(v[2]) | (LC_F2H_BITS(v[3]) << 16);
+    o.z = LC_F2H_BITS(v[4]) | (LC_F2H_BITS(v[5]) << 16);
+    o.w = LC_F2H_BITS(v[6]) | (LC_F2H_BITS(v[7]) << 16);
+    LC_ST_U4(out, row * P + c * 8, o);
   }
 """,
 )
@@ -152,7 +167,7 @@ def dequant(enc: dict, table: mx.array, *, bits: int, bits2: int = 0, p: int,
     inputs = [enc["idx"].astype(u32), idx2, enc["norm"].astype(mx.float16),
               table.astype(mx.float32),
               head.astype(mx.float16) if s else empty, after.astype(mx.float16) if w else empty]
-    n = B * H * (s + L + w) * (p // 32)
+    n = B * H * (s + L + w) * (p // 8)
     inputs.append(mx.array([s, w], dtype=mx.int32))
     (out,) = run(_SPEC, Launch(inputs, [("P", p), ("B1", bits), ("B2", bits2), ("NT", NT)],
                                (groups(n, NT) * NT, 1, 1), (NT, 1, 1),

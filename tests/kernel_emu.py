@@ -63,6 +63,15 @@ static inline lc_u4 lc_ld_u4(const uint32_t* p) {
 }
 #define LC_U4 lc_u4
 #define LC_LD_U4(p, off) lc_ld_u4((p) + (off))
+template <typename T> static inline void lc_st_u4(T* p, lc_u4 v) {
+  if (reinterpret_cast<uintptr_t>(p) % 16) __builtin_trap();  // the GPU would fault
+  std::memcpy(p, &v, 16);
+}
+#define LC_ST_U4(p, off, v) lc_st_u4((p) + (off), (v))
+static inline uint32_t lc_f2h_bits(float x) {
+  lc_half_t h = (lc_half_t)x; uint16_t b; std::memcpy(&b, &h, 2); return b;
+}
+#define LC_F2H_BITS(x) lc_f2h_bits(x)
 static inline float lc_xchg(float x, uint32_t src) {
   LcWarp& w = lc_warps[lc_e_tid >> 5];
   w.f[lc_e_tid & 31u] = x;

@@ -50,6 +50,7 @@ def test_usage_errors_still_exit_2(text_doc):
     assert _invoke("ask", "q", "--max-tokens", "0").exit_code == 2
 
 
+@pytest.mark.filterwarnings("default::longctx.kernels._prelude.KernelFallbackWarning")
 def test_library_warning_is_one_line(tiny_model, text_doc, monkeypatch):
     from longctx.kernels._prelude import KernelFallbackWarning
 

@@ -80,7 +80,8 @@ def test_routing_takes_the_dense_path_for_many_rows_on_a_gpu(monkeypatch):
     calls = []
     monkeypatch.setattr(dense_gpu, "attention", lambda *a: calls.append(a[0].shape) or a[0])
     q = mx.random.normal((1, 4, 200, 64))
-    compressed_attention(q, view, scale=0.125, mask="causal")
+    with _prelude.force_backend("cpu"):
+        compressed_attention(q, view, scale=0.125, mask="causal")
     assert calls == []  # the CPU keeps its own path
     with _prelude.force_backend("cuda"):
         assert dense_gpu.applies(view, "causal", 64)
@@ -115,3 +116,30 @@ def test_gpu_dense_path_matches_blocked_path(preset):
     got = compressed_attention(q, view, scale=0.125, mask="causal")
     err = np.abs(np.array(got) - np.array(want)).max() / np.abs(np.array(want)).max()
     assert err < 5e-3, err
+
+
+def test_encode_takes_the_fused_kernel_on_a_gpu():
+    """On a GPU backend a scalar codec encodes through `hadamard_quantize` (one launch); its
+    reference computes exactly what the MLX encode does."""
+    from longctx.kernels import hadamard_quant as hq
+    from longctx.quant.codec import QuantSpec, VectorCodec
+
+    launched = []
+
+    def reference(spec, launch):
+        launched.append(spec.name)
+        return list(hq.hadamard_quantize_reference(*launch.inputs))
+
+    x = mx.random.normal((1, 2, 37, 128)) * 3.0
+    for spec, fused in ((QuantSpec(4), True), (QuantSpec(3, bits2=0, qjl=True), False),
+                        (QuantSpec(2, bits2=2), False)):
+        codec = VectorCodec(128, spec, seed=5)
+        want = codec.encode(x)
+        launched.clear()
+        with _prelude.executor(reference, as_backend="cuda"):
+            got = codec.encode(x)
+        assert launched == (["lc_hadamard_quantize"] if fused else [])
+        assert set(got) == set(want)
+        for name in want:
+            assert mx.array_equal(got[name], want[name]), name
+    assert not VectorCodec(72, QuantSpec(4), seed=5)._fused_encode()  # padded dims: MLX path

@@ -171,3 +171,16 @@ def test_dequant(emulated, name, p, length):
         for h, a in ((head, after), (None, None)):
             kw = dict(bits=bits, bits2=bits2, p=p, head=h, after=a)
             assert mx.array_equal(dq.dequant(enc, table, **kw), dq.dequant_reference(enc, table, **kw))
+
+
+@pytest.mark.parametrize("b1,b2", [(1, 0), (6, 0), (7, 0), (8, 0), (3, 3), (5, 2), (1, 7)])
+def test_dequant_bit_widths(emulated, b1, b2):
+    """Every width: 8 codes of a chunk span up to 3 words (7 bits: 56 bits from bit 24)."""
+    from kernel_cases import random_segment
+
+    from longctx.kernels import dequant as dq
+
+    _, _, keys, _, _, _ = random_segment(1, 2, 1, 64, 6, b1, b2, 4, False, seed=b1 * 10 + b2)
+    table = mx.array(np.random.default_rng(b1).normal(size=(1 << (b1 + b2),)).astype(np.float32))
+    kw = dict(bits=b1, bits2=b2, p=64)
+    assert mx.array_equal(dq.dequant(keys, table, **kw), dq.dequant_reference(keys, table, **kw))

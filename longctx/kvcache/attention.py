@@ -292,16 +292,16 @@ def _codec_arrays(codec) -> dict:
     return out
 
 
-def _eager_once():
-    """Marks a compile key whose first (eager) call has run."""
-
-
 def _compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.array:
     """The fused path under `mx.compile`, one compiled function per (sizes, specs, positions)."""
     kc, vc = kv.key_codec, kv.value_codec
     lq = queries.shape[2]
     lengths = tuple(n for *_, n in kv.segments)
     has_sink, has_window = kv.sink is not None, kv.window is not None
+    # A window in preallocated buffers goes in whole, with its valid-slot mask: the inputs'
+    # shapes then change when the buffer grows, not at every decode step (each change retraces)
+    buffered = kv.window_buffer is not None
+    window = kv.window_buffer[:2] if buffered else kv.window
     # Positions only matter to a mask; without one, every decode step shares the function (and
     # the traced view's offset, never read then, is the first call's).
     offset = kv.offset  # an int: the closure must not keep this call's arrays alive
@@ -309,32 +309,34 @@ def _compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask)
     from longctx.kernels import decode_attend as da
 
     key = (kc.dim, kc.spec, vc.dim, vc.spec, float(scale), mask, lq, lengths, has_sink,
-           has_window, offset if mask is not None else None, queries.dtype, backend(), da.KPT,
-           da.VECTOR_ROWS, da.TARGET_GROUPS)
+           has_window, buffered, offset if mask is not None else None, queries.dtype, backend(),
+           da.KPT, da.VECTOR_ROWS, da.TARGET_GROUPS)
     fn = _COMPILED.get(key)
     if fn is None:
-        # The first call of a key runs eagerly: a kernel variant is checked on its first launch
+        # Before the first trace of a key, one eager call (its result unused, so every result
+        # comes from the compiled function): a kernel variant is checked on its first launch
         # (`kernels._prelude.run`), which a compile trace cannot evaluate.
-        _COMPILED[key] = _eager_once
-        while len(_COMPILED) > _COMPILED_MAX:
-            _COMPILED.popitem(last=False)
         tables = (kernel_table(kc), kernel_table(vc))
-        return _attend(queries, kv, kc, vc, tables, scale, mask, BLOCK, True, False)
-    if fn is _eager_once:
-        def traced(q, k_arrays, v_arrays, segments, sink, window, value_mean):
+        mx.eval(_attend(queries, kv, kc, vc, tables, scale, mask, BLOCK, True, False))
+
+        def traced(q, k_arrays, v_arrays, segments, sink, window, value_mean, window_mask):
             view = CompressedKV(kc, vc, tuple((k, v, n) for (k, v), n in zip(segments, lengths)),
                                 offset, value_mean,
                                 tuple(window) if has_window else None,
-                                tuple(sink) if has_sink else None, None)
+                                tuple(sink) if has_sink else None, None, None,
+                                window_mask[0] if buffered else None)
             tk, tv = _Traced(kc, k_arrays), _Traced(vc, v_arrays)
             return _attend(q, view, tk, tv, (k_arrays["table"], v_arrays["table"]), scale, mask,
                            BLOCK, True, False)
 
         fn = _COMPILED[key] = mx.compile(traced)
-    _COMPILED.move_to_end(key)
+        while len(_COMPILED) > _COMPILED_MAX:
+            _COMPILED.popitem(last=False)
+    else:
+        _COMPILED.move_to_end(key)
     return fn(queries, _codec_arrays(kc), _codec_arrays(vc), [(k, v) for k, v, _ in kv.segments],
-              list(kv.sink) if has_sink else [], list(kv.window) if has_window else [],
-              kv.value_mean)
+              list(kv.sink) if has_sink else [], list(window) if has_window else [],
+              kv.value_mean, [kv.window_buffer[2]] if buffered else [])
 
 
 def _attend(queries: mx.array, kv: CompressedKV, kc, vc, tables, scale: float, mask, block: int,
@@ -418,8 +420,14 @@ def _attend(queries: mx.array, kv: CompressedKV, kc, vc, tables, scale: float, m
         keys = mx.concatenate([e[0] for e in exact], axis=2) if len(exact) > 1 else exact[0][0]
         values = mx.concatenate([e[1] for e in exact], axis=2) if len(exact) > 1 else exact[0][1]
         q_plain = queries.astype(mx.float32).reshape(B, Hkv, r * Lq, D)
+        allowed = visible([(lo, hi) for _, _, lo, hi in exact])
+        if kv.window_mask is not None and kv.window is not None:  # a buffer: its valid slots only
+            valid = kv.window_mask
+            if len(exact) > 1:
+                valid = mx.concatenate([mx.ones((exact[0][3],), dtype=mx.bool_), valid])
+            allowed = valid if allowed is None else allowed & valid
         state = add_block(state, q_plain, keys.astype(mx.float32), values.astype(mx.float32),
-                          visible([(lo, hi) for _, _, lo, hi in exact]), None)
+                          allowed, None)
     if state is None:
         raise ValueError("attention over an empty cache view (no segment, no window)")
     _, l, acc = state

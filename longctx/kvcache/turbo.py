@@ -46,6 +46,12 @@ class CompressedKV:
     # (keys, values) (B, H_kv, S + L0, P) fp32 in the codecs' rotated frames: the sink and the
     # first segment decoded once (`TurboQuantCache.decode_prefix`); replaces both when set
     dense: tuple | None = None
+    # (keys, values, valid) when the window lives in larger preallocated buffers: the buffers
+    # (B, H_kv, capacity, D) and a (capacity,) bool mask of their valid slots (the compiled decode
+    # path attends over the buffers, so its input shapes change only when they grow)
+    window_buffer: tuple | None = None
+    # (W,) bool: which of `window`'s slots hold tokens (None: all); set where `window` is a buffer
+    window_mask: mx.array | None = None
 
 
 _CODECS: dict = {}
@@ -60,6 +66,19 @@ def codecs_for(preset: Preset, head_dim: int, layer: int) -> tuple[VectorCodec, 
         seed = preset.seed + 7919 * layer
         _CODECS[key] = (VectorCodec(head_dim, kspec, seed), VectorCodec(head_dim, vspec, seed + 1))
     return _CODECS[key]
+
+
+_MASKS: dict = {}
+
+
+def _valid_mask(cap: int, valid: int) -> mx.array:
+    """(cap,) bool: slot < valid; one array per (cap, valid), shared by every layer of a step."""
+    key = (cap, valid)
+    if key not in _MASKS:
+        if len(_MASKS) > 4096:
+            _MASKS.clear()
+        _MASKS[key] = mx.arange(cap) < valid
+    return _MASKS[key]
 
 
 def _slice(d: dict, n: int) -> dict:
@@ -83,6 +102,9 @@ class TurboQuantCache:
         self.window: tuple[mx.array, mx.array] | None = None  # newest tokens, uncompressed
         self.sink: tuple[mx.array, mx.array] | None = None  # first tokens, never compressed
         self.dense_prefix: tuple[mx.array, mx.array] | None = None  # see decode_prefix()
+        # The window lives in preallocated buffers (B, H_kv, capacity, D) owned by this cache;
+        # `window` is always the valid prefix of them (a slice, no copy).
+        self._wbuf: tuple[mx.array, mx.array] | None = None
         # Newest tokens kept uncompressed: the preset's window, or more in an answering fork
         # (`fork(exact_new=...)`), where the question and answer stay exact.
         self.window_cap = preset.window
@@ -168,23 +190,47 @@ class TurboQuantCache:
                           values.astype(mx.float32).mean(axis=2, keepdims=True))
         k = keys.astype(mx.float32) - self.means[0]
         v = values.astype(mx.float32) - self.means[1]
+        n = self.window_len + k.shape[2]
+        if n <= self.window_cap:  # decode steps and questions: into the window's buffers
+            self._window_write(k, v)
+            view = self.view()
+            return view, view
         if self.window is not None:
             k = mx.concatenate([self.window[0], k], axis=2)
             v = mx.concatenate([self.window[1], v], axis=2)
-        self.window = (k, v)
+        self.window, self._wbuf = (k, v), None
         view = self.view()  # slices of the tail taken now stay valid after the writes below
         old = k.shape[2] - self.window_cap
-        if old > 0:
-            self.window = None
-            self._append_compressed(k[:, :, :old], v[:, :, :old])
-            self.window = (k[:, :, old:], v[:, :, old:]) if self.window_cap else None
+        self.window = None
+        self._append_compressed(k[:, :, :old], v[:, :, :old])
+        if self.window_cap:
+            self._window_write(k[:, :, old:], v[:, :, old:])
         return view, view
+
+    def _window_write(self, k: mx.array, v: mx.array) -> None:
+        """Append centered fp32 (B, H_kv, n, D) tokens to the window, in its own buffers (grown
+        in steps of `step` tokens, up to `window_cap`); `window` becomes their valid prefix."""
+        lo = self.window_len
+        hi = lo + k.shape[2]
+        cap = self._wbuf[0].shape[2] if self._wbuf is not None else 0
+        if self._wbuf is None or hi > cap:
+            new_cap = min(max(self.window_cap, hi), (hi + self.step - 1) // self.step * self.step)
+            bufs = []
+            for old in (self.window[0], self.window[1]) if self.window is not None else (None, None):
+                buf = mx.zeros((*k.shape[:2], new_cap, k.shape[3]), dtype=mx.float32)
+                if old is not None and lo:
+                    buf[:, :, :lo] = old
+                bufs.append(buf)
+            self._wbuf = (bufs[0], bufs[1])
+        self._wbuf[0][:, :, lo:hi] = k
+        self._wbuf[1][:, :, lo:hi] = v
+        self.window = (self._wbuf[0][:, :, :hi], self._wbuf[1][:, :, :hi])
 
     def seal(self) -> None:
         """Compress the uncompressed window, so that every token is stored compressed."""
         if self.window is not None:
             self._append_compressed(*self.window)
-            self.window = None
+            self.window, self._wbuf = None, None
 
     def view(self) -> CompressedKV:
         kc, vc = self.codecs()
@@ -194,8 +240,13 @@ class TurboQuantCache:
         if self.tail_len:
             segments.append((_slice(self.tail[0], self.tail_len), _slice(self.tail[1], self.tail_len),
                              self.tail_len))
+        buffer = None
+        if self._wbuf is not None and self.window is not None:
+            cap = self._wbuf[0].shape[2]
+            if cap > self.window_len:
+                buffer = (*self._wbuf, _valid_mask(cap, self.window_len))
         return CompressedKV(kc, vc, tuple(segments), self.offset, self.means[1], self.window, self.sink,
-                            self.dense_prefix)
+                            self.dense_prefix, buffer)
 
     def rotated_sink(self) -> tuple[mx.array, mx.array] | None:
         """The sink's keys and values (fp32) in the codecs' rotated frames, or None."""
@@ -261,6 +312,8 @@ class TurboQuantCache:
         if from_window:
             keep = self.window_len - from_window
             self.window = tuple(a[:, :, :keep] for a in self.window) if keep else None
+            if not keep:
+                self._wbuf = None
         n_rest = n - from_window
         from_tail = min(n_rest, self.tail_len)
         self.tail_len -= from_tail
@@ -357,7 +410,8 @@ class TurboQuantCache:
         child.window_cap = max(self.preset.window, self.window_cap if exact_new is None else exact_new)
         child.means = self.means
         child.sink = self.sink
-        child.window = self.window  # immutable arrays: the child's appends concatenate anew
+        child.window = self.window  # immutable arrays: the child's first append copies them into
+        # buffers of its own (`_window_write`), so the parent's never change
         if not self.tail_len:  # the child's prefix is this prefix: the decoded form carries over
             child.dense_prefix = self.dense_prefix
         return child

@@ -1,0 +1,117 @@
+"""Answering after a long cached prefix on a GPU: fp16 cache vs tq4, random-weight models of real
+shapes (benchmarks/shapes.py), side by side in one run.
+
+For each weight format (bf16, 4-bit) and prefix length N: prefill N tokens (ingest's chunked
+prefill; time and peak memory), then as `ask` does: fp16 answers from its cache as is; tq4 seals
+the cache, rebuilds it from its arrays (what a restore from disk yields) and forks it. Then a
+16-token question and 64 greedy answer tokens: time to the first answer token (the first
+question also pays first-use compilation: reported apart, as the difference to a second, warm
+question) and decode tokens/s over the answer.
+
+Usage: python benchmarks/answer_shapes.py [--shape llama-3.1-8b] [--tokens 32768 131072]
+       [--bits 0 4] [--name answer_gpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write  # noqa: E402  (imports longctx first)
+
+import mlx.core as mx  # noqa: E402
+from shapes import random_model  # noqa: E402
+
+from longctx import engine, kvcache  # noqa: E402
+
+QUESTION, ANSWER = 16, 64
+
+
+def answer(model, cache, question, n):
+    """(seconds to the first token, decode tokens/s after it)."""
+    t0 = time.perf_counter()
+    stream = engine.token_stream(model, question, cache, n)
+    next(stream)
+    first = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    count = sum(1 for _ in stream)
+    return first, count / (time.perf_counter() - t1)
+
+
+def run(model, ids, preset_name, rng):
+    preset = kvcache.get_preset(preset_name)
+    cache = kvcache.make(model, preset)
+    stats = engine.prefill(model, ids, cache)
+    if preset.kind != "fp16":
+        kvcache.seal(cache)
+        arrays = kvcache.to_arrays(cache, preset)
+        mx.eval(arrays)
+        del cache
+        cache = kvcache.from_arrays(arrays, model, preset, mx.bfloat16)
+        del arrays
+    gc.collect()
+    stored = sum(c.nbytes for c in cache)
+    out = {"kv": preset_name, "tokens": len(ids), "prefill_seconds": stats.seconds,
+           "prefill_tok_s": stats.tokens_per_second, "prefill_peak_bytes": stats.peak_bytes,
+           "cache_bytes": stored}
+    q1 = rng.randint(0, 32000, (QUESTION,)).tolist()
+    q2 = rng.randint(0, 32000, (QUESTION,)).tolist()
+    mx.reset_peak_memory()
+    first, _ = answer(model, kvcache.fork(cache), q1, 2)  # first use: traces, kernel builds
+    warm_first, tok_s = answer(model, kvcache.fork(cache), q2, ANSWER)
+    out.update({"first_token_first_use_s": first, "first_token_warm_s": warm_first,
+                "first_use_compile_s": max(0.0, first - warm_first), "decode_tok_s": tok_s,
+                "answer_peak_bytes": mx.get_peak_memory()})
+    del cache
+    gc.collect()
+    mx.clear_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--bits", type=int, nargs="+", default=[0, 4])
+    ap.add_argument("--kv", nargs="+", default=["fp16", "tq4"])
+    ap.add_argument("--name", default="answer_gpu")
+    args = ap.parse_args()
+    rows = []
+    for bits in args.bits:
+        model, _ = random_model(args.shape, bits=bits)
+        for n in args.tokens:
+            ids = mx.random.randint(0, 32000, (n,)).tolist()
+            for kv in args.kv:
+                r = {"shape": args.shape, "weights": f"{bits}-bit" if bits else "bf16",
+                     **run(model, ids, kv, mx.random)}
+                rows.append(r)
+                print(f"{r['weights']:>6} {kv:>5} N={n:>6}: prefill {r['prefill_tok_s']:7.0f} tok/s "
+                      f"peak {r['prefill_peak_bytes'] / 2**30:6.2f} GiB | first token "
+                      f"{r['first_token_warm_s']:.3f} s (first use +{r['first_use_compile_s']:.2f} s)"
+                      f" | decode {r['decode_tok_s']:6.1f} tok/s | cache "
+                      f"{r['cache_bytes'] / 2**30:.2f} GiB", flush=True)
+        del model
+        gc.collect()
+        mx.clear_cache()
+    ratios = {}
+    for r in rows:
+        if r["kv"] == "fp16":
+            continue
+        b = next(x for x in rows if x["kv"] == "fp16" and x["tokens"] == r["tokens"]
+                 and x["weights"] == r["weights"])
+        ratios[f"{r['weights']} {r['kv']} {r['tokens']}"] = {
+            "decode_vs_fp16": round(r["decode_tok_s"] / b["decode_tok_s"], 3),
+            "prefill_vs_fp16": round(r["prefill_tok_s"] / b["prefill_tok_s"], 3),
+            "prefill_peak_vs_fp16": round(r["prefill_peak_bytes"] / b["prefill_peak_bytes"], 3),
+            "first_token_vs_fp16": round(r["first_token_warm_s"] / b["first_token_warm_s"], 3)}
+    for k, v in ratios.items():
+        print(f"{k}: {v}")
+    print(f"wrote {write(args.name, {'question_tokens': QUESTION, 'answer_tokens': ANSWER, 'rows': rows, 'ratios': ratios})}")
+
+
+if __name__ == "__main__":
+    main()
