@@ -42,7 +42,24 @@ def answer(model, cache, question, n):
     return first, count / (time.perf_counter() - t1)
 
 
-def run(model, ids, preset_name, rng):
+def run(model, ids, label, rng):
+    """One row; `label` is a preset, or `tq4:nocompile` / `tq4:blocked` (the fused decode path
+    without mx.compile / the blocked MLX path instead of the fused kernel: where time goes)."""
+    from longctx.kvcache import attention
+
+    preset_name, _, variant = label.partition(":")
+    saved = attention.COMPILE, attention.FUSED_MAX_LQ
+    if variant == "nocompile":
+        attention.COMPILE = "0"
+    elif variant == "blocked":
+        attention.FUSED_MAX_LQ = 0
+    try:
+        return _run(model, ids, preset_name, rng) | {"kv": label}
+    finally:
+        attention.COMPILE, attention.FUSED_MAX_LQ = saved
+
+
+def _run(model, ids, preset_name, rng):
     preset = kvcache.get_preset(preset_name)
     cache = kvcache.make(model, preset)
     stats = engine.prefill(model, ids, cache)
@@ -78,14 +95,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--bits", type=int, nargs="+", default=[0, 4])
     ap.add_argument("--kv", nargs="+", default=["fp16", "tq4"])
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help="extra tq4 rows at the shortest length: tq4:nocompile tq4:blocked")
     ap.add_argument("--name", default="answer_gpu")
     args = ap.parse_args()
     rows = []
     for bits in args.bits:
         model, _ = random_model(args.shape, bits=bits)
+        # warm-up: MLX's kernels build on first use (~50 s on a fresh machine), outside the rows
+        for kv in ("fp16", "tq4"):
+            _run(model, mx.random.randint(0, 32000, (1024,)).tolist(), kv, mx.random)
         for n in args.tokens:
             ids = mx.random.randint(0, 32000, (n,)).tolist()
-            for kv in args.kv:
+            for kv in args.kv + (args.variants if n == min(args.tokens) else []):
                 r = {"shape": args.shape, "weights": f"{bits}-bit" if bits else "bf16",
                      **run(model, ids, kv, mx.random)}
                 rows.append(r)

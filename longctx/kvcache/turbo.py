@@ -108,6 +108,7 @@ class TurboQuantCache:
         # Newest tokens kept uncompressed: the preset's window, or more in an answering fork
         # (`fork(exact_new=...)`), where the question and answer stay exact.
         self.window_cap = preset.window
+        self.reserved = 0  # tail capacity to allocate at once (`reserve`)
 
     @property
     def sink_len(self) -> int:
@@ -134,11 +135,19 @@ class TurboQuantCache:
     def codecs(self) -> tuple[VectorCodec, VectorCodec]:
         return codecs_for(self.preset, self.head_dim, self.layer)
 
+    def reserve(self, new_tokens: int) -> None:
+        """Announce that `new_tokens` more tokens are coming (a prefill): the tail is then
+        allocated once for all of them instead of growing chunk by chunk."""
+        first = self.preset.sink - self.sink_len if self.prefix_len + self.tail_len == 0 else 0
+        self.reserved = self.tail_len + self.window_len + max(0, int(new_tokens) - max(0, first))
+
     def _grow(self, enc_k: dict, enc_v: dict, needed: int) -> None:
         cap = self.tail[0][next(iter(self.tail[0]))].shape[2] if self.tail else 0
         if needed <= cap:
             return
-        new_cap = (needed + self.step - 1) // self.step * self.step
+        # Grown in steps, or once to the prefill's announced length (`reserve`): each growth
+        # copies the whole tail and briefly holds it twice.
+        new_cap = max((needed + self.step - 1) // self.step * self.step, self.reserved)
 
         def grown(old: dict | None, like: dict) -> dict:
             out = {}
@@ -203,8 +212,8 @@ class TurboQuantCache:
         old = k.shape[2] - self.window_cap
         self.window = None
         self._append_compressed(k[:, :, :old], v[:, :, :old])
-        if self.window_cap:
-            self._window_write(k[:, :, old:], v[:, :, old:])
+        # The newest tokens stay as slices (a prefill's next chunk concatenates them anyway)
+        self.window = (k[:, :, old:], v[:, :, old:]) if self.window_cap else None
         return view, view
 
     def _window_write(self, k: mx.array, v: mx.array) -> None:
