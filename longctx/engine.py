@@ -50,9 +50,6 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
     mx.reset_peak_memory()
     start = time.perf_counter()
     total = len(tokens)
-    for c in cache:  # compressed caches allocate their storage once for the whole prompt
-        if hasattr(c, "reserve"):
-            c.reserve(total)
     for lo in range(0, total, chunk):
         piece = mx.array(tokens[lo : lo + chunk], dtype=mx.int32)[None]  # (1, T)
         model(piece, cache=cache)  # logits stay an unevaluated graph node

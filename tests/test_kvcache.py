@@ -217,23 +217,3 @@ def test_answer_window_is_buffered_and_decode_steps_do_not_retrace(monkeypatch):
         np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-4)
     assert len(traces) == 2  # step 0: the eager check and the one trace; no step after traces
     assert parent.window is None and parent.offset == 300  # the fork wrote only its own buffers
-
-
-def test_reserve_allocates_the_tail_once_and_changes_nothing_else():
-    k, v = _kv(L=1200)
-    plain, reserved = (TurboQuantCache(kvcache.get_preset("tq4"), layer=1) for _ in range(2))
-    reserved.reserve(1200)
-    tails = set()
-    for lo in range(0, 1200, 300):
-        plain.update_and_fetch(k[:, :, lo:lo + 300], v[:, :, lo:lo + 300])
-        reserved.update_and_fetch(k[:, :, lo:lo + 300], v[:, :, lo:lo + 300])
-        if reserved.tail is not None:
-            tails.add(id(reserved.tail[0]["idx"]))
-    assert len(tails) == 1  # never regrown
-    assert reserved.tail[0]["idx"].shape[2] >= 1200 - 4
-    a, b = plain.arrays(), reserved.arrays()
-    assert set(a) == set(b) and all(mx.array_equal(a[n], b[n]) for n in a)
-    fork = reserved.fork(exact_new=1024)
-    fork.reserve(40)  # a fork's reserve covers its own new tokens, not the shared prefix
-    fork.update_and_fetch(k[:, :, :1100], v[:, :, :1100])
-    assert fork.tail[0]["idx"].shape[2] < 1200
