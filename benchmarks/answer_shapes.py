@@ -45,18 +45,12 @@ def answer(model, cache, question, n):
 def run(model, ids, label, rng):
     """One row; `label` is a preset, or `tq4:nocompile` / `tq4:blocked` (the fused decode path
     without mx.compile / the blocked MLX path instead of the fused kernel: where time goes)."""
-    from longctx.kvcache import attention
+    from longctx import config
 
     preset_name, _, variant = label.partition(":")
-    saved = attention.COMPILE, attention.FUSED_MAX_LQ
-    if variant == "nocompile":
-        attention.COMPILE = "0"
-    elif variant == "blocked":
-        attention.FUSED_MAX_LQ = 0
-    try:
+    settings = {"nocompile": {"compile": "0"}, "blocked": {"fused_max_lq": 0}}.get(variant, {})
+    with config.override(**settings):
         return _run(model, ids, preset_name, rng) | {"kv": label}
-    finally:
-        attention.COMPILE, attention.FUSED_MAX_LQ = saved
 
 
 def _run(model, ids, preset_name, rng):

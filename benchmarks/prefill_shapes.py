@@ -25,7 +25,7 @@ import mlx.core as mx  # noqa: E402
 from shapes import random_model  # noqa: E402
 
 from longctx import engine, kvcache  # noqa: E402
-from longctx.kvcache import attention  # noqa: E402
+from longctx import config  # noqa: E402
 
 
 def prefill_once(model, ids, preset, chunk):
@@ -72,11 +72,10 @@ def main() -> None:
                 variants += [(kv + ":blocked", False) for kv in args.kv if kv != "fp16"]
             for label, dense in variants:
                 preset = kvcache.get_preset(label.split(":")[0])
-                attention.DENSE_GPU = dense
-                if preset.kind != "fp16":  # first-use compilation outside the timing
-                    prefill_once(model, ids[:1024], preset, args.chunk)
-                s, peak, longest = prefill_once(model, ids, preset, args.chunk)
-                attention.DENSE_GPU = True
+                with config.override(dense_gpu=dense):
+                    if preset.kind != "fp16":  # first-use compilation outside the timing
+                        prefill_once(model, ids[:1024], preset, args.chunk)
+                    s, peak, longest = prefill_once(model, ids, preset, args.chunk)
                 rows.append({"shape": shape, "kv": label, "tokens": n, "seconds": s,
                              "tokens_per_second": n / s, "peak_bytes": peak,
                              "weights_bytes": weights, "longest_eval_seconds": longest})

@@ -42,7 +42,7 @@ import mlx.core as mx  # noqa: E402
 from longctx import engine, kvcache, session  # noqa: E402
 from longctx.runtime import models  # noqa: E402
 from longctx.store import Store  # noqa: E402
-from longctx.store import format as fmt  # noqa: E402
+from longctx import config  # noqa: E402
 
 QUESTION = "What does the document say about the chief engineer?"
 
@@ -148,7 +148,7 @@ def main() -> None:
 
             def run_c(entry=entry, checks=None):
                 if checks is not None:
-                    fmt.CHECKS = checks
+                    config._OVERRIDES["checks"] = checks  # this run's variant, kept for the next
                 start = time.perf_counter()
                 store = Store(cleanup=False)  # as `ask` opens it
                 cache, pending = session.restore_verifying(entry, lm, store)  # as `ask` does

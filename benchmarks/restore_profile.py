@@ -30,7 +30,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from longctx import kvcache, session  # noqa: E402
-from longctx.kvcache import attention  # noqa: E402
+from longctx import config  # noqa: E402
+from longctx.kvcache import attend_blocked, attend_fused, attention  # noqa: E402
 from longctx.kvcache.turbo import CompressedKV  # noqa: E402
 from longctx.store import Store  # noqa: E402
 from longctx.store import format as fmt  # noqa: E402
@@ -137,8 +138,8 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
     def shipped():
         mx.eval(attention.compressed_attention(q, kv, scale, mask=mask))
     for mode in ("0", "1"):
-        attention.COMPILE = mode
-        res[f"compressed_attention_compile{mode}"] = best(shipped, repeat)
+        with config.override(compile=mode):
+            res[f"compressed_attention_compile{mode}"] = best(shipped, repeat)
 
     kc, vc = kv.key_codec, kv.value_codec
     q_rot = kc.rotate(q.astype(mx.float32)).reshape(B, Hkv, -1, kc.padded_dim)
@@ -147,7 +148,8 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
     tables = (attention.kernel_table(kc), attention.kernel_table(vc))
 
     def kernel_only():
-        mx.eval(attention._fused_segment(kc, vc, tables, q_rot, None, seg_k, seg_v, scale, lq, None))
+        mx.eval(attend_blocked._fused_segment(kc, vc, tables, q_rot, None, seg_k, seg_v, scale,
+                                              lq, None))
     res["fused_segment_only"] = best(kernel_only, repeat)
 
     segs = [(k, v) for k, v, _ in kv.segments]
@@ -159,7 +161,8 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
         return attention.compressed_attention(q, view, scale, mask=mask)
 
     compiled = mx.compile(traced)
-    attention.COMPILE = "0"  # the whole function compiled from outside, as a check
+    saved = dict(config._OVERRIDES)
+    config._OVERRIDES["compile"] = "0"  # the whole function compiled from outside, as a check
     try:
         def run_compiled():
             mx.eval(compiled(q, segs, list(win), list(kv.sink), kv.value_mean))
@@ -170,6 +173,9 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
         res["compiled_max_abs_diff"] = float(diff.max())
     except Exception as err:  # compile may refuse the custom kernel: record why
         res["compiled_attention_error"] = f"{type(err).__name__}: {err}"
+    finally:
+        config._OVERRIDES.clear()
+        config._OVERRIDES.update(saved)
 
     n = kv.offset
     r = n_q_heads // Hkv
@@ -181,7 +187,6 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
         mx.eval(mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask))
     res["sdpa_fp16"] = best(sdpa, repeat)
     res["q_heads_per_kv"] = r
-    attention.COMPILE = "1"
     return res
 
 
@@ -191,18 +196,17 @@ def decode_variants(lm, cache: list, question: list[int], steps: int) -> dict:
 
     res = {}
     for mode in ("0", "question", "1"):
-        attention.COMPILE = mode
-        attention._COMPILED.clear()
-        for attempt in range(2):  # the second run has every kernel built
-            t = time.perf_counter()
-            stream = engine.token_stream(lm.model, question, kvcache.fork(cache), steps + 1)
-            next(stream)
-            first = time.perf_counter() - t
-            t = time.perf_counter()
-            n = sum(1 for _ in stream)
-            per = (time.perf_counter() - t) / max(n, 1)
+        attend_fused._COMPILED.clear()
+        with config.override(compile=mode):
+            for attempt in range(2):  # the second run has every kernel built
+                t = time.perf_counter()
+                stream = engine.token_stream(lm.model, question, kvcache.fork(cache), steps + 1)
+                next(stream)
+                first = time.perf_counter() - t
+                t = time.perf_counter()
+                n = sum(1 for _ in stream)
+                per = (time.perf_counter() - t) / max(n, 1)
         res[f"compile_{mode}"] = {"first_token_s": first, "per_token_s": per, "tokens": n}
-    attention.COMPILE = "1"
     return res
 
 

@@ -42,7 +42,7 @@ and each split writes (m, l, acc) partials; `split_combine` merges the splits (a
 Limits: P in 32/64/128/256; rows per threadgroup <= min(16, 1024 / max(P, M)) (more rows: more
 row blocks in the same launch); b1 + b2 <= 8, bv <= 8.
 
-Measured (H200, MLX 0.32.4 CUDA, Llama-3.1-8B shapes, 128k, tq4; benchmarks/results/attend_h200*):
+Measured (H200, MLX 0.32.4 CUDA, Llama-3.1-8B shapes, 128k, tq4; benchmarks/attend.py, ncu):
 the kernel takes ~0.2 ms where its 138 MB of packed cache would take ~0.03 ms at copy bandwidth.
 ncu: ~79M warp instructions (~20 per key-dim pair for K and V together: unpack, table lookup and
 q / weight reads from threadgroup memory, 4 FMAs, 64-bit strided addressing), issued at ~1.6 per
@@ -63,7 +63,7 @@ from .split_combine import split_combine
 LOG2E = 1.4426950408889634
 NT = 128  # threads per threadgroup = keys per tile
 # Launch knobs. Defaults = the fastest of the 18 configurations benchmarks/attend.py swept on an
-# H200 at 128k, tq4, 4 rows (results/attend_h200.json "sweep"): 512 groups, KPT 4, scalar loads
+# H200 at 128k, tq4, 4 rows (benchmarks/attend.py, its sweep): 512 groups, KPT 4, scalar loads
 # 0.213 ms per pipelined step; 16-byte row loads with KPT 1 0.215; with KPT 2 (142 registers,
 # 17% occupancy) 0.305, the slowest.
 TARGET_GROUPS = 512  # threadgroups per launch to aim for (132 SMs on an H200)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-import numpy as np
 
 from ._prelude import KernelSpec, Launch, backend, run
 from .pack import pack_reference
@@ -82,7 +81,7 @@ _SPEC = KernelSpec(
 
 def _scale_header(dim: int) -> str:
     """The float32 1/sqrt(D) that MLX's hadamard_transform uses, as an exact literal."""
-    s = float(np.float32(1.0 / math.sqrt(dim)))
+    s = mx.array(1.0 / math.sqrt(dim), dtype=mx.float32).item()  # rounded to float32
     return f"#define HSCALE {s:.9e}f\n"
 
 

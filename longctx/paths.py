@@ -16,7 +16,9 @@ def home() -> Path:
         `$LONGCTX_HOME` if set, else `~/Library/Caches/longctx` on macOS, else
         `$XDG_CACHE_HOME/longctx` (default `~/.cache/longctx`).
     """
-    env = os.environ.get("LONGCTX_HOME")
+    from longctx import config
+
+    env = config.get("home")
     if env:
         path = Path(env).expanduser()
     elif sys.platform == "darwin":

@@ -83,15 +83,15 @@ def test_numpy_dense_path_equals_blocked_path(monkeypatch, name, dim, lq, mask, 
     into the prefix's frames); `earlier` tokens already in the window before the queries are
     visible to all of them, the queries' own causally. Where numpy's view of MLX memory were a
     copy, the probabilities go back into MLX by copy: same result."""
-    from longctx.kvcache import attention
+    from longctx.kvcache import attend_blocked, attend_cpu
 
     if not writes_through:
-        monkeypatch.setattr(attention, "_numpy_writes_through", lambda: False)
+        monkeypatch.setattr(attend_blocked, "_numpy_writes_through", lambda: False)
     blocked, dense = (_restored(name, n=200, dim=dim, batch=2) for _ in range(2))
     dense.decode_prefix()
     calls = []
-    real = attention._dense_numpy_attention
-    monkeypatch.setattr(attention, "_dense_numpy_attention",
+    real = attend_cpu.attention
+    monkeypatch.setattr(attend_cpu, "attention",
                         lambda *a: calls.append(1) or real(*a))
     q = mx.random.normal((2, 4, lq, dim), key=mx.random.key(21)) * 3.0
     outs = []
@@ -109,7 +109,7 @@ def test_numpy_dense_path_equals_blocked_path(monkeypatch, name, dim, lq, mask, 
 
 def test_numpy_views_of_mlx_arrays_write_through():
     """The in-place softmax relies on it with this MLX (else it copies, tested above)."""
-    from longctx.kvcache.attention import _numpy_writes_through
+    from longctx.kvcache.attend_blocked import _numpy_writes_through
 
     assert _numpy_writes_through()
 
@@ -165,7 +165,7 @@ def test_decode_once_respects_its_memory_budget():
 
 @pytest.mark.parametrize("mask", [None, "causal"])
 def test_numpy_softmax_step_matches_mlx(monkeypatch, mask):
-    from longctx.kvcache import attention
+    from longctx.kvcache import attend_blocked as attention
 
     cache = _restored("tq4", n=400)
     new = mx.random.normal((2, 1, 2, 6, 64), key=mx.random.key(3))
@@ -179,8 +179,8 @@ def test_numpy_softmax_step_matches_mlx(monkeypatch, mask):
 
 
 def test_numpy_softmax_step_in_place_only_when_asked():
-    from longctx.kvcache import attention
-    from longctx.kvcache.attention import _softmax_step
+    from longctx.kvcache import attend_blocked as attention
+    from longctx.kvcache.attend_blocked import _softmax_step
 
     base = mx.random.normal((1, 2, 8, 2048), key=mx.random.key(5)) * 3.0  # numpy-sized block
     assert base.size >= attention.NUMPY_SOFTMAX_MIN

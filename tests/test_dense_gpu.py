@@ -14,6 +14,7 @@ from kernel_cases import preset_bits
 from longctx import kvcache
 from longctx.kernels import _prelude
 from longctx.kernels import dequant as dq
+from longctx import config
 from longctx.kvcache import attention, dense_gpu
 from longctx.kvcache.attention import compressed_attention, kernel_table
 from longctx.kvcache.turbo import TurboQuantCache
@@ -84,11 +85,12 @@ def test_routing_takes_the_dense_path_for_many_rows_on_a_gpu(monkeypatch):
         compressed_attention(q, view, scale=0.125, mask="causal")
     assert calls == []  # the CPU keeps its own path
     with _prelude.force_backend("cuda"):
-        assert dense_gpu.applies(view, "causal", 64)
+        assert dense_gpu.applies(view, "causal")
         compressed_attention(q, view, scale=0.125, mask="causal")
+        assert attention.choose_path(view, "causal", 200)[0] == "dense-gpu"
+        with config.override(dense_gpu=False):  # switched off: the blocked path
+            assert attention.choose_path(view, "causal", 200)[0] == "blocked"
     assert calls == [(1, 4, 200, 64)]
-    monkeypatch.setattr(attention, "DENSE_GPU", False)
-    assert not attention._dense_gpu_wanted(view, "causal", 64)  # switched off: blocked path
 
 
 @gpu

@@ -127,19 +127,22 @@ def test_compiled_path_serves_every_layer_with_its_own_arrays(monkeypatch, name,
     """One compiled function serves layers of equal sizes (the fused path under mx.compile is
     keyed by sizes, specs and positions only): each layer's call must use its own rotation signs,
     QJL projection, tables and segments, never those captured when the function was traced."""
-    from longctx.kvcache import attention
+    from collections import OrderedDict
+
+    from longctx import config
+    from longctx.kvcache import attend_fused
 
     preset = kvcache.get_preset(name)
     views = [_two_segment_view(preset, 2, 64, seed=s, layer=layer)
              for s, layer in ((0, 0), (1, 5), (2, 0))]
     q = mx.random.normal((1, 6, lq, 64))
     mask = "causal" if lq > 1 else None
-    monkeypatch.setattr(attention, "COMPILE", "0")
-    want = [compressed_attention(q, view, 0.125, mask=mask, fused=True) for view in views]
-    monkeypatch.setattr(attention, "COMPILE", "1")
-    monkeypatch.setattr(attention, "_COMPILED", attention.OrderedDict())
-    got = [compressed_attention(q, view, 0.125, mask=mask, fused=True) for view in views]
-    assert len(attention._COMPILED) == 1  # one function served all three layers
+    with config.override(compile="0"):
+        want = [compressed_attention(q, view, 0.125, mask=mask, fused=True) for view in views]
+    monkeypatch.setattr(attend_fused, "_COMPILED", OrderedDict())
+    with config.override(compile="1"):
+        got = [compressed_attention(q, view, 0.125, mask=mask, fused=True) for view in views]
+    assert len(attend_fused._COMPILED) == 1  # one function served all three layers
     for a, b in zip(want, got):
         assert float(mx.abs(a - b).max() / mx.abs(a).max()) < 1e-5
 

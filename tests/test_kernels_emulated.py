@@ -158,7 +158,6 @@ def test_cuda_sources_compile_without_spills():
 @pytest.mark.parametrize("name,p,length", [("tq4", 64, 37), ("tq3", 128, 5), ("rvq2+2", 64, 9),
                                            ("tq5k4v", 256, 3)])
 def test_dequant(emulated, name, p, length):
-    from kernel_cases import tables
 
     from longctx.kernels import dequant as dq
 

@@ -193,7 +193,7 @@ def test_turbo_cache_is_smaller_on_disk(tiny_model, text_doc):
 def test_answer_window_is_buffered_and_decode_steps_do_not_retrace(monkeypatch):
     """An answering fork keeps its exact tokens in preallocated buffers: decode steps change no
     input shape of the compiled fused path (no retrace), and attend exactly as the blocked path."""
-    from longctx.kvcache import attention
+    from longctx.kvcache import attend_fused
 
     k, v = _kv(L=300)
     parent = TurboQuantCache(kvcache.get_preset("tq4"), layer=2)
@@ -201,8 +201,8 @@ def test_answer_window_is_buffered_and_decode_steps_do_not_retrace(monkeypatch):
     parent.seal()
     child = parent.fork(exact_new=1024)
     traces = []
-    real = attention._attend
-    monkeypatch.setattr(attention, "_attend", lambda *a: traces.append(1) or real(*a))
+    real = attend_fused.attend
+    monkeypatch.setattr(attend_fused, "attend", lambda *a: traces.append(1) or real(*a))
     mx.random.seed(1)
     for step in range(6):
         kn, vn = mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64))
@@ -210,7 +210,7 @@ def test_answer_window_is_buffered_and_decode_steps_do_not_retrace(monkeypatch):
         assert view.window[0].shape[2] == step + 1  # the valid tokens
         assert view.window_buffer[0].shape[2] == 256  # the buffer: grown in steps of 256
         q = mx.random.normal((1, 4, 1, 64))
-        got = attention._compiled_attention(q, view, 0.125, None)
+        got = attend_fused.compiled_attention(q, view, 0.125, None)
         n = len(traces)
         want = compressed_attention(q, view, scale=0.125, fused=False)
         del traces[n:]  # the blocked reference is not a trace

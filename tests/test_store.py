@@ -684,8 +684,9 @@ def test_checks_started_after_the_read_still_refuse_a_damaged_file(tiny_model, t
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x10
     path.write_bytes(bytes(data))
-    monkeypatch.setattr(fmt, "CHECKS", "after")
-    with pytest.raises(CacheCorrupt, match="fails its checksum"):
+    from longctx import config
+
+    with config.override(checks="after"), pytest.raises(CacheCorrupt, match="fails its checksum"):
         Store().load(entry)
 
 

@@ -9,7 +9,7 @@ Array names in a cache file, per layer i:
   ...: concatenated along the batch axis, B = 1), the compressed layers in order, when all of
   them share H_kv and D (else they stay per layer): a reader allocates and fills ~6 arrays
   instead of ~180 for 30 layers (on the H200, `mx.load` of an 8k-token file's layout 13.2 ->
-  8.8 ms, its first GPU use 2.2 -> 0.8 ms: `mxload_layouts_gpu.json`).
+  8.8 ms, its first GPU use 2.2 -> 0.8 ms: benchmarks/mxload_layouts.py).
 
 Sliding-window layers (mlx-lm's `RotatingKVCache`, e.g. Gemma-3's local layers) stay uncompressed
 whatever the preset: `{i}.k`, `{i}.v` (B, H_kv, min(T, window), D) float16, the newest tokens in
@@ -264,7 +264,6 @@ def to_mlx_lm(cache: list, affine_bits: int = 0) -> list:
     return out
 
 
-DECODE_ONCE_MAX_BYTES = 2 << 30  # LONGCTX_DECODE_ONCE_MAX_MB overrides
 
 
 def decode_once(cache: list, max_bytes: int | None = None) -> int:
@@ -274,7 +273,7 @@ def decode_once(cache: list, max_bytes: int | None = None) -> int:
     blocked path would decode the whole document again for every answer token (0.4 s per token
     for 1.4k tokens of SmolLM2-135M). The decoded arrays (fp32, rotated frame) live in memory
     only; the file and the packed arrays stay compressed. Skipped, leaving the blocked path,
-    when the decoded cache would exceed `max_bytes` (default DECODE_ONCE_MAX_BYTES, or the
+    when the decoded cache would exceed `max_bytes` (default: the setting `decode_once_max`, the
     environment's LONGCTX_DECODE_ONCE_MAX_MB).
 
     Returns:
@@ -288,8 +287,9 @@ def decode_once(cache: list, max_bytes: int | None = None) -> int:
     from longctx.kvcache.turbo import TurboQuantCache
 
     if max_bytes is None:
-        env = os.environ.get("LONGCTX_DECODE_ONCE_MAX_MB")
-        max_bytes = int(float(env) * 2**20) if env else DECODE_ONCE_MAX_BYTES
+        from longctx import config
+
+        max_bytes = config.get("decode_once_max")
     layers = [c for c in cache if isinstance(c, TurboQuantCache)]
     if sum(c.dense_prefix_bytes() for c in layers) > max_bytes:
         return 0

@@ -24,7 +24,7 @@ import mlx.core as mx
 from longctx.kvcache.turbo import CompressedKV
 
 
-def applies(kv: CompressedKV, mask, head_dim: int) -> bool:
+def applies(kv: CompressedKV, mask) -> bool:
     """Whether this path serves the view: a GPU backend, segments present, and a head dim the
     fused SDPA takes."""
     from longctx.kernels import backend
@@ -67,7 +67,7 @@ def _dense(codec, table, segments: list, head, after) -> mx.array:
 
 def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.array:
     """Softmax attention of `queries` (B, H_q, L_q, D) over the view, as `compressed_attention`."""
-    from longctx.kvcache.attention import kernel_table
+    from longctx.kvcache.attend_fused import kernel_table
 
     B, Hq, Lq, D = queries.shape
     Hkv = kv.value_mean.shape[1]

@@ -12,7 +12,7 @@ see their predecessor exactly; files hold those tokens compressed. An answering 
 (`kvcache.fork`) keeps more: its question and answer, up to `kvcache.ANSWER_EXACT` tokens. They also keep the first 4 tokens of the sequence
 exact, on disk too (`sink`, fp16): attention sinks draw a large share of every query's attention,
 so their key error shifts every distribution. On SmolLM2-135M's answer path (KL vs fp16, tq4) the
-window takes 0.071 to 0.038 nats and the sink then to 0.004 (benchmarks/results/kv_quality_*.json).
+window takes 0.071 to 0.038 nats and the sink then to 0.004 (benchmarks/kv_quality.py).
 
 The default is `tq4`: the measurements in the README show 3-bit values or keys (<= 3.6 bits per
 channel) cost this model too much quality.

@@ -31,11 +31,13 @@ def preload_openblas() -> str:
     """
     if not sys.platform.startswith("linux"):
         return "not-linux"
-    if os.environ.get("LONGCTX_NO_OPENBLAS") == "1":
+    from longctx import config
+
+    if config.get("no_openblas"):
         return "disabled"
     if "mlx.core" in sys.modules:
         return "already-imported"
-    paths = [os.environ["LONGCTX_OPENBLAS"]] if os.environ.get("LONGCTX_OPENBLAS") else []
+    paths = [config.get("openblas")] if config.get("openblas") else []
     for path in paths + list(_CANDIDATES):
         if os.path.exists(path):
             try:

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from longctx import config
 from longctx.errors import ConfigError, ModelError
 from longctx.paths import subdir
 from longctx.runtime import gguf_gemma
@@ -192,7 +193,7 @@ def with_rope_scale(spec: str | None, factor: float, kind: str = "ntk-by-parts")
         raise ConfigError(f"Unknown RoPE scaling '{kind}'; choose one of: {', '.join(ROPE_TYPES)}.")
     if not 1.0 < factor <= 64.0:
         raise ConfigError(f"The RoPE scale must be above 1 and at most 64, not {factor:g}.")
-    base = spec or os.environ.get("LONGCTX_MODEL") or DEFAULT_MODEL
+    base = spec or config.get("model") or DEFAULT_MODEL
     return f"{base.split(_ROPE_TAG)[0]}{_ROPE_TAG}{kind}:{factor:g}"
 
 
@@ -254,7 +255,7 @@ def resolve(spec: str | None = None, progress=None) -> ModelRef:
             `#rope=KIND:F` (see `with_rope_scale`).
         progress: `progress(done, total)` for a first-time GGUF import.
     """
-    spec = spec or os.environ.get("LONGCTX_MODEL") or DEFAULT_MODEL
+    spec = spec or config.get("model") or DEFAULT_MODEL
     if _ROPE_TAG in spec:
         base_spec, _, option = spec.partition(_ROPE_TAG)
         return _rope_ref(resolve(base_spec or None, progress), spec, option)

@@ -19,7 +19,9 @@ ENV = "LONGCTX_FAILPOINT"
 
 def failpoint(name: str) -> None:
     """Act as `$LONGCTX_FAILPOINT` says if it names this point; otherwise do nothing."""
-    spec = os.environ.get(ENV)
+    from longctx import config
+
+    spec = config.get("failpoint")
     if not spec:
         return
     point, _, action = spec.rpartition(":") if spec.count(":") > 1 else (spec, "", "")

@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from longctx import config
 from longctx.errors import CacheCorrupt, CacheFormatUnsupported, StoreError
 from longctx.store.failpoints import failpoint
 from longctx.units import human_bytes
@@ -64,8 +65,7 @@ _ZERO_SHA = "0" * 64
 # When `arrays_verifying` starts the checksum threads: "overlap" (before MLX reads the arrays,
 # the checks running alongside; any value but "after" means this) or "after" (once the arrays are
 # in: the checks then run while the caller computes, not against the reader; on the H200 no
-# steadier, restore_gpu_8k_checks.json). LONGCTX_CHECKS overrides.
-CHECKS = os.environ.get("LONGCTX_CHECKS", "overlap")
+# steadier; benchmarks/restore.py --checks): the setting `checks` (LONGCTX_CHECKS).
 
 # safetensors dtype -> (bytes per element, numpy dtype used to carry the bytes into MLX)
 DTYPES = {"BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"), "U16": (2, "uint16"),
@@ -391,7 +391,7 @@ class Reader:
         this very file through /dev/fd, after the header was validated here; its names, shapes
         and dtypes must match. The checksums cover the bytes as this reader reads them, from
         the same file."""
-        after = CHECKS == "after"
+        after = config.get("checks") == "after"
         pending = None if after else self.checksums_running()
         try:
             out = self._load_mlx()
@@ -411,7 +411,7 @@ class Reader:
             # no /dev/fd: read each array into numpy, then copy it into MLX, one at a time (reading
             # on 8 threads first was slower on the CPU and, holding every buffer at once, took
             # twice the memory; on the H200 that route took 0.170 s to a first token at 8k where
-            # MLX's reader took 0.068 s: restore_gpu_8k_readers.json)
+            # MLX's reader took 0.068 s: benchmarks/restore.py --readers)
             out = {}
             for t in tensors.values():
                 arr = mx.array(self._read(t).view(np.dtype(DTYPES[t.dtype][1])).reshape(t.shape))

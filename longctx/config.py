@@ -1,0 +1,133 @@
+"""Every `LONGCTX_*` setting in one place: name, type, default and one line of doc.
+
+Nothing else in longctx reads the environment for its own settings. `get(key)` reads the variable
+when it is asked for (so a user or a test may change it after import), parses it to its type and
+refuses a bad value with a `ConfigError` naming the variable. `override(**values)` sets values for
+a block (tests and benchmarks compare paths with it). docs/configuration.md holds the same table.
+This module imports only the standard library: `longctx/__init__` consults it before mlx loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Setting:
+    env: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+def _flag(raw: str) -> bool:
+    if raw.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected 0 or 1")
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return raw
+    return parse
+
+
+def _megabytes(raw: str) -> int:
+    value = float(raw)
+    if value < 0:
+        raise ValueError("expected a size in MiB >= 0")
+    return int(value * 2**20)
+
+
+def _count(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("expected an integer >= 0")
+    return value
+
+
+SETTINGS: dict[str, Setting] = {
+    "home": Setting("LONGCTX_HOME", str, None,
+                    "data directory (default ~/.cache/longctx, ~/Library/Caches/longctx on macOS)"),
+    "model": Setting("LONGCTX_MODEL", str, None,
+                     "default model: mlx-lm directory, .gguf file or Hugging Face id (default "
+                     "the embedded SmolLM2-135M-Instruct)"),
+    "fused_max_lq": Setting("LONGCTX_FUSED_MAX_LQ", _count, 64,
+                            "GPU: query tokens up to which compressed attention takes the fused "
+                            "decode-attend kernel (more: dequantize + SDPA)"),
+    "compile": Setting("LONGCTX_COMPILE", _choice("0", "1", "question"), "1",
+                       "GPU: run the fused attention path under mx.compile: always (1), for "
+                       "questions only, or never (0)"),
+    "dense_gpu": Setting("LONGCTX_DENSE_GPU", _flag, True,
+                         "GPU: prefill chunks dequantize the cache and run fp16 SDPA (0: the "
+                         "blocked MLX path)"),
+    "decode_once_max": Setting("LONGCTX_DECODE_ONCE_MAX_MB", _megabytes, 2 * 2**30,
+                               "CPU: most memory (MiB) for decoding a restored prefix once into "
+                               "fp32 (larger: the slower blocked path)"),
+    "checks": Setting("LONGCTX_CHECKS", _choice("overlap", "after"), "overlap",
+                      "restore: run the sha256 checks while MLX reads the file (overlap) or "
+                      "after it"),
+    "openblas": Setting("LONGCTX_OPENBLAS", str, None,
+                        "Linux CPU: path of the OpenBLAS library to preload (default: the "
+                        "distribution's)"),
+    "no_openblas": Setting("LONGCTX_NO_OPENBLAS", _flag, False,
+                           "Linux CPU: do not preload OpenBLAS (MLX's reference BLAS: slow)"),
+    "failpoint": Setting("LONGCTX_FAILPOINT", str, None,
+                         "tests only: a named crash point, <point>[:kill, :stop or :enospc]"),
+}
+
+_OVERRIDES: dict[str, Any] = {}
+
+
+def get(key: str) -> Any:
+    """The current value of setting `key` (a key of `SETTINGS`).
+
+    Raises:
+        ConfigError: the variable is set to a value its type refuses.
+    """
+    if key in _OVERRIDES:
+        return _OVERRIDES[key]
+    s = SETTINGS[key]
+    raw = os.environ.get(s.env)
+    if raw is None or (raw == "" and s.parse is str):
+        return s.default
+    try:
+        return s.parse(raw)
+    except ValueError as err:
+        from longctx.errors import ConfigError
+
+        raise ConfigError(f"{s.env}={raw!r} is not valid ({err}); unset it or fix it.") from None
+
+
+@contextlib.contextmanager
+def override(**values):
+    """Set settings for the block (keys of `SETTINGS`), whatever the environment says."""
+    unknown = set(values) - set(SETTINGS)
+    if unknown:
+        raise KeyError(f"unknown settings: {sorted(unknown)}")
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.update(values)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
+
+
+def table() -> str:
+    """The settings as a markdown table (docs/configuration.md is this, checked by a test)."""
+    rows = ["| variable | default | what it sets |", "|---|---|---|"]
+    for s in SETTINGS.values():
+        default = {None: "-", True: "1", False: "0"}.get(s.default, s.default) \
+            if not isinstance(s.default, int) or isinstance(s.default, bool) else s.default
+        if s.env == "LONGCTX_DECODE_ONCE_MAX_MB":
+            default = s.default // 2**20
+        rows.append(f"| `{s.env}` | {default} | {s.doc} |")
+    return "\n".join(rows)
