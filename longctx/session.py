@@ -146,7 +146,7 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
             import mlx.core as mx
 
             arrays["tokens"] = mx.array(p.tokens, dtype=mx.int32)
-            heads = [_cache_heads(c) for c in cache]
+            heads = [kvcache.cache_heads(c) for c in cache]
             entry = Entry(
                 id=p.entry_id, name=p.document.name, path=str(Path(path).resolve()),
                 document_sha256=p.document.sha256, kind=p.document.kind, pages=p.document.pages,
@@ -169,18 +169,6 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
                                 empty_pages=empty)
     finally:
         store.close()
-
-
-def _cache_heads(c) -> int:
-    """The KV head count a filled per-layer cache holds."""
-    from mlx_lm.models.cache import QuantizedKVCache
-
-    from longctx.kvcache.turbo import TurboQuantCache
-
-    if isinstance(c, TurboQuantCache):
-        return int(c.means[0].shape[1])
-    keys = c.keys[0] if isinstance(c, QuantizedKVCache) else c.keys
-    return int(keys.shape[1])
 
 
 def _check_same_model(entry: Entry, ref: models.ModelRef) -> None:
@@ -322,15 +310,15 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
                 f"{lm.context_length:,}-token context are left after '{entry.name}'; shorten the "
                 "question.")
         max_tokens = min(max_tokens, room - len(suffix))
-        for piece in engine.generate(lm.model, lm.tokenizer, suffix, kvcache.fork(cache),
-                                     max_tokens=max_tokens, temperature=temperature, seed=seed):
+        stream = engine.generate(lm.model, lm.tokenizer, suffix, kvcache.fork(cache),
+                                 max_tokens=max_tokens, temperature=temperature, seed=seed)
+        for piece in pending.guard(stream):  # shown only once every checksum has passed
             if not answer.text:
-                pending.wait()  # nothing computed from an unverified cache is shown
                 answer.first_token_seconds = time.perf_counter() - start
             answer.text += piece
             yield piece
     finally:
-        pending.wait()  # an empty answer, or an error, still reports a damaged cache
+        pending.wait()  # an error before the answer starts still reports a damaged cache
 
 
 EXPORT_KV = {"fp16": 0, "affine8": 8, "affine4": 4}

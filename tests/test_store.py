@@ -701,3 +701,32 @@ def test_a_stacked_array_of_the_wrong_layer_count_is_refused(tiny_model, text_do
         Store().load(entry)
     with pytest.raises(ValueError, match="does not stack"):
         kvcache.split_layers({"turbo.k.mu": mx.zeros((4, 1, 1, 8))}, [0, 1, 2])
+
+
+def test_guard_shows_nothing_before_the_checks_pass_and_checks_at_the_end():
+    from longctx.store.format import PendingChecksums
+
+    class Failing:
+        waits = 0
+
+        def wait(self):
+            self.waits += 1
+            raise CacheCorrupt("array 'x' fails its checksum")
+
+    produced = []
+
+    def pieces():
+        for p in ("a", "b"):
+            produced.append(p)
+            yield p
+
+    fail = Failing()
+    shown = []
+    with pytest.raises(CacheCorrupt):
+        for piece in PendingChecksums.guard(fail, pieces()):
+            shown.append(piece)
+    assert shown == [] and produced == ["a"]  # computed, never shown
+    empty = Failing()
+    with pytest.raises(CacheCorrupt):
+        list(PendingChecksums.guard(empty, iter(())))  # no piece at all: still checked
+    assert empty.waits == 1

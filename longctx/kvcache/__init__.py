@@ -26,7 +26,6 @@ from longctx.kvcache.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset
 __all__ = ["ANSWER_EXACT", "DEFAULT_PRESET", "PRESETS", "Preset", "get_preset", "make", "to_arrays", "from_arrays",
            "split_layers", "fork", "head_dims", "kv_heads", "seal", "to_mlx_lm", "windows", "window_config"]
 
-_AFFINE_PARTS = ("w", "s", "b")
 STACKED_PARTS = ("mu", "sink", "norm", "rnorm")  # per compressed layer, stacked across layers
 STACK_PREFIX = "turbo."
 
@@ -113,30 +112,6 @@ def window_config(cache: list) -> dict:
     return {"windows": w} if any(w) else {}
 
 
-def _rotating_tokens(c) -> tuple:
-    """A RotatingKVCache's live tokens in temporal order: the `keep` first, then the newest."""
-    import mlx.core as mx
-
-    keys, values = c._temporal_order(c.keys), c._temporal_order(c.values)  # (B, H, L, D)
-    n = min(c.offset, c.max_size)
-    if keys.shape[2] > n:
-        tail = n - c.keep
-        keys = mx.concatenate([keys[..., : c.keep, :], keys[..., keys.shape[2] - tail :, :]], axis=2)
-        values = mx.concatenate([values[..., : c.keep, :], values[..., values.shape[2] - tail :, :]], axis=2)
-    return keys, values
-
-
-def _rotating(c, keys, values, offset: int):
-    """A RotatingKVCache like `c` (window, keep) holding `keys`/`values` as its newest tokens."""
-    from mlx_lm.models.cache import RotatingKVCache
-
-    f = RotatingKVCache(max_size=c.max_size, keep=c.keep)
-    if keys is not None:
-        f.keys, f.values = keys[..., :, :], values[..., :, :]  # own objects: writes stay here
-        f.offset, f._idx = offset, keys.shape[2]
-    return f
-
-
 def seal(cache: list) -> None:
     """Compress every compressed layer's uncompressed window (what a persisted cache holds)."""
     from longctx.kvcache.turbo import TurboQuantCache
@@ -147,32 +122,19 @@ def seal(cache: list) -> None:
 
 
 def to_arrays(cache: list, preset: Preset) -> dict:
-    """Flatten a filled cache into named arrays for the store (see the module docstring)."""
+    """Flatten a filled cache into named arrays for the store (see the module docstring); each
+    layer's kind writes its own (`kvcache.kinds`)."""
     import mlx.core as mx
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-    from longctx.kvcache.turbo import TurboQuantCache
+    from longctx.kvcache.kinds import Compressed, kind_of
 
     arrays = {}
     for i, c in enumerate(cache):
-        n = c.offset
-        if type(c) is KVCache:
-            keys, values = c.state[0], c.state[1]
-            arrays[f"{i}.k"] = keys[..., :n, :].astype(mx.float16)  # (B, H, L, D)
-            arrays[f"{i}.v"] = values[..., :n, :].astype(mx.float16)
-        elif type(c) is QuantizedKVCache:
-            for tag, parts in (("k", c.keys), ("v", c.values)):
-                for part, arr in zip(_AFFINE_PARTS, parts):
-                    arrays[f"{i}.{tag}.{part}"] = arr[..., :n, :]
-        elif isinstance(c, TurboQuantCache):
-            c.seal()
-            arrays.update({f"{i}.{k}": v for k, v in c.arrays().items()})
-        elif type(c) is RotatingKVCache and c.keys is not None:
-            keys, values = _rotating_tokens(c)
-            arrays[f"{i}.k"], arrays[f"{i}.v"] = keys.astype(mx.float16), values.astype(mx.float16)
-        else:
+        kind = kind_of(c)
+        if kind is None:
             raise ConfigError(f"Layer {i} uses a {type(c).__name__} cache, which cannot be persisted yet.")
-    turbo = [i for i, c in enumerate(cache) if isinstance(c, TurboQuantCache) and c.means is not None]
+        arrays.update(kind.to_arrays(c, i))
+    turbo = [i for i, c in enumerate(cache) if isinstance(kind_of(c), Compressed) and c.means is not None]
     mu = [cache[i].means[0].shape for i in turbo]  # (B, H_kv, 1, D)
     if stackable([(shape[1], shape[3]) for shape in mu]):  # along the batch axis (B = 1)
         stack_parts(arrays, turbo, lambda parts: mx.concatenate(parts, axis=0))
@@ -200,70 +162,44 @@ def split_layers(arrays: dict, turbo_layers: list[int]) -> dict[str, dict]:
 
 
 def from_arrays(arrays: dict, model, preset: Preset, dtype) -> list:
-    """Rebuild per-layer caches from `to_arrays` output; fp16 arrays become `dtype`.
+    """Rebuild per-layer caches from `to_arrays` output; fp16 arrays become `dtype`. Each layer
+    is rebuilt by the kind of cache the model and preset ask for (`kvcache.kinds`).
 
     Sliding-window layers need the prefix length: `arrays["tokens"]` (as the store keeps it)."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
-
-    from longctx.kvcache.turbo import TurboQuantCache
+    from longctx.kvcache.kinds import Compressed, kind_of
 
     template = make(model, preset)
-    dims = head_dims(model)
-    per_layer = split_layers(arrays, [i for i, c in enumerate(template) if isinstance(c, TurboQuantCache)])
-    out = []
-    for i, c in enumerate(template):
-        if type(c) is KVCache:
-            keys, values = arrays[f"{i}.k"], arrays[f"{i}.v"]
-            c.state = (keys.astype(dtype), values.astype(dtype), keys.shape[2])
-        elif type(c) is QuantizedKVCache:
-            k = tuple(arrays[f"{i}.k.{p}"] for p in _AFFINE_PARTS)
-            v = tuple(arrays[f"{i}.v.{p}"] for p in _AFFINE_PARTS)
-            c.keys, c.values, c.offset = k, v, k[0].shape[2]
-        elif isinstance(c, TurboQuantCache):
-            c = TurboQuantCache.from_arrays(preset, i, per_layer.get(str(i), {}), dims[i])
-        elif type(c) is RotatingKVCache:
-            keys, values = arrays[f"{i}.k"], arrays[f"{i}.v"]
-            c = _rotating(c, keys.astype(dtype), values.astype(dtype), int(arrays["tokens"].shape[0]))
-        out.append(c)
-    return out
+    kinds = [kind_of(c) for c in template]
+    per_layer = split_layers(arrays, [i for i, k in enumerate(kinds) if isinstance(k, Compressed)])
+    ctx = {"preset": preset, "head_dims": head_dims(model), "dtype": dtype,
+           "tokens": int(arrays["tokens"].shape[0]) if "tokens" in arrays else 0}
+    return [kind.from_arrays(c, i, arrays, per_layer.get(str(i), {}), ctx)
+            for i, (c, kind) in enumerate(zip(template, kinds))]
 
 
 def to_mlx_lm(cache: list, affine_bits: int = 0) -> list:
     """Stock mlx-lm caches holding the same tokens: `KVCache` in fp16, or `QuantizedKVCache`.
 
     Compressed layers are decoded; affine layers are dequantized first. `affine_bits` (4 or 8)
-    re-quantizes with mlx-lm's own `to_quantized` (group 64, or 32 for small head dims).
+    re-quantizes with mlx-lm's own `to_quantized` (group 64, or 32 for small head dims);
+    sliding-window layers stay rotating fp16 caches.
     """
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
-
-    from longctx.kvcache.turbo import TurboQuantCache
+    from longctx.kvcache.kinds import kind_of
 
     out = []
     for i, c in enumerate(cache):
-        n = c.offset
-        if type(c) is KVCache:
-            keys, values = c.state[0][..., :n, :], c.state[1][..., :n, :]
-        elif type(c) is QuantizedKVCache:
-            keys, values = (mx.dequantize(*(a[..., :n, :] for a in parts), group_size=c.group_size,
-                                          bits=c.bits) for parts in (c.keys, c.values))
-        elif isinstance(c, TurboQuantCache):
-            keys, values = c.dense()
-        elif type(c) is RotatingKVCache:  # stays a rotating fp16 cache (mlx-lm cannot quantize it)
-            keys, values = _rotating_tokens(c)
-            out.append(_rotating(c, keys.astype(mx.float16), values.astype(mx.float16), n))
-            continue
-        else:
+        kind = kind_of(c)
+        if kind is None:
             raise ConfigError(f"Layer {i} uses a {type(c).__name__} cache, which cannot be exported yet.")
-        stock = KVCache()
-        stock.state = (keys.astype(mx.float16), values.astype(mx.float16), n)
-        if affine_bits:
-            group = 64 if keys.shape[-1] % 64 == 0 else 32
-            stock = stock.to_quantized(group_size=group, bits=affine_bits)
-        out.append(stock)
+        out.append(kind.stock(c, affine_bits))
     return out
 
 
+def cache_heads(c) -> int:
+    """The KV head count a filled per-layer cache holds."""
+    from longctx.kvcache.kinds import kind_of
+
+    return kind_of(c).heads(c)
 
 
 def decode_once(cache: list, max_bytes: int | None = None) -> int:
@@ -322,26 +258,12 @@ def fork(cache: list, exact_new: int = ANSWER_EXACT) -> list:
     quality, since a question's and an answer's own tokens draw much of their attention.
     Memory: exact_new x H_kv x D x 8 bytes per layer (SmolLM2-135M: 46 MiB at 1024 tokens).
     """
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
-
-    from longctx.kvcache.turbo import TurboQuantCache
+    from longctx.kvcache.kinds import kind_of
 
     out = []
     for c in cache:
-        n = c.offset
-        if type(c) is KVCache:
-            f = KVCache()
-            f.state = (c.state[0][..., :n, :], c.state[1][..., :n, :], n)
-        elif type(c) is QuantizedKVCache:
-            f = QuantizedKVCache(group_size=c.group_size, bits=c.bits)
-            f.keys = tuple(a[..., :n, :] for a in c.keys)
-            f.values = tuple(a[..., :n, :] for a in c.values)
-            f.offset = n
-        elif isinstance(c, TurboQuantCache):
-            f = c.fork(exact_new)
-        elif type(c) is RotatingKVCache:
-            f = _rotating(c, None, None, 0) if c.keys is None else _rotating(c, *_rotating_tokens(c), n)
-        else:
+        kind = kind_of(c)
+        if kind is None:
             raise ConfigError(f"A {type(c).__name__} cache cannot be forked yet.")
-        out.append(f)
+        out.append(kind.fork(c, exact_new))
     return out

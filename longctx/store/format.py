@@ -535,6 +535,25 @@ class PendingChecksums:
         pool.shutdown(wait=True, cancel_futures=True)
         os.close(fd)
 
+    def guard(self, pieces):
+        """Yield from `pieces` (e.g. the streamed answer computed from the arrays these checksums
+        cover), showing nothing before every check has passed, and checking at the end whatever
+        happens (no piece, an error, an abandoned stream): the one place the rule lives that no
+        text computed from an unverified cache reaches the user.
+
+        Raises:
+            CacheCorrupt: a check failed (before the first piece, or at the end).
+        """
+        try:
+            first = True
+            for piece in pieces:
+                if first:
+                    self.wait()
+                    first = False
+                yield piece
+        finally:
+            self.wait()
+
     def wait(self) -> None:
         """Block until every checksum is checked; raise CacheCorrupt if any failed or the file
         changed (every call does, once one has). Interrupted, the checks stop and every later
