@@ -17,8 +17,6 @@ correction into the dense keys (it is linear in the query; `VectorCodec.scoring_
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 
 from longctx.kvcache.turbo import CompressedKV
@@ -38,13 +36,6 @@ def _rotated(codec, x: mx.array | None) -> mx.array | None:
     return None if x is None else codec.rotate(x.astype(mx.float32)).astype(mx.float16)
 
 
-def _qjl_fold(codec, enc: dict) -> mx.array:
-    """The QJL correction as a key offset: q . (c * rnorm * S^T signs) = c * rnorm * <S q, signs>."""
-    c = math.sqrt(math.pi / 2) / codec.qjl.m
-    signs = codec.qjl.signs(enc["qjl"]) * (c * enc["rnorm"].astype(mx.float32))[..., None]
-    return signs @ codec.qjl.projection  # (B, H, L, P)
-
-
 def _dense(codec, table, segments: list, head, after) -> mx.array:
     """All rows of one side (keys or values) as (B, H, N, P) fp16 in the rotated frame."""
     from longctx.kernels.dequant import dequant
@@ -57,7 +48,7 @@ def _dense(codec, table, segments: list, head, after) -> mx.array:
         rows = dequant(enc, table, bits=spec.bits, bits2=bits2, p=codec.padded_dim,
                        head=head if first else None, after=after if last else None)
         if codec.qjl is not None:
-            fold = _qjl_fold(codec, enc)
+            fold = codec.qjl_key_offset(enc)  # (B, H, L, P)
             pad = [(0, 0), (0, 0), (head.shape[2] if first and head is not None else 0,
                                     after.shape[2] if last and after is not None else 0), (0, 0)]
             rows = (rows.astype(mx.float32) + mx.pad(fold, pad)).astype(mx.float16)

@@ -17,12 +17,9 @@ import dis
 import functools
 
 from longctx.errors import UnsupportedModel
+from longctx.kvcache import _attention
 
 _SDPA = "scaled_dot_product_attention"
-
-
-def _attention(layer):
-    return getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
 
 
 @functools.lru_cache(maxsize=64)

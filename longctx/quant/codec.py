@@ -200,14 +200,22 @@ class VectorCodec:
         enc, head = job["enc"], job["head"]
         out = mx.array(rows)
         if self.qjl is not None:
-            # <q, r> ~ scale * rnorm * <S q, signs> = q . (scale * rnorm * S^T signs)
-            scale = math.sqrt(math.pi / 2) / self.qjl.m
-            signs = self.qjl.signs(enc["qjl"]) * (scale * enc["rnorm"].astype(mx.float32))[..., None]
-            corr = signs @ self.qjl.projection
+            corr = self.qjl_key_offset(enc)
             if head is not None:
                 corr = mx.pad(corr, [(0, 0)] * (corr.ndim - 2) + [(head.shape[-2], 0), (0, 0)])
             out = out + corr
         return out
+
+    def qjl_key_offset(self, enc: dict[str, mx.array]) -> mx.array:
+        """The QJL correction folded into the keys (it is linear in the query):
+        <q, r> ~ c * rnorm * <S q, signs> = q . (c * rnorm * S^T signs), c = sqrt(pi/2) / m.
+
+        Returns:
+            (..., L, padded_dim) float32, to add to `decode_rotated(enc)`.
+        """
+        scale = math.sqrt(math.pi / 2) / self.qjl.m
+        signs = self.qjl.signs(enc["qjl"]) * (scale * enc["rnorm"].astype(mx.float32))[..., None]
+        return signs @ self.qjl.projection
 
     def qjl_project(self, q_rot: mx.array) -> mx.array:
         """Project rotated queries once for `qjl_correction`: (..., Lq, P) -> (..., Lq, m)."""
