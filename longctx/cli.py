@@ -146,45 +146,47 @@ def _warn_empty_pages(name: str, empty: tuple[int, ...], pages: int) -> None:
 
 
 @app.command()
-def ingest(file: str = typer.Argument(..., help="PDF, text or markdown file."),
+def ingest(files: list[str] = typer.Argument(..., help="PDF, text or markdown files, or directories of them."),
+           name: Optional[str] = typer.Option(None, "--name", "-n", help="Ingest the files as one collection of this name."),
            model: Optional[str] = ModelOpt,
            kv: str = typer.Option(DEFAULT_PRESET, "--kv", help="KV cache preset: fp16, affine8, affine4, tq4, tq4k3v, tq3, tq3+qjl, rvq2+2, tq5k4v."),
-           dry_run: bool = typer.Option(False, "--dry-run", help="Show pages, tokens and cache size; write nothing."),
+           dry_run: bool = typer.Option(False, "--dry-run", help="Show pages, tokens, segments, cache size and memory; write nothing."),
            force: bool = typer.Option(False, "--force", help="Rebuild the cache even if it exists."),
            password: Optional[str] = typer.Option(None, "--password", help="Password of an encrypted PDF."),
            rope_scale: Optional[float] = RopeScaleOpt,
            rope_type: str = RopeTypeOpt,
            as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout.")):
-    """Read a document, prefill it once through the model and persist its KV cache."""
-    from longctx import session
+    """Read documents, prefill them once through the model and persist their KV cache.
+
+    A document longer than the model's context is split into segments (one cache each); `ask`
+    then answers from the segments that match the question."""
+    from longctx import multidoc
 
     with _boundary():
         model = _rope_model(model, rope_scale, rope_type)
         if dry_run:
-            p = session.plan(file, model, kv, password)
-            _warn_empty_pages(p.document.name, p.document.empty_pages, p.document.pages)
-            info = {"document": p.document.name, "pages": p.document.pages,
-                    "estimated_tokens": p.estimated_tokens, "tokens": len(p.tokens),
-                    "model": p.model.model_id, "context_length": p.context_length,
-                    "fits": len(p.tokens) + session.ANSWER_RESERVE <= p.context_length,
-                    "kv_preset": p.preset.name, "estimated_cache_bytes": p.estimated_cache_bytes,
-                    "entry_id": p.entry_id}
+            info = multidoc.dry_run(files, name, model, kv, password)
+            for fname, empty in info.pop("_empty_pages", {}).items():
+                _warn_empty_pages(fname, tuple(empty[1]), empty[0])
             if as_json:
                 out.print_json(json.dumps(info))
             else:
                 for k, v in info.items():
                     shown = human_bytes(v) if k.endswith("bytes") else (f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else v)
-                    err.print(f"{k:>22}: {shown}")
+                    err.print(f"{k:>22}: {escape(str(shown))}", highlight=False)
             return
         with _bar("prefill", "tok") as update:
-            result = session.ingest(file, model, kv, force=force, password=password, progress=update)
-        e = result.entry
-        _warn_empty_pages(e.name, result.empty_pages, e.pages)
+            result = multidoc.ingest_files(files, name, model, kv, force=force, password=password, progress=update)
+        e = result.target
+        for fname, empty in (result.empty_pages or {}).items():
+            _warn_empty_pages(fname, empty, 0)
+        n_seg = len(getattr(e, "segments", ()) or ())
+        what = f" in {n_seg} segments" if n_seg > 1 else ""
         if result.reused:
-            err.print(f"[green]cached[/green] {escape(e.name)}: {e.tokens:,} tokens already ingested as {e.id} (use --force to rebuild)")
+            err.print(f"[green]cached[/green] {escape(e.name)}: {e.tokens:,} tokens{what} already ingested as {e.id} (use --force to rebuild)")
         else:
             s = result.stats
-            err.print(f"[green]ingested[/green] {escape(e.name)} as {e.id}: {e.tokens:,} tokens in {s.seconds:.1f} s "
+            err.print(f"[green]ingested[/green] {escape(e.name)} as {e.id}: {e.tokens:,} tokens{what} in {s.seconds:.1f} s "
                       f"({s.tokens_per_second:,.0f} tok/s), peak memory {human_bytes(s.peak_bytes)}, "
                       f"cache {human_bytes(e.bytes)} ({e.bytes_per_token:,.0f} B/token)")
         if as_json:
@@ -198,23 +200,30 @@ def ask(question: str = typer.Argument(..., help="The question."),
         max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="Most answer tokens."),
         temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0 = greedy)."),
         seed: Optional[int] = typer.Option(None, "--seed", help="Sampler seed."),
+        ranker: Optional[str] = typer.Option(None, "--ranker", help="Segmented documents: choose segments by bm25 or model (default: LONGCTX_RANKER)."),
+        segments: int = typer.Option(1, "--segments", min=1, help="Segmented documents: answer from this many best segments, keep the surest answer."),
         as_json: bool = typer.Option(False, "--json", help="Print answer and timings as JSON.")):
     """Answer a question from a stored document's cache, streaming to stdout."""
     from longctx import session
 
     with _boundary():
         answer = session.Answer()
-        for piece in session.ask(question, doc, model, max_tokens, temp, seed, answer=answer):
+        for piece in session.ask(question, doc, model, max_tokens, temp, seed, answer=answer,
+                                 ranker=ranker, segments=segments):
             if not as_json:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
+        name = answer.group.name if answer.group is not None else answer.entry.name
         if as_json:
-            out.print_json(json.dumps({"answer": answer.text, "document": answer.entry.name,
-                                       "id": answer.entry.id, "restore_seconds": answer.restore_seconds,
+            out.print_json(json.dumps({"answer": answer.text, "document": name,
+                                       "id": (answer.group or answer.entry).id, "sources": answer.sources,
+                                       "segment": answer.entry.segment, "ranking": answer.ranking,
+                                       "restore_seconds": answer.restore_seconds,
                                        "first_token_seconds": answer.first_token_seconds}))
         else:
             sys.stdout.write("\n")
-            err.print(f"[dim]{escape(answer.entry.name)}: restored in {answer.restore_seconds:.2f} s, "
+            source = f" (from {', '.join(answer.sources)})" if answer.sources else ""
+            err.print(f"[dim]{escape(name)}{escape(source)}: restored in {answer.restore_seconds:.2f} s, "
                       f"first token after {answer.first_token_seconds:.2f} s[/dim]")
 
 
@@ -274,8 +283,15 @@ def info(doc: Optional[str] = typer.Argument(None, help="Document name or id (de
         if as_json:
             out.print_json(json.dumps(data))
             return
+        listed = data.pop("segments", None)
+        files = data.pop("files", None)
         for k, v in data.items():
             out.print(f"{k:>18}: {human_bytes(v) if k == 'bytes' else escape(str(v))}", highlight=False)
+        for f in files or ():
+            out.print(f"{'file':>18}: {escape(f['name'])} ({f['kind']}, {f['pages']} pages)", highlight=False)
+        for i, sg in enumerate(listed or ()):
+            out.print(f"{'segment ' + str(i + 1):>18}: {sg['id']}  {sg['tokens']:>7,} tok  {escape(sg['label'])}",
+                      highlight=False)
 
 
 @app.command()

@@ -79,6 +79,12 @@ SETTINGS: dict[str, Setting] = {
                         "distribution's)"),
     "no_openblas": Setting("LONGCTX_NO_OPENBLAS", _flag, False,
                            "Linux CPU: do not preload OpenBLAS (MLX's reference BLAS: slow)"),
+    "segment_tokens": Setting("LONGCTX_SEGMENT_TOKENS", _count, 0,
+                              "most prompt tokens of one segment of a long document or "
+                              "collection (0: the model's context less the answer reserve)"),
+    "ranker": Setting("LONGCTX_RANKER", _choice("bm25", "model"), "bm25",
+                      "how `ask` picks the segments of a long document: lexical (bm25) or the "
+                      "model's question likelihood over BM25's best 4 (model)"),
     "failpoint": Setting("LONGCTX_FAILPOINT", str, None,
                          "tests only: a named crash point, <point>[:kill, :stop or :enospc]"),
 }

@@ -27,6 +27,10 @@ class ContextLengthError(LongctxError):
     """The prompt does not fit the model's context window."""
 
 
+class ResourceError(LongctxError):
+    """The machine lacks the memory the work needs (told before the work starts)."""
+
+
 class StoreError(LongctxError):
     """The cache store is unusable (permissions, disk full, locking)."""
 

@@ -40,7 +40,11 @@ class Plan:
 
     @property
     def estimated_cache_bytes(self) -> int:
-        return self.bytes_per_token * len(self.tokens)
+        """The cache file's size (exact but for a few header bytes; `longctx.estimate`)."""
+        from longctx import estimate
+
+        return estimate.for_ingest(self.model, self.preset, [len(self.tokens)], self.document.name,
+                                   engine.DEFAULT_CHUNK)["cache_bytes"]
 
 
 @dataclass
@@ -60,6 +64,9 @@ class Answer:
     first_token_seconds: float = 0.0
     tokens: list[int] = field(default_factory=list)
     text: str = ""
+    group: object = None  # the multidoc.Group answered from, if the document is segmented
+    sources: list[str] = field(default_factory=list)  # where the answer came from ("a.pdf p. 3")
+    ranking: list[int] = field(default_factory=list)  # segment indices, best first
 
 
 def _fp16_bytes_per_token(config: dict) -> int:
@@ -122,8 +129,11 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
         progress: `progress(done_tokens, total_tokens)` during prefill.
         chunk: prefill chunk size in tokens.
     """
+    from longctx import estimate
+
     p = plan(path, model, preset, password)
     _check_fits(p.document.name, len(p.tokens), p.context_length, ANSWER_RESERVE)
+    estimate.check(p.model, p.preset, [len(p.tokens)], p.document.name, chunk)
     empty = p.document.empty_pages
     store = Store()
     try:
@@ -135,40 +145,52 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
                 return IngestResult(existing, reused=True, empty_pages=empty)
             failpoint("ingest:locked")
             lm = models.load(p.model)
-            dims = kvcache.head_dims(lm.model)
-            bpc = bits_per_channel(p.preset, dims[0], len(p.tokens))
-            store.check_free_space(int(p.estimated_cache_bytes * bpc / 16),
-                                   f"the cache of '{p.document.name}'")
-            cache = kvcache.make(lm.model, p.preset)
-            stats = engine.prefill(lm.model, p.tokens, cache, chunk=chunk, progress=progress)
-            failpoint("ingest:prefilled")
-            arrays = kvcache.to_arrays(cache, p.preset)
-            import mlx.core as mx
-
-            arrays["tokens"] = mx.array(p.tokens, dtype=mx.int32)
-            heads = [kvcache.cache_heads(c) for c in cache]
-            entry = Entry(
-                id=p.entry_id, name=p.document.name, path=str(Path(path).resolve()),
-                document_sha256=p.document.sha256, kind=p.document.kind, pages=p.document.pages,
-                tokens=len(p.tokens), model_id=p.model.model_id,
-                model_spec=p.model.spec,
-                weights_sha256=p.model.weights_sha256, tokenizer_sha256=p.model.tokenizer_sha256,
-                kv_preset=p.preset.name, file=f"{p.entry_id}.safetensors", bytes=0, created=0.0,
-                prefill_seconds=stats.seconds,
-                bits_per_channel=round(bpc, 4), question_suffix=p.question_suffix,
-            )
-            metadata = {
-                "model_id": p.model.model_id, "weights_sha256": p.model.weights_sha256,
-                "tokenizer_sha256": p.model.tokenizer_sha256, "document_sha256": p.document.sha256,
-                "tokens": str(len(p.tokens)),
-                "kv_config": json.dumps({**p.preset.to_json(), "head_dims": dims, "kv_heads": heads,
-                                         **kvcache.window_config(cache)}),
-                "document_name": p.document.name,
-            }
-            return IngestResult(store.save(entry, arrays, metadata), reused=False, stats=stats,
-                                empty_pages=empty)
+            entry, stats = build_entry(
+                store, lm, p.preset, p.tokens, p.entry_id, fp16_bytes_per_token=p.bytes_per_token,
+                name=p.document.name, path=str(Path(path).resolve()),
+                document_sha256=p.document.sha256, kind=p.document.kind,
+                pages=p.document.pages, question_suffix=p.question_suffix,
+                progress=progress, chunk=chunk)
+            return IngestResult(entry, reused=False, stats=stats, empty_pages=empty)
     finally:
         store.close()
+
+
+def build_entry(store: Store, lm: models.LoadedModel, preset: kvcache.Preset, tokens: list[int],
+                eid: str, *, fp16_bytes_per_token: int, name: str, path: str,
+                document_sha256: str, kind: str, pages: int, question_suffix: str = "",
+                progress: Progress | None = None, chunk: int = engine.DEFAULT_CHUNK,
+                group: str = "", segment: int = -1) -> tuple[Entry, engine.PrefillStats]:
+    """Prefill `tokens` into a new cache and save it as entry `eid` (hold `store.lock(eid)`)."""
+    import mlx.core as mx
+
+    dims = kvcache.head_dims(lm.model)
+    bpc = bits_per_channel(preset, dims[0], len(tokens))
+    store.check_free_space(int(fp16_bytes_per_token * len(tokens) * bpc / 16),
+                           f"the cache of '{name}'")
+    cache = kvcache.make(lm.model, preset)
+    stats = engine.prefill(lm.model, tokens, cache, chunk=chunk, progress=progress)
+    failpoint("ingest:prefilled")
+    arrays = kvcache.to_arrays(cache, preset)
+    arrays["tokens"] = mx.array(tokens, dtype=mx.int32)
+    heads = [kvcache.cache_heads(c) for c in cache]
+    entry = Entry(
+        id=eid, name=name, path=path, document_sha256=document_sha256, kind=kind, pages=pages,
+        tokens=len(tokens), model_id=lm.ref.model_id, model_spec=lm.ref.spec,
+        weights_sha256=lm.ref.weights_sha256, tokenizer_sha256=lm.ref.tokenizer_sha256,
+        kv_preset=preset.name, file=f"{eid}.safetensors", bytes=0, created=0.0,
+        prefill_seconds=stats.seconds, bits_per_channel=round(bpc, 4),
+        question_suffix=question_suffix, group=group, segment=segment,
+    )
+    metadata = {
+        "model_id": lm.ref.model_id, "weights_sha256": lm.ref.weights_sha256,
+        "tokenizer_sha256": lm.ref.tokenizer_sha256, "document_sha256": document_sha256,
+        "tokens": str(len(tokens)),
+        "kv_config": json.dumps({**preset.to_json(), "head_dims": dims, "kv_heads": heads,
+                                 **kvcache.window_config(cache)}),
+        "document_name": name,
+    }
+    return store.save(entry, arrays, metadata), stats
 
 
 def _check_same_model(entry: Entry, ref: models.ModelRef) -> None:
@@ -270,7 +292,8 @@ def restore_verifying(entry: Entry, lm: models.LoadedModel, store: Store,
 
 def ask(question: str, doc: str | None = None, model: str | None = None, max_tokens: int = 256,
         temperature: float = 0.0, seed: int | None = None,
-        answer: Answer | None = None) -> Iterator[str]:
+        answer: Answer | None = None, ranker: str | None = None,
+        segments: int = 1) -> Iterator[str]:
     """Answer `question` from a stored document's cache; yields the answer text as it streams.
 
     Args:
@@ -281,12 +304,25 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
         temperature: 0 for greedy.
         seed: sampler seed when temperature > 0.
         answer: filled with timings, token ids and the full text while streaming.
+        ranker: for a segmented document or collection, how segments are chosen ("bm25" or
+            "model"; None: the `LONGCTX_RANKER` setting).
+        segments: how many of the best-ranked segments to answer from (the answer the model
+            scores highest is kept).
     """
+    from longctx import multidoc
+
     answer = answer if answer is not None else Answer()
     start = time.perf_counter()
     store = Store(cleanup=False)  # read-only: crashed writers' leftovers go at the next ingest/list
     try:
-        entry = store.find(doc)
+        target = multidoc.find(store, doc)
+        if isinstance(target, multidoc.Group):
+            answer.group = target
+            store.close()
+            yield from multidoc.ask_group(target, question, model, max_tokens, temperature, seed,
+                                          answer, start, ranker=ranker, segments=segments)
+            return
+        entry = target
         answer.entry = entry
         ref = models.resolve(model or entry.model_spec)
         _check_same_model(entry, ref)
@@ -297,19 +333,35 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
     finally:
         store.close()
     answer.restore_seconds = time.perf_counter() - start
+    yield from answer_from(lm, entry, cache, pending, question, max_tokens, temperature, seed,
+                           answer, start)
+
+
+def question_suffix(lm: models.LoadedModel, entry: Entry, question: str) -> list[int]:
+    """The tokens appended to `entry`'s cached prefix for `question` (ContextLengthError if the
+    question does not fit after the prefix)."""
+    if entry.question_suffix:
+        lay = prompt.Layout(prefix_text="", suffix_text=entry.question_suffix)
+    else:
+        lay = prompt.layout(lm.tokenizer, entry.name, "")
+    suffix = prompt.question_tokens(lm.tokenizer, lay, question)
+    room = lm.context_length - entry.tokens
+    if len(suffix) + 1 > room:
+        raise ContextLengthError(
+            f"The question is {len(suffix):,} tokens but only {room:,} of the model's "
+            f"{lm.context_length:,}-token context are left after '{entry.name}'; shorten the "
+            "question.")
+    return suffix
+
+
+def answer_from(lm: models.LoadedModel, entry: Entry, cache: list, pending, question: str,
+                max_tokens: int, temperature: float, seed: int | None, answer: Answer,
+                start: float) -> Iterator[str]:
+    """Stream the answer to `question` from a restored cache (shown only once `pending`, the
+    cache file's checksums, has passed)."""
     try:
-        if entry.question_suffix:
-            lay = prompt.Layout(prefix_text="", suffix_text=entry.question_suffix)
-        else:
-            lay = prompt.layout(lm.tokenizer, entry.name, "")
-        suffix = prompt.question_tokens(lm.tokenizer, lay, question)
-        room = lm.context_length - entry.tokens
-        if len(suffix) + 1 > room:
-            raise ContextLengthError(
-                f"The question is {len(suffix):,} tokens but only {room:,} of the model's "
-                f"{lm.context_length:,}-token context are left after '{entry.name}'; shorten the "
-                "question.")
-        max_tokens = min(max_tokens, room - len(suffix))
+        suffix = question_suffix(lm, entry, question)
+        max_tokens = min(max_tokens, lm.context_length - entry.tokens - len(suffix))
         stream = engine.generate(lm.model, lm.tokenizer, suffix, kvcache.fork(cache),
                                  max_tokens=max_tokens, temperature=temperature, seed=seed)
         for piece in pending.guard(stream):  # shown only once every checksum has passed
@@ -345,9 +397,16 @@ def export(doc: str | None, out: str | Path, kv: str = "fp16") -> Path:
     out = Path(out)
     if out.suffix != ".safetensors":
         raise ConfigError(f"The export file must end in .safetensors (mlx-lm's format), not '{out.name}'.")
+    from longctx import multidoc
+
     store = Store()
     try:
-        entry = store.find(doc)
+        entry = multidoc.find(store, doc)
+        if isinstance(entry, multidoc.Group):
+            raise ConfigError(
+                f"'{entry.name}' is stored as {len(entry.segments)} segment caches, which no "
+                "single mlx-lm prompt cache can hold; export one segment by its id (`longctx "
+                "info` lists them).")
         ref = models.resolve(entry.model_spec)
         _check_same_model(entry, ref)
         lm = models.load(ref)
@@ -369,27 +428,42 @@ def export(doc: str | None, out: str | Path, kv: str = "fp16") -> Path:
     return out
 
 
-def list_entries() -> list[Entry]:
+def list_entries() -> list:
+    """Ingested documents, newest first: entries and groups (segmented documents, collections);
+    a group's segments are listed through it (`info`), not here."""
+    from longctx.store import groups
+
     store = Store()
     try:
-        return store.entries()
+        items = [*groups.groups(store), *(e for e in store.entries() if not e.group)]
+        return sorted(items, key=lambda t: t.created, reverse=True)
     finally:
         store.close()
 
 
-def find_entry(doc: str | None) -> Entry:
+def find_entry(doc: str | None):
+    """The entry or group named `doc` (None: the latest)."""
+    from longctx import multidoc
+
     store = Store()
     try:
-        return store.find(doc)
+        return multidoc.find(store, doc)
     finally:
         store.close()
 
 
-def remove_entry(doc: str) -> Entry:
+def remove_entry(doc: str):
+    """Remove a document's cache(s) and index records; returns what was removed."""
+    from longctx import multidoc
+    from longctx.store import groups
+
     store = Store()
     try:
-        entry = store.find(doc)
-        store.remove(entry)
-        return entry
+        target = multidoc.find(store, doc)
+        if isinstance(target, groups.Group):
+            groups.remove(store, target)
+        else:
+            store.remove(target)
+        return target
     finally:
         store.close()

@@ -70,6 +70,8 @@ class Entry:
     # The chat template after the question, stored when the `tokenizers`-only tokenizer was
     # checked to encode like the model's (see runtime.light); "" for transformers' path.
     question_suffix: str = ""
+    group: str = ""  # the id of the group (segmented document, collection) it belongs to
+    segment: int = -1  # its index in that group
 
     @property
     def bytes_per_token(self) -> float:
@@ -359,6 +361,8 @@ class Store:
                 self._delete("latest")
             failpoint("remove:unindexed")
             self.cache_path(entry.id).unlink(missing_ok=True)
+            if entry.group:
+                self._delete(f"segtext:{entry.id}")
 
     # -- recovery -----------------------------------------------------------------------------
     def cleanup(self) -> dict[str, int]:

@@ -144,6 +144,33 @@ def check_free_space(directory: Path, nbytes: int, what: str) -> None:
             "some space or set LONGCTX_HOME to a directory on a larger disk.")
 
 
+def _layout(specs: dict[str, tuple[str, tuple]], metadata: dict) -> tuple[dict, int, dict]:
+    """(header tensor entries, data bytes, metadata) for arrays `name -> (dtype, shape)`."""
+    tensors, offset = {}, 0
+    for name, (dtype, shape) in specs.items():
+        nbytes = DTYPES[dtype][0] * math.prod(shape)
+        tensors[name] = {"dtype": dtype, "shape": list(shape),
+                         "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    meta = {**{k: str(v) for k, v in metadata.items()}, "format_version": FORMAT_VERSION,
+            "checksums": "", "header_sha256": _ZERO_SHA}
+    return tensors, offset, meta
+
+
+def _header_bytes(tensors: dict, meta: dict, checksums: dict[str, str]) -> bytes:
+    meta["checksums"] = json.dumps(checksums, separators=(",", ":"), sort_keys=True)
+    meta["header_sha256"] = _ZERO_SHA
+    header = {"__metadata__": meta, **tensors}
+    meta["header_sha256"] = hashlib.sha256(_canonical(header)).hexdigest()
+    return _canonical(header)
+
+
+def predicted_size(specs: dict[str, tuple[str, tuple]], metadata: dict[str, str]) -> int:
+    """The exact size `write` gives a file of arrays `name -> (dtype, shape)` and `metadata`."""
+    tensors, offset, meta = _layout(specs, metadata)
+    return 8 + len(_header_bytes(tensors, meta, {n: _ZERO_SHA for n in tensors})) + offset
+
+
 def write(path: Path, arrays: dict, metadata: dict[str, str], tag: str = "") -> int:
     """Write `arrays` + `metadata` to `path` atomically, every byte checksummed.
 
@@ -162,23 +189,16 @@ def write(path: Path, arrays: dict, metadata: dict[str, str], tag: str = "") -> 
     import mlx.core as mx
 
     mx.eval(list(arrays.values()))
-    tensors, offset = {}, 0
+    specs = {}
     for name, arr in arrays.items():
         dtype = _MX_NAMES.get(str(arr.dtype).rsplit(".", 1)[-1])
         if dtype is None:
             raise StoreError(f"Cannot store array {name} of dtype {arr.dtype}.")
-        tensors[name] = {"dtype": dtype, "shape": list(arr.shape),
-                         "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-    meta = {**{k: str(v) for k, v in metadata.items()}, "format_version": FORMAT_VERSION,
-            "checksums": "", "header_sha256": _ZERO_SHA}
+        specs[name] = (dtype, tuple(arr.shape))
+    tensors, offset, meta = _layout(specs, metadata)
 
     def header_bytes(checksums: dict[str, str]) -> bytes:
-        meta["checksums"] = json.dumps(checksums, separators=(",", ":"), sort_keys=True)
-        meta["header_sha256"] = _ZERO_SHA
-        header = {"__metadata__": meta, **tensors}
-        meta["header_sha256"] = hashlib.sha256(_canonical(header)).hexdigest()
-        return _canonical(header)
+        return _header_bytes(tensors, meta, checksums)
 
     # Digests have a fixed length, so the header's size is known before the arrays are hashed:
     # arrays stream to disk one at a time (memory: one array), the header goes in last.

@@ -1,0 +1,168 @@
+"""What an ingest will cost, told before the work: cache file size, peak memory, whether it fits.
+
+The file size is exact up to the header's offset digits: the arrays a cache of T tokens holds follow
+from the preset and the model's per-layer head dims, KV heads and windows (`store.layout.expected`,
+the same function that checks files on restore), and the header is laid out as `store.format`
+writes it. The model's shapes come from its mlx-lm class built without loading weights (MLX
+allocates parameters lazily, so nothing of the model's size is materialized).
+
+Peak memory is an estimate: weights as they are held (fp32 on the CPU), plus the cache being
+built (the preset's bits per channel, plus the exact window), plus a chunk's working set, dominated
+by attention scores when the backend materializes them (chunk x query heads x tokens, fp32).
+Against measured peaks (benchmarks/results/prefill_*.json) it is within about 25%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+
+from longctx import kvcache
+from longctx.kvcache.presets import Preset, bits_per_channel
+
+@dataclass(frozen=True)
+class Shapes:
+    """A model's facts that shape its cache and its prefill."""
+
+    head_dims: list[int]
+    kv_heads: list[int]
+    windows: list[int]
+    q_heads: int
+    hidden: int
+    intermediate: int
+    parameters: int  # parameter count of the unquantized architecture
+
+
+def shapes(config: dict) -> Shapes:
+    """The cache-relevant shapes of the model `config` describes (no weights are read)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import _get_classes
+
+    cfg = {k: v for k, v in config.items() if k != "quantization"}
+    model_class, args_class = _get_classes(cfg)
+    model = model_class(args_class.from_dict(cfg))  # lazy: nothing is allocated
+    text = config.get("text_config", config)
+    heads = kvcache.kv_heads(model)
+    n_kv = int(text.get("num_key_value_heads") or text["num_attention_heads"])
+    params = sum(p.size for _, p in tree_flatten(model.parameters()))
+    return Shapes(head_dims=kvcache.head_dims(model), kv_heads=[h or n_kv for h in heads],
+                  windows=kvcache.windows(make_prompt_cache(model)),
+                  q_heads=int(text["num_attention_heads"]), hidden=int(text["hidden_size"]),
+                  intermediate=int(text.get("intermediate_size") or 4 * text["hidden_size"]),
+                  parameters=int(params))
+
+
+def cache_file_bytes(s: Shapes, preset: Preset, tokens: int, metadata: dict[str, str],
+                     float_dtype: str = "F16") -> int:
+    """Bytes of the cache file of `tokens` tokens (`metadata` as `session.build_entry` writes it,
+    without kv_config, which is filled in here)."""
+    from longctx.store import format as fmt
+    from longctx.store import layout
+
+    windows = {"windows": s.windows} if any(s.windows) else {}
+    kv_config = {**preset.to_json(), "head_dims": s.head_dims, "kv_heads": s.kv_heads, **windows}
+    meta = {**metadata, "tokens": str(tokens), "kv_config": json.dumps(kv_config),
+            "format_version": fmt.FORMAT_VERSION}
+    specs = {}
+    for name, (dtypes, shape) in layout.expected(meta).items():
+        specs[name] = (float_dtype if float_dtype in dtypes else dtypes[0], shape)
+    return fmt.predicted_size(specs, {k: v for k, v in meta.items() if k != "format_version"})
+
+
+def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: bool,
+               chunk: int) -> int:
+    """Estimated peak memory of prefilling `tokens` tokens with `chunk`-token passes."""
+    elem = 4 if cpu else 2  # the CPU computes in fp32
+    dims = s.head_dims
+    fp16_token = sum(2 * h * d for h, d in zip(s.kv_heads, dims)) * elem
+    window_token = sum(2 * h * d for h, d, w in zip(s.kv_heads, dims, s.windows) if w) * elem
+    if preset.kind == "fp16":
+        cache = fp16_token * tokens
+    else:
+        full = fp16_token - window_token
+        cache = full * tokens * bits_per_channel(preset, dims[0], tokens) / (8 * elem)
+        cache += window_token * min(tokens, max(s.windows or [0]))
+        cache += full * (preset.window + chunk) if preset.kind == "turbo" else 0
+    scores = s.q_heads * min(chunk, tokens) * tokens * 4
+    activations = min(chunk, tokens) * (8 * s.hidden + 4 * s.intermediate) * 4
+    return int(weights_bytes + cache + scores + activations)
+
+
+def weights_bytes(path, s: Shapes, cpu: bool) -> int:
+    """Bytes the loaded weights take: the files' size on a GPU, fp32 of every parameter on the
+    CPU (where longctx runs a dequantized fp32 copy)."""
+    if cpu:
+        return 4 * s.parameters
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def machine_memory() -> int:
+    """Physical memory of this machine in bytes (0 if unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class MemoryWarning(UserWarning):
+    """An ingest's estimated peak memory is close to the machine's."""
+
+
+WARN_FRACTION = 0.75  # warn when the estimate exceeds this share of the machine's memory
+
+
+def verdict(peak: int, memory: int) -> str:
+    """"fits", "tight" (over WARN_FRACTION of memory) or "too large" (over all of it)."""
+    if not memory:
+        return "fits"
+    if peak > memory:
+        return "too large"
+    return "tight" if peak > WARN_FRACTION * memory else "fits"
+
+
+def describe(peak: int, memory: int) -> str:
+    from longctx.units import human_bytes
+
+    return (f"it needs about {human_bytes(peak)} of memory at its peak and this machine has "
+            f"{human_bytes(memory)}")
+
+
+def for_ingest(ref, preset: Preset, token_counts: list[int], name: str,
+               chunk: int) -> dict:
+    """Predicted file bytes (per segment and total), peak memory and the verdict for ingesting
+    prompts of `token_counts` tokens (one per cache) with model `ref`."""
+    from mlx_lm.utils import load_config
+
+    from longctx.runtime.models import on_cpu
+
+    config = load_config(ref.path)
+    s = shapes(config)
+    cpu = on_cpu()
+    meta = {"model_id": ref.model_id, "weights_sha256": ref.weights_sha256,
+            "tokenizer_sha256": ref.tokenizer_sha256, "document_sha256": "0" * 64,
+            "document_name": name}
+    floats = "F32" if cpu else "F16"  # affine scales and biases are in the compute dtype
+    files = [cache_file_bytes(s, preset, n, meta, floats) for n in token_counts]
+    weights = weights_bytes(ref.path, s, cpu)
+    peak = max(peak_bytes(s, preset, n, weights, cpu, chunk) for n in token_counts)
+    memory = machine_memory()
+    return {"cache_bytes": sum(files), "segment_cache_bytes": files, "peak_memory_bytes": peak,
+            "machine_memory_bytes": memory, "memory": verdict(peak, memory)}
+
+
+def check(ref, preset: Preset, token_counts: list[int], name: str, chunk: int) -> None:
+    """Refuse (`ResourceError`) an ingest whose estimated peak exceeds this machine's memory;
+    warn when it comes close."""
+    from longctx.errors import ResourceError
+
+    est = for_ingest(ref, preset, token_counts, name, chunk)
+    if est["memory"] == "too large":
+        raise ResourceError(
+            f"'{name}' cannot be ingested here: {describe(est['peak_memory_bytes'], est['machine_memory_bytes'])}; "
+            "use a smaller model, a compressed --kv preset, or a machine with more memory.")
+    if est["memory"] == "tight":
+        warnings.warn(f"'{name}' may not fit: {describe(est['peak_memory_bytes'], est['machine_memory_bytes'])}.",
+                      MemoryWarning, stacklevel=2)
