@@ -135,11 +135,11 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
                 return IngestResult(existing, reused=True, empty_pages=empty)
             failpoint("ingest:locked")
             lm = models.load(p.model)
+            cache = kvcache.make(lm.model, p.preset)  # first: refuses a model the preset cannot serve
             dims = kvcache.head_dims(lm.model)
             bpc = bits_per_channel(p.preset, dims[0], len(p.tokens))
             store.check_free_space(int(p.estimated_cache_bytes * bpc / 16),
                                    f"the cache of '{p.document.name}'")
-            cache = kvcache.make(lm.model, p.preset)
             stats = engine.prefill(lm.model, p.tokens, cache, chunk=chunk, progress=progress)
             failpoint("ingest:prefilled")
             arrays = kvcache.to_arrays(cache, p.preset)

@@ -52,6 +52,9 @@ class CompressedKV:
     window_buffer: tuple | None = None
     # (W,) bool: which of `window`'s slots hold tokens (None: all); set where `window` is a buffer
     window_mask: mx.array | None = None
+    # (B, H_kv, 1, D): the keys' centering mean; only soft-capped scores need it (tanh is not
+    # shift-invariant, so the score shift q . mu it causes must be added back before capping)
+    key_mean: mx.array | None = None
 
 
 _CODECS: dict = {}
@@ -249,7 +252,7 @@ class TurboQuantCache:
             if cap > self.window_len:
                 buffer = (*self._wbuf, _valid_mask(cap, self.window_len))
         return CompressedKV(kc, vc, tuple(segments), self.offset, self.means[1], self.window, self.sink,
-                            self.dense_prefix, buffer)
+                            self.dense_prefix, buffer, key_mean=self.means[0])
 
     def rotated_sink(self) -> tuple[mx.array, mx.array] | None:
         """The sink's keys and values (fp32) in the codecs' rotated frames, or None."""
