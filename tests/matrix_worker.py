@@ -10,8 +10,8 @@ it restores both entries as `ask` would (checksums, CPU decode-once), then measu
 - `greedy`: each cache's greedy answer tokens, and `text`, the answer `ask` would print;
 - `export`: each entry exported to a stock mlx-lm prompt cache (`session.export`), loaded with
   `mlx_lm.models.cache.load_prompt_cache` and continued by the plain mlx-lm model: its layer
-  types and offsets, KL(fp16 restore || export), KL(same entry restored || export) and its
-  greedy answer.
+  types and offsets, KL(fp16 restore || export) on the fp16 answer, KL(same entry restored ||
+  export) on that entry's own answer, its greedy answer and its `gaps` against the restore.
 Writes one JSON object per family on stdout: the results, or {"error": traceback}.
 """
 
@@ -30,6 +30,17 @@ def _kl(p_logits, q_logits) -> list[float]:
     lp = p_logits.astype(mx.float32) - mx.logsumexp(p_logits.astype(mx.float32), axis=-1, keepdims=True)
     lq = q_logits.astype(mx.float32) - mx.logsumexp(q_logits.astype(mx.float32), axis=-1, keepdims=True)
     return (mx.exp(lp) * (lp - lq)).sum(axis=-1).tolist()
+
+
+def _gaps(logits, n_suffix: int, chosen: list[int]) -> list[float]:
+    """Per answer token: how far below the top logit of `logits` (the forced pass of a reference
+    answer) its token `chosen` there lies. 0 where they agree; meaningful up to the first
+    disagreement, where the reference and `chosen` still share their prefix."""
+    import mlx.core as mx
+
+    rows = logits[n_suffix - 1 : n_suffix - 1 + len(chosen)].astype(mx.float32)  # (n, V)
+    picked = mx.take_along_axis(rows, mx.array(chosen, dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    return (rows.max(axis=-1) - picked).tolist()
 
 
 def _family(job: dict, fam: dict) -> dict:
@@ -61,27 +72,24 @@ def _family(job: dict, fam: dict) -> dict:
     forced = mx.array([suffix + out["greedy"]["fp16"]], dtype=mx.int32)  # (1, Lq + n)
     logits = {p: lm.model(forced, cache=kvcache.fork(c))[0] for p, c in caches.items()}  # (L, V)
     out["kl"] = _kl(logits["fp16"], logits["tq4"])
-    # Per answer token: how far below fp16's top logit fp16 puts tq4's greedy token there
-    # (0 where they agree; read at the first disagreement, where both paths still share a prefix)
-    answer_rows = logits["fp16"][len(suffix) - 1 : len(suffix) - 1 + n].astype(mx.float32)  # (n, V)
-    chosen = mx.array(out["greedy"]["tq4"], dtype=mx.int32)[:, None]
-    out["gaps"] = (answer_rows.max(axis=-1) - mx.take_along_axis(answer_rows, chosen, axis=-1)[:, 0]).tolist()
-    out["spread"] = (answer_rows.max(axis=-1) - answer_rows.mean(axis=-1)).tolist()
+    out["gaps"] = _gaps(logits["fp16"], len(suffix), out["greedy"]["tq4"])
     # What the document changes: the same positions with no document in the cache at all
     blind = lm.model(forced, cache=kvcache.make(lm.model, kvcache.get_preset("fp16")))[0]
     out["kl_no_document"] = _kl(logits["fp16"], blind)
     out["positions"] = int(forced.shape[1])
     out["export"] = {}
     for p, e in entries.items():
-        path = session.export(e.id, os.path.join(fam["export_dir"], f"{p}.safetensors"))
-        stock, meta = load_prompt_cache(str(path), return_metadata=True)
+        path = str(session.export(e.id, os.path.join(fam["export_dir"], f"{p}.safetensors")))
+        stock, meta = load_prompt_cache(path, return_metadata=True)
         exported = {"types": [type(c).__name__ for c in stock], "offsets": [c.offset for c in stock],
                     "entry": meta.get("longctx_entry")}
-        continued = lm.model(forced, cache=stock)[0]  # plain mlx-lm attention from here on
-        exported["kl"] = _kl(logits["fp16"], continued)
-        exported["kl_vs_restored"] = _kl(logits[p], continued)
-        stock, _ = load_prompt_cache(str(path), return_metadata=True)
-        exported["greedy"] = engine.greedy_tokens(lm.model, suffix, stock, n)
+        # plain mlx-lm attention from here on; each continuation from a freshly loaded cache
+        exported["kl"] = _kl(logits["fp16"], lm.model(forced, cache=stock)[0])
+        own = mx.array([suffix + out["greedy"][p]], dtype=mx.int32)  # this entry's own answer
+        restored = lm.model(own, cache=kvcache.fork(caches[p]))[0]
+        exported["kl_vs_restored"] = _kl(restored, lm.model(own, cache=load_prompt_cache(path))[0])
+        exported["greedy"] = engine.greedy_tokens(lm.model, suffix, load_prompt_cache(path), n)
+        exported["gaps"] = _gaps(restored, len(suffix), exported["greedy"])
         out["export"][p] = exported
     out["prefix_tokens"] = entry.tokens
     return out

@@ -155,7 +155,8 @@ def test_export_continues_like_the_restored_cache(matrix, name):
         assert exported["entry"] and exported["offsets"] == [r["prefix_tokens"]] * len(r["kinds"])
         assert max(exported["kl_vs_restored"]) < (1e-7 if preset == "fp16" else EXPORT_KL_BOUND)
         assert max(exported["kl"]) < MAX_KL_BOUND, (name, preset, exported["kl"])
-        assert exported["greedy"] == r["greedy"][preset], (name, preset)
+        first = _first_difference(exported["greedy"], r["greedy"][preset])
+        assert first is None or exported["gaps"][first] < GAP_BOUND, (name, preset, exported)
 
 
 def test_cli_answers_and_export(matrix):
