@@ -1,9 +1,10 @@
-"""Tiny config entries per mlx-lm model family, for `conftest.make_tiny_model(path, **FAMILIES[f])`.
+"""Tiny config entries per mlx-lm model family: `conftest.make_tiny_model(path, **COMPRESSED[f])`.
 
 Each entry overrides or adds to make_tiny_model's base config (2 layers, hidden 64, 4 query and
 2 KV heads of dim 32, byte-level vocabulary): the fields a family's `ModelArgs` requires and the
 feature that makes the family what it is (llama3 RoPE scaling, sliding windows, partial rotary,
-soft-capped scores, QK norms, MoE routing, biases, multipliers). Families whose ModelArgs take no
+soft-capped scores, QK norms, MoE routing, biases, multipliers); `embed_std` and
+`attn_gain` (overriding the test's) are make_tiny_model's own. Families whose ModelArgs take no
 `head_dim` get 2 query heads and 1 KV head, so their head dim is 64 / 2 = 32 as well.
 """
 
@@ -49,6 +50,26 @@ COMPRESSED = {
     "internlm2": {"model_type": "internlm2", "bias": False, "tie_word_embeddings": False,
                   **_TWO_HEADS},
     "exaone": {"model_type": "exaone", "num_layers": 2, "layer_norm_epsilon": 1e-5, **_TWO_HEADS},
+    # Gemma scales embeddings by sqrt(hidden) = 8 (8x smaller ones, or attention never matters),
+    # and its norms by 1 + weight = 2 at init (gain 1 gives the other families' gain-2 scores)
+    "gemma": {"model_type": "gemma", "embed_std": 0.0625, "attn_gain": 1.0},
+    # NoPE every 2nd layer (layer 1 attends without positions)
+    "smollm3": {"model_type": "smollm3", "no_rope_layer_interval": 2},
+    "glm4": {"model_type": "glm4", "attention_bias": True, "partial_rotary_factor": 0.5},
+    "cohere2": {"model_type": "cohere2", "layer_norm_eps": 1e-5, "logit_scale": 0.5,
+                "sliding_window": 64, "sliding_window_pattern": 2, **_TWO_HEADS},
+    "exaone4": {"model_type": "exaone4", "rope_scaling": None, "sliding_window": 64,
+                "sliding_window_pattern": "LG",
+                "layer_types": ["sliding_attention", "full_attention"]},
+    "olmo3": {"model_type": "olmo3", "sliding_window": 64,
+              "layer_types": ["sliding_attention", "full_attention"]},
+    "qwen2_moe": {"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, **_TWO_HEADS},
+    "gpt_neox": {"model_type": "gpt_neox", "layer_norm_eps": 1e-5, "rotary_emb_base": 10000,
+                 "rotary_pct": 0.25, "tie_word_embeddings": False, **_TWO_HEADS},
+    "phi": {"model_type": "phi", "partial_rotary_factor": 0.4, "layer_norm_eps": 1e-5, **_TWO_HEADS},
+    "stablelm": {"model_type": "stablelm", "use_qkv_bias": True, "partial_rotary_factor": 0.25,
+                 "layer_norm_eps": 1e-5, **_TWO_HEADS},
 }
 
 # Families no preset but fp16 can serve, and families nothing can store (`kvcache.support`).

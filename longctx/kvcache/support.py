@@ -1,15 +1,16 @@
 """Which models the cache presets can serve, decided before any work (ingest refuses the rest).
 
 Every preset persists mlx-lm's standard caches: `KVCache` layers (full attention) and
-`RotatingKVCache` layers (sliding windows). A layer whose model asks for another kind of cache
-(recurrent / linear-attention state such as `ArraysCache` in Mamba or Qwen3-Next) cannot be
-stored by any preset, nor can multi-head latent attention that caches keys and values of other
-widths than one head dim per layer (`_storage_blocker`). The compressed presets additionally need each full-attention layer to hand
-its keys to mlx-lm's `scaled_dot_product_attention` (which `kvcache.routing` sends to the
-compressed path) as plain per-head keys and values, or be Gemma-2's soft-capped attention (which
-`kvcache.softcap` routes for the TurboQuant presets only); they refuse:
+`RotatingKVCache` layers (sliding windows), keys and values of one head dim per layer. A layer
+whose model asks for another kind of cache (recurrent / linear-attention state such as
+`ArraysCache` in Mamba or Qwen3-Next) cannot be stored by any preset, nor can multi-head latent
+attention whose cache holds other widths (`_storage_blocker`: DeepSeek-V3's latent, DeepSeek-V2's
+keys wider than its values). The compressed presets additionally need each full-attention layer
+to hand its keys to mlx-lm's `scaled_dot_product_attention` (which `kvcache.routing` sends to the
+compressed path) as plain per-head keys and values, or to be Gemma-2's soft-capped attention
+(which `kvcache.softcap` routes, for the TurboQuant presets only); they refuse:
 - other attention that computes its scores itself (`queries @ keys` in the model);
-- multi-head latent attention (DeepSeek-V2/V3's MLA: the cache holds a shared latent);
+- multi-head latent attention (DeepSeek-V2's MLA: keys and values built from a shared latent);
 - attention sinks (gpt-oss: a learned per-head logit in the softmax).
 """
 
