@@ -158,7 +158,10 @@ def check(ref, preset: Preset, token_counts: list[int], name: str, chunk: int) -
     warn when it comes close."""
     from longctx.errors import ResourceError
 
-    est = for_ingest(ref, preset, token_counts, name, chunk)
+    try:
+        est = for_ingest(ref, preset, token_counts, name, chunk)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        return  # a model whose shapes the estimate cannot read: ingest's own checks speak
     if est["memory"] == "too large":
         raise ResourceError(
             f"'{name}' cannot be ingested here: {describe(est['peak_memory_bytes'], est['machine_memory_bytes'])}; "

@@ -164,11 +164,11 @@ def build_entry(store: Store, lm: models.LoadedModel, preset: kvcache.Preset, to
     """Prefill `tokens` into a new cache and save it as entry `eid` (hold `store.lock(eid)`)."""
     import mlx.core as mx
 
+    cache = kvcache.make(lm.model, preset)  # first: refuses a model the preset cannot serve
     dims = kvcache.head_dims(lm.model)
     bpc = bits_per_channel(preset, dims[0], len(tokens))
     store.check_free_space(int(fp16_bytes_per_token * len(tokens) * bpc / 16),
                            f"the cache of '{name}'")
-    cache = kvcache.make(lm.model, preset)
     stats = engine.prefill(lm.model, tokens, cache, chunk=chunk, progress=progress)
     failpoint("ingest:prefilled")
     arrays = kvcache.to_arrays(cache, preset)

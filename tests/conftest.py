@@ -43,15 +43,23 @@ def _byte_tokenizer() -> tuple[dict, dict]:
 
 def make_tiny_model(path: Path, seed: int = 0, context: int = 4096, n_kv_heads: int = 2,
                     head_dim: int = 32, layers: int = 2, model_type: str = "llama",
-                    **extra) -> Path:
+                    attn_gain: float = 1.0, embed_std: float = 0.5, **extra) -> Path:
     """Write a random-weight mlx-lm directory (default: a GQA llama) with a byte-level tokenizer;
-    `extra` adds or overrides config entries of other architectures."""
+    `extra` adds or overrides config entries of other architectures (tests/families.py).
+
+    `attn_gain` scales every linear projection of the attention modules: scores grow by its
+    square (where no QK norm renormalizes them) and outputs by its square, so attention is peaked
+    instead of the near-uniform average of a default init, and what a layer reads from the cache
+    shows in the model's outputs. `embed_std`: the embeddings' standard deviation."""
     import importlib
 
     import mlx.core as mx
+    import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    arch = importlib.import_module(f"mlx_lm.models.{model_type}")
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
     tok_json, tok_config = _byte_tokenizer()
     vocab = len(tok_json["model"]["vocab"])
     config = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": layers,
@@ -62,8 +70,15 @@ def make_tiny_model(path: Path, seed: int = 0, context: int = 4096, n_kv_heads: 
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))
     # Larger-than-default embeddings make the random model's greedy choices well separated.
-    embed = model.model.embed_tokens
-    embed.weight = mx.random.normal(embed.weight.shape) * 0.5
+    embed = next(m for _, m in model.named_modules() if isinstance(m, nn.Embedding))
+    embed.weight = mx.random.normal(embed.weight.shape) * embed_std
+    if attn_gain != 1.0:
+        from longctx.kvcache import _attention
+
+        for layer in model.layers:
+            for _, m in _attention(layer).named_modules():
+                if isinstance(m, nn.Linear):
+                    m.weight = m.weight * attn_gain
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (path / "config.json").write_text(json.dumps(config))

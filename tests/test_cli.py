@@ -78,7 +78,13 @@ def gemma2_model(tmp_path_factory):
                            final_logit_softcapping=30.0)
 
 
-def test_soft_capped_model_is_refused_by_compressed_presets(gemma2_model, text_doc):
+def test_soft_capped_attention_without_a_shim_is_refused(gemma2_model, text_doc, monkeypatch):
+    """Soft-capped attention that `kvcache.softcap` does not route (here Gemma-2's own, with the
+    shim told not to recognize it) is refused by the compressed presets in one line; fp16 serves
+    it. (Gemma-2 itself answers compressed: tests/test_models_matrix.py.)"""
+    from longctx.kvcache import softcap
+
+    monkeypatch.setattr(softcap, "serves", lambda cls: False)
     line = _one_error_line(_invoke("ingest", text_doc, "--model", gemma2_model), "error: ")
     assert "soft-capped attention scores" in line and "--kv fp16" in line and "tq4" in line
     assert session.list_entries() == []

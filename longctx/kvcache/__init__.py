@@ -47,18 +47,23 @@ def stack_parts(named: dict, layers: list[int], combine) -> None:
 
 
 def _attention(layer):
-    return getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+    """A layer's attention module: `self_attn`, `attention`, or EXAONE's `attn.attention`."""
+    attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+    if attn is None and getattr(layer, "attn", None) is not None:
+        attn = getattr(layer.attn, "attention", None) or layer.attn
+    return attn
 
 
 def head_dims(model) -> list[int]:
-    """Per-layer attention head dim, read from the layers' attention modules."""
+    """Per-layer attention head dim, read from the layers' attention modules (the query/key head
+    dim of MLA's `q_head_dim`; 0 for a layer without a recognizable attention module)."""
     dims = []
     for layer in model.layers:
         attn = _attention(layer)
-        dim = getattr(attn, "head_dim", None)
-        if dim is None:
-            dim = attn.k_proj.weight.shape[0] // getattr(attn, "n_kv_heads")
-        dims.append(int(dim))
+        dim = getattr(attn, "head_dim", None) or getattr(attn, "q_head_dim", None)
+        if dim is None and hasattr(attn, "k_proj") and hasattr(attn, "n_kv_heads"):
+            dim = attn.k_proj.weight.shape[0] // attn.n_kv_heads
+        dims.append(int(dim or 0))
     return dims
 
 
@@ -83,7 +88,8 @@ def make(model, preset: Preset) -> list:
     from longctx.kvcache import support
 
     base = make_prompt_cache(model)
-    support.check(model, base, preset.name, compressed=preset.kind != "fp16")
+    support.check(model, base, preset.name, compressed=preset.kind != "fp16",
+                  turbo=preset.kind == "turbo")
     if preset.kind == "fp16":
         return base
     if preset.kind == "affine":

@@ -97,10 +97,13 @@ def _numpy_writes_through() -> bool:
 
 
 def attend(queries: mx.array, kv: CompressedKV, kc, vc, tables, scale: float, mask, block: int,
-            fused: bool, cpu: bool) -> mx.array:
+            fused: bool, cpu: bool, softcap: float | None = None) -> mx.array:
     """The blocked path (and, with `fused`, the fused path's body). `kc`/`vc`: the codecs (or their `_Traced` stand-ins);
     `tables`: the kernel's centroid tables when fused; `cpu`: large score blocks may go through
-    numpy (never under compile)."""
+    numpy (never under compile); `softcap`: scores become `tanh(s / softcap) * softcap` before
+    the softmax (Gemma-2), pure MLX only (the fused kernel does not cap)."""
+    if softcap and fused:
+        raise ValueError("the fused kernel does not soft-cap scores")
     B, Hq, Lq, D = queries.shape
     Hkv = kv.value_mean.shape[1]
     r = Hq // Hkv
@@ -109,6 +112,11 @@ def attend(queries: mx.array, kv: CompressedKV, kc, vc, tables, scale: float, ma
     q_proj = kc.qjl_project(q_rot) if kc.spec.qjl else None
     q_pos = mx.arange(kv.offset - Lq, kv.offset)
     first_q = kv.offset - Lq
+    shift = None  # (B, Hkv, r*Lq, 1): q . key_mean, the score shift of the centered keys
+    if softcap:
+        if kv.key_mean is None:
+            raise ValueError("soft-capped attention needs the view's key mean")
+        shift = queries.astype(mx.float32).reshape(B, Hkv, r * Lq, D) @ kv.key_mean.swapaxes(-1, -2)
 
     state = None  # (m, l, acc) once a block or segment has been seen
 
@@ -128,7 +136,10 @@ def attend(queries: mx.array, kv: CompressedKV, kc, vc, tables, scale: float, ma
         s = q @ keys.swapaxes(-1, -2)  # (B, Hkv, r*Lq, n)
         if correction is not None:
             s = s + correction
-        s = s * scale
+        if shift is not None:  # capping the true scores: the key mean's shift back first
+            s = mx.tanh((s + shift) * (scale / softcap)) * softcap
+        else:
+            s = s * scale
         if allowed is not None:
             s = s.reshape(B, Hkv, r, Lq, n)
             s = mx.where(allowed, s, -mx.inf).reshape(B, Hkv, r * Lq, n)

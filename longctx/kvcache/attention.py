@@ -7,7 +7,8 @@
     cpu-dense       CPU, a prefix decoded once     attend_cpu (one softmax, numpy exponentials)
     blocked         everything else                attend_blocked (pure MLX: the reference)
 
-`choose_path` makes the decision and says why (logged at debug level by the logger
+Soft-capped scores (Gemma-2, `softcap`) always take the blocked path: it is the only one that
+caps. `choose_path` makes the decision and says why (logged at debug level by the logger
 `longctx.attention`); `compressed_attention` runs it. The blocked path is the oracle the tests
 hold every other path to. Settings (`longctx.config`): `fused_max_lq`, `compile`, `dense_gpu`.
 """
@@ -43,15 +44,22 @@ def use_fused(mask, lq: int) -> bool:
             and not _prelude.failed("lc_decode_attend"))  # failed: the blocked path is its reference
 
 
-def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None) -> tuple[str, str]:
+def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
+                softcap: float | None = None) -> tuple[str, str]:
     """(path, reason) for attention of `lq` query tokens over `kv` (see the module docstring).
 
     Args:
         fused: None decides; True forces the fused kernel (mask None or causal), False forces
             the pure-MLX paths.
+        softcap: soft-capped scores (Gemma-2) take the blocked path on every device: neither the
+            kernels nor the fused SDPA nor the CPU's one-softmax path cap scores.
     """
     from longctx.kernels import backend
 
+    if softcap:
+        if fused:
+            raise ValueError("the fused kernel does not soft-cap scores")
+        return "blocked", f"soft-capped scores (cap {softcap:g}): pure MLX only"
     if fused is None:
         fused = use_fused(mask, lq)
         if not fused and config.get("dense_gpu") and dense_gpu.applies(kv, mask):
@@ -71,7 +79,8 @@ def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None) -> t
 
 
 def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask=None,
-                         block: int = BLOCK, fused: bool | None = None) -> mx.array:
+                         block: int = BLOCK, fused: bool | None = None,
+                         softcap: float | None = None) -> mx.array:
     """Softmax attention of `queries` over a compressed cache.
 
     Args:
@@ -83,12 +92,14 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
         fused: send compressed segments to `longctx.kernels.decode_attend` (None: decide, see
             `choose_path`; False: the pure-MLX paths). On the CPU the kernel function runs its
             pure-MLX reference.
+        softcap: scores become `tanh(scale * s / softcap) * softcap` before the softmax
+            (Gemma-2's `attn_logit_softcapping`); always the blocked path.
 
     Returns:
         (B, H_q, L_q, D) in the queries' dtype.
     """
     lq = queries.shape[2]
-    path, why = choose_path(kv, mask, lq, fused)
+    path, why = choose_path(kv, mask, lq, fused, softcap)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("attention: %s (%s)", path, why)
     if path == "dense-gpu":
@@ -101,4 +112,5 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
     fused_now = path == "fused"
     tables = (kernel_table(kc), kernel_table(vc)) if fused_now else None
     cpu = mx.default_device().type == mx.DeviceType.cpu
-    return attend_blocked.attend(queries, kv, kc, vc, tables, scale, mask, block, fused_now, cpu)
+    return attend_blocked.attend(queries, kv, kc, vc, tables, scale, mask, block, fused_now, cpu,
+                                 softcap)

@@ -3,7 +3,8 @@
 mlx-lm model modules do `from .base import scaled_dot_product_attention` and call it with the
 values returned by `cache.update_and_fetch`. Every such module's name is rebound to a wrapper
 that sends `CompressedKV` views to `compressed_attention` and everything else to mlx-lm's own
-function, unchanged. Idempotent; call it after a model's module is imported.
+function, unchanged. Gemma-2's attention, which computes its scores itself, is wrapped by
+`kvcache.softcap`. Idempotent; call it after a model's module is imported.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def install() -> int:
     """
     from mlx_lm.models import base
 
+    from longctx.kvcache import softcap
+
+    softcap.install()  # Gemma-2 computes its soft-capped scores itself: a shim of its own
     original = base.scaled_dot_product_attention
     original = getattr(original, _ORIGINAL, original)
     routed = 0

@@ -52,6 +52,15 @@ class CompressedKV:
     window_buffer: tuple | None = None
     # (W,) bool: which of `window`'s slots hold tokens (None: all); set where `window` is a buffer
     window_mask: mx.array | None = None
+    # (B, H_kv, 1, D): the keys' centering mean; only soft-capped scores need it (tanh is not
+    # shift-invariant, so the score shift q . mu it causes must be added back before capping)
+    key_mean: mx.array | None = None
+    dtype: mx.Dtype = mx.float32  # of the keys and values the model handed to the cache
+
+    def astype(self, dtype) -> "CompressedKV":
+        """The view itself: attention reads compressed keys in fp32 whatever the model casts them
+        to (phi and StableLM call `keys.astype(mx.float32)` before the routed SDPA)."""
+        return self
 
 
 _CODECS: dict = {}
@@ -108,6 +117,7 @@ class TurboQuantCache:
         # Newest tokens kept uncompressed: the preset's window, or more in an answering fork
         # (`fork(exact_new=...)`), where the question and answer stay exact.
         self.window_cap = preset.window
+        self.dtype = mx.float32  # the model's key/value dtype, from the latest update
 
     @property
     def sink_len(self) -> int:
@@ -188,6 +198,7 @@ class TurboQuantCache:
         out of the window is compressed into the tail.
         """
         self.head_dim = keys.shape[-1]
+        self.dtype = values.dtype
         if self.means is None:
             self.means = (keys.astype(mx.float32).mean(axis=2, keepdims=True),
                           values.astype(mx.float32).mean(axis=2, keepdims=True))
@@ -249,7 +260,7 @@ class TurboQuantCache:
             if cap > self.window_len:
                 buffer = (*self._wbuf, _valid_mask(cap, self.window_len))
         return CompressedKV(kc, vc, tuple(segments), self.offset, self.means[1], self.window, self.sink,
-                            self.dense_prefix, buffer)
+                            self.dense_prefix, buffer, key_mean=self.means[0], dtype=self.dtype)
 
     def rotated_sink(self) -> tuple[mx.array, mx.array] | None:
         """The sink's keys and values (fp32) in the codecs' rotated frames, or None."""
