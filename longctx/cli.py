@@ -187,8 +187,34 @@ def ingest(file: str = typer.Argument(..., help="PDF, text or markdown file."),
             err.print(f"[green]ingested[/green] {escape(e.name)} as {e.id}: {e.tokens:,} tokens in {s.seconds:.1f} s "
                       f"({s.tokens_per_second:,.0f} tok/s), peak memory {human_bytes(s.peak_bytes)}, "
                       f"cache {human_bytes(e.bytes)} ({e.bytes_per_token:,.0f} B/token)")
+        _warn_budget(result)
         if as_json:
-            out.print_json(json.dumps({**e.to_json(), "reused": result.reused}))
+            out.print_json(json.dumps({**e.to_json(), "reused": result.reused,
+                                       "evicted": _evicted_json(result.eviction)}))
+
+
+def _warn_budget(result) -> None:
+    """One yellow line if the store could not be brought within its budget."""
+    ev, e = result.eviction, result.entry
+    if result.eviction_error:
+        err.print(f"[yellow]warning:[/yellow] {escape(e.name)} is saved, but the store could not "
+                  f"be trimmed to its budget: {escape(result.eviction_error)}", highlight=False,
+                  soft_wrap=True)
+    elif ev is not None and ev.over_budget:
+        why = (f"the cache of {escape(e.name)} alone ({human_bytes(e.bytes)}) exceeds it; kept it"
+               if e.bytes > ev.budget else f"{len(ev.busy)} entries in use were kept")
+        err.print(f"[yellow]warning:[/yellow] the store holds {human_bytes(ev.bytes_after)}, over "
+                  f"its budget of {human_bytes(ev.budget)} (LONGCTX_MAX_STORE): {why}",
+                  highlight=False, soft_wrap=True)
+    if ev is not None and ev.removed:
+        names = ", ".join(escape(u.entries[0].name) for u in ev.removed[:5])
+        err.print(f"evicted {len(ev.removed)} least recently used ({names}{', ...' if len(ev.removed) > 5 else ''}), "
+                  f"freed {human_bytes(ev.freed)}", highlight=False, soft_wrap=True)
+
+
+def _evicted_json(ev) -> list[dict]:
+    return [{"id": u.key, "names": [e.name for e in u.entries], "ids": [e.id for e in u.entries],
+             "bytes": u.bytes, "last_used": u.last_used} for u in (ev.removed if ev else [])]
 
 
 @app.command()
@@ -224,22 +250,41 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     from longctx import session
 
     with _boundary():
-        entries = session.list_entries()
+        usage = session.store_usage()
         if as_json:
-            out.print_json(json.dumps([e.to_json() for e in entries]))
+            out.print_json(json.dumps([{**e.to_json(), "last_used": usage.last_used[e.id]}
+                                       for e in usage.entries]))
             return
-        out.print(_entries_table(entries, out.width))
+        out.print(_entries_table(usage.entries, out.width, usage.last_used))
+        limit = human_bytes(usage.budget) if usage.budget is not None else "no limit"
+        out.print(f"{len(usage.entries)} entries, {human_bytes(usage.bytes)} of {limit} "
+                  "(LONGCTX_MAX_STORE)", highlight=False)
 
 
-def _entries_table(entries, width: int) -> Table:
+def _ago(when: float, now: float | None = None) -> str:
+    """Seconds since `when` as `just now`, `5 min ago`, `3 h ago`, `2 d ago`."""
+    import time
+
+    s = max(0.0, (time.time() if now is None else now) - when)
+    if s < 60:
+        return "just now"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= size:
+            return f"{int(s // size)} {unit} ago"
+    return "just now"
+
+
+def _entries_table(entries, width: int, last_used: dict[str, float] | None = None) -> Table:
     """`list`'s table in `width` columns: the optional columns that fit, most useful first; the
     name column shrinks (ellipsis) before the id, which never wraps. `--json` has every field."""
+    used = last_used or {}
     columns = {  # name -> (cells, justify); id, name and tokens always shown
         "id": ([e.id for e in entries], "left"),
         "name": ([e.name for e in entries], "left"),
         "tokens": ([f"{e.tokens:,}" for e in entries], "right"),
         "kv": ([e.kv_preset for e in entries], "left"),
         "on disk": ([human_bytes(e.bytes) for e in entries], "right"),
+        "last used": ([_ago(used.get(e.id, e.created)) for e in entries], "right"),
         "model": ([e.model_id for e in entries], "left"),
         "pages": ([str(e.pages) for e in entries], "right"),
         "bits/ch": ([f"{e.bits_per_channel:.2f}" for e in entries], "right"),
@@ -249,13 +294,15 @@ def _entries_table(entries, width: int) -> Table:
     name_min = 8 + 3
     shown = ["id", "name", "tokens"]
     used = 1 + need["id"] + min(need["name"], name_min) + need["tokens"]
-    for k in ("kv", "on disk", "model", "pages", "bits/ch", "B/token"):
+    for k in ("kv", "on disk", "last used", "model", "pages", "bits/ch", "B/token"):
         if used + need[k] <= width:
             shown.append(k)
             used += need[k]
+    name_room = width - (used - min(need["name"], name_min)) - 3  # its cells, less padding, border
     table = Table()
     for k in [c for c in columns if c in shown]:
         table.add_column(k, justify=columns[k][1], no_wrap=True,
+                         max_width=max(name_room, name_min - 3) if k == "name" else None,
                          overflow="ellipsis" if k in ("name", "model") else "fold")
     for row in zip(*[columns[k][0] for k in columns if k in shown]):
         table.add_row(*row)
@@ -303,6 +350,34 @@ def rm(doc: str = typer.Argument(..., help="Document name or id.")):
     with _boundary():
         e = session.remove_entry(doc)
         err.print(f"removed {escape(e.name)} ({e.id}, {human_bytes(e.bytes)})")
+
+
+@app.command()
+def gc(max_size: Optional[str] = typer.Option(None, "--max-size", help="Evict down to this size (20GB, 500MiB, bytes; 0: all not in use) instead of the budget (LONGCTX_MAX_STORE)."),
+       dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be removed; remove nothing."),
+       as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout.")):
+    """Evict least recently used documents down to the store's budget; clean crash leftovers."""
+    from longctx import session
+
+    with _boundary():
+        cleaned, ev = session.gc(max_size, dry_run)
+        if as_json:
+            out.print_json(json.dumps({"dry_run": dry_run, "budget": ev.budget,
+                                       "bytes_before": ev.bytes_before, "bytes_after": ev.bytes_after,
+                                       "freed": ev.freed, "evicted": _evicted_json(ev),
+                                       "busy": [u.key for u in ev.busy], "cleaned": cleaned}))
+            return
+        verb = "would remove" if dry_run else "removed"
+        for u in ev.removed:
+            for e in u.entries:
+                err.print(f"{verb} {escape(e.name)} ({e.id}, {human_bytes(e.bytes)}, last used "
+                          f"{_ago(u.last_used)})", highlight=False)
+        leftovers = sum(cleaned.values())
+        limit = human_bytes(ev.budget) if ev.budget is not None else "no limit"
+        err.print(f"{'would free' if dry_run else 'freed'} {human_bytes(ev.freed)}: the store "
+                  f"{'would hold' if dry_run else 'holds'} {human_bytes(ev.bytes_after)} of {limit}"
+                  + (f"; {len(ev.busy)} entries in use kept" if ev.busy else "")
+                  + (f"; cleaned {leftovers} crash leftovers" if leftovers else ""), highlight=False)
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks through the product path.")

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from longctx import engine, kvcache, prompt
+from longctx import config, engine, kvcache, prompt
 from longctx.documents import Document, read_document
 from longctx.kvcache.presets import bits_per_channel
-from longctx.errors import CacheCorrupt, CacheMismatch, ConfigError, ContextLengthError
+from longctx.errors import (CacheCorrupt, CacheMismatch, ConfigError, ContextLengthError,
+                            StoreError)
 from longctx.runtime import models
-from longctx.store import Entry, Store, entry_id, layout, rebuild_hint
+from longctx.store import Entry, Store, budget, entry_id, layout, rebuild_hint
 from longctx.store.failpoints import failpoint
 
 Progress = Callable[[int, int], None]
@@ -49,6 +50,8 @@ class IngestResult:
     reused: bool
     stats: engine.PrefillStats | None = None
     empty_pages: tuple[int, ...] = ()  # PDF pages without text (ingested without them)
+    eviction: budget.Eviction | None = None  # what making room after the save removed
+    eviction_error: str = ""  # the store could not be brought within its budget (entry kept)
 
 
 @dataclass
@@ -132,6 +135,7 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
             existing = store.get(p.entry_id)
             if existing and not force and store.verify(existing):
                 store.touch_latest(existing)
+                store.record_use(existing.id)
                 return IngestResult(existing, reused=True, empty_pages=empty)
             failpoint("ingest:locked")
             lm = models.load(p.model)
@@ -165,8 +169,13 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
                                          **kvcache.window_config(cache)}),
                 "document_name": p.document.name,
             }
-            return IngestResult(store.save(entry, arrays, metadata), reused=False, stats=stats,
-                                empty_pages=empty)
+            result = IngestResult(store.save(entry, arrays, metadata), reused=False, stats=stats,
+                                  empty_pages=empty)
+        try:  # the new entry is saved whatever happens here
+            result.eviction = budget.evict(store, keep=(result.entry.id,))
+        except StoreError as err:
+            result.eviction_error = str(err)
+        return result
     finally:
         store.close()
 
@@ -294,6 +303,7 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
         lm = (models.load_light(ref) if entry.question_suffix else None) or models.load(ref)
         # The checksums are computed while the question runs; checked before the first token.
         cache, pending = restore_verifying(entry, lm, store)
+        store.record_use(entry.id)
     finally:
         store.close()
     answer.restore_seconds = time.perf_counter() - start
@@ -352,6 +362,7 @@ def export(doc: str | None, out: str | Path, kv: str = "fp16") -> Path:
         _check_same_model(entry, ref)
         lm = models.load(ref)
         cache = restore(entry, lm, store, answering=False)
+        store.record_use(entry.id)
     finally:
         store.close()
     stock = kvcache.to_mlx_lm(cache, EXPORT_KV[kv])
@@ -373,6 +384,53 @@ def list_entries() -> list[Entry]:
     store = Store()
     try:
         return store.entries()
+    finally:
+        store.close()
+
+
+@dataclass
+class Usage:
+    """The store at a glance (`list`): entries newest first, their last use, size and budget."""
+
+    entries: list[Entry]
+    last_used: dict[str, float]  # entry id -> time (never used since written: its creation)
+    bytes: int
+    budget: int | None  # None: no limit
+
+
+def store_usage() -> Usage:
+    store = Store()
+    try:
+        entries = store.entries()
+        used = store.last_used()
+        total = sum(e.bytes for e in entries)
+        return Usage(entries, {e.id: used.get(e.id, e.created) for e in entries}, total,
+                     budget.budget(store.root, total))
+    finally:
+        store.close()
+
+
+def gc(max_size: str | None = None, dry_run: bool = False) -> tuple[dict[str, int], budget.Eviction]:
+    """Clean crash leftovers, then evict least recently used entries down to the budget.
+
+    Args:
+        max_size: evict down to this size (`20GB`, `500MiB`, bytes; `0`: every entry not in
+            use); None: the configured budget (`LONGCTX_MAX_STORE`).
+        dry_run: change nothing; report what would be removed.
+
+    Returns:
+        (the cleanup's counts, empty when dry; the eviction).
+    """
+    limit: int | None | str = budget.SETTING
+    if max_size is not None:
+        try:
+            limit = config.parse_size(max_size)
+        except ValueError as err:
+            raise ConfigError(f"--max-size {max_size!r} is not valid ({err}).") from None
+    store = Store(cleanup=False)
+    try:
+        cleaned = {} if dry_run else store.cleanup()
+        return cleaned, budget.evict(store, limit, dry_run=dry_run)
     finally:
         store.close()
 

@@ -5,7 +5,12 @@ Layout under `<data dir>/store/` (every directory 0700):
 - `caches/<id>.safetensors`: one cache file per entry (see `format.py`); the name is the entry's
   content address, never anything a user typed;
 - `index/`: a diskcache index of JSON values (`index.py`: nothing is ever unpickled);
-- `locks/<id>.lock`: `fcntl.flock` locks, one per entry id (macOS and Linux).
+- `locks/<id>.lock`: `fcntl.flock` locks, one per entry id (`locks.py`: exclusive for writers
+  and evictors, shared for readers).
+
+The index holds `entry:<id>` (the Entry as JSON), `used:<id>` (when the entry was last asked,
+reused or exported: a key of its own, so recording a use is one small upsert that never
+rewrites the entry) and `latest`. `budget.py` evicts the least recently used entries.
 
 Writers of an entry hold its lock from the moment they decide to build it until the index says so,
 so concurrent ingests of one document build it once and the others reuse it. The order of steps
@@ -19,8 +24,6 @@ entry's lock, so a live writer's files are never touched.
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
 import hashlib
 import os
 import re
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from longctx.errors import CacheCorrupt, EntryNotFound, StoreError
+from longctx.store import locks
 from longctx.paths import subdir
 from longctx.store import format as fmt
 from longctx.store import layout
@@ -197,51 +201,27 @@ class Store:
         with self._guard():
             self.index.delete(key)
 
-    def _entry_keys(self) -> list[str]:
+    def _entry_keys(self, prefix: str = "entry:") -> list[str]:
         with self._guard():
-            return [k for k in self.index.iterkeys() if k.startswith("entry:")]
+            return [k for k in self.index.iterkeys() if k.startswith(prefix)]
 
-    # -- locking ------------------------------------------------------------------------------
-    def _lock_fd(self, eid: str) -> int:
+    # -- locking (see locks.py) ----------------------------------------------------------------
+    def _lock_dir(self, eid: str) -> Path:
         if not _ID.match(eid):
             raise StoreError(f"Invalid entry id {eid!r}.")
-        try:
-            return os.open(self.locks / f"{eid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as err:
-            raise StoreError(f"Cannot create a lock in {self.locks}: {err.strerror or err}.") from err
+        return self.locks
 
-    def _no_locking(self, err: OSError) -> StoreError:
-        return StoreError(f"Cannot lock files in {self.locks} ({err.strerror or err}); the data "
-                          "directory must be on a local disk: set LONGCTX_HOME to one.")
-
-    @contextmanager
-    def lock(self, eid: str) -> Iterator[None]:
+    def lock(self, eid: str):
         """Hold entry `eid`'s exclusive lock (waits for another process holding it)."""
-        fd = self._lock_fd(eid)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as err:
-                raise self._no_locking(err) from err
-            yield
-        finally:
-            os.close(fd)  # releases the lock
+        return locks.exclusive(self._lock_dir(eid), eid)
 
-    @contextmanager
-    def try_lock(self, eid: str) -> Iterator[bool]:
-        """Take entry `eid`'s lock if nobody holds it; yields whether it was taken."""
-        fd = self._lock_fd(eid)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as err:
-                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise self._no_locking(err) from err
-                yield False
-                return
-            yield True
-        finally:
-            os.close(fd)
+    def try_lock(self, eid: str):
+        """Take entry `eid`'s exclusive lock if nobody holds it; yields whether it was taken."""
+        return locks.try_exclusive(self._lock_dir(eid), eid)
+
+    def read_lock(self, eid: str):
+        """Hold entry `eid`'s shared lock while opening its file (yields whether it is held)."""
+        return locks.shared(self._lock_dir(eid), eid)
 
     # -- entries ------------------------------------------------------------------------------
     def cache_path(self, eid: str) -> Path:
@@ -296,12 +276,40 @@ class Store:
                 path.unlink(missing_ok=True)
             raise
         failpoint("save:indexed")
+        self.record_use(entry.id, entry.created)
         self._set("latest", entry.id)
         failpoint("save:done")
         return entry
 
     def touch_latest(self, entry: Entry) -> None:
         self._set("latest", entry.id)
+
+    def record_use(self, eid: str, when: float | None = None) -> bool:
+        """Note that entry `eid` was just used (asked, reused, exported): the eviction order.
+        Best effort: a store that cannot record it (disk full) still answers; returns whether
+        it was recorded."""
+        try:
+            self._set(f"used:{eid}", time.time() if when is None else when)
+            return True
+        except StoreError:
+            return False
+
+    def last_used(self, ids: list[str] | None = None) -> dict[str, float]:
+        """Entry id -> when it was last used, for `ids` (default: all); absent if never recorded."""
+        keys = self._entry_keys("used:") if ids is None else [f"used:{eid}" for eid in ids]
+        values = {key[5:]: self._get(key) for key in keys if _ID.match(key[5:])}
+        return {eid: float(v) for eid, v in values.items() if type(v) in (int, float)}
+
+    def unindex(self, ids: list[str]) -> None:
+        """Drop entries from the index in one transaction (their files stay: delete them next;
+        a crash in between leaves orphan files, which `cleanup` deletes)."""
+        with self._guard():
+            with self.index.transact():
+                for eid in ids:
+                    self.index.delete(f"entry:{eid}")
+                    self.index.delete(f"used:{eid}")
+                if self.index.get("latest") in ids:
+                    self.index.delete("latest")
 
     def check_free_space(self, nbytes: int, what: str) -> None:
         """Raise StoreError unless the store's disk has room for `nbytes` more (plus a margin)."""
@@ -329,14 +337,22 @@ class Store:
         the third value (it raises CacheCorrupt) before anything computed from the arrays is
         shown. Used by `ask`, whose question pass then overlaps the checksums."""
         hint = rebuild_hint(entry)
-        with fmt.open_cache(self.cache_path(entry.id), entry.name, hint) as reader:
-            meta = reader.header.meta
-            if check is not None:
-                check(dict(meta))
-            _check_is_entrys(reader, entry)
-            layout.check(reader.header, entry.name, hint)
-            arrays, pending = reader.arrays_verifying()
-            return arrays, dict(meta), pending
+        path = self.cache_path(entry.id)
+        # Shared while the file is opened and read: an evictor skips the entry meanwhile (the
+        # checks go on after, on a descriptor of their own).
+        with self.read_lock(entry.id):
+            if not path.exists() and self.get(entry.id) is None:
+                raise EntryNotFound(f"'{entry.name}' was removed from the store while it was "
+                                    "being opened (`longctx rm`, or evicted to keep the store "
+                                    "within LONGCTX_MAX_STORE); ingest it again.")
+            with fmt.open_cache(path, entry.name, hint) as reader:
+                meta = reader.header.meta
+                if check is not None:
+                    check(dict(meta))
+                _check_is_entrys(reader, entry)
+                layout.check(reader.header, entry.name, hint)
+                arrays, pending = reader.arrays_verifying()
+                return arrays, dict(meta), pending
 
     def verify(self, entry: Entry) -> bool:
         """Whether the entry's file is complete and intact (reads it all; keeps nothing)."""
@@ -354,9 +370,7 @@ class Store:
         """Unindex the entry, then delete its file (a crash in between leaves only an orphan file,
         which `cleanup` deletes)."""
         with self.lock(entry.id):
-            self._delete(f"entry:{entry.id}")
-            if self._get("latest") == entry.id:
-                self._delete("latest")
+            self.unindex([entry.id])
             failpoint("remove:unindexed")
             self.cache_path(entry.id).unlink(missing_ok=True)
 
@@ -401,6 +415,9 @@ class Store:
                 with self.try_lock(cache.group(1)) as free:
                     if free and self.get(cache.group(1)) is None:
                         done["orphans"] += _unlink(path)
+        for key in self._entry_keys("used:"):  # a use recorded as its entry was evicted
+            if key[5:] not in known and self.get(key[5:]) is None:
+                self._delete(key)
         for eid, entry in known.items():
             if not self.cache_path(eid).exists():
                 with self.try_lock(eid) as free:
