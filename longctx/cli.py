@@ -24,6 +24,8 @@ from rich.table import Table
 import longctx
 from longctx.errors import LongctxError
 from longctx.kvcache.presets import DEFAULT_PRESET
+from longctx.cli_render import ago, evicted_json
+from longctx.cli_render import entries_table as _entries_table
 from longctx.units import human_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -190,7 +192,7 @@ def ingest(file: str = typer.Argument(..., help="PDF, text or markdown file."),
         _warn_budget(result)
         if as_json:
             out.print_json(json.dumps({**e.to_json(), "reused": result.reused,
-                                       "evicted": _evicted_json(result.eviction)}))
+                                       "evicted": evicted_json(result.eviction)}))
 
 
 def _warn_budget(result) -> None:
@@ -210,11 +212,6 @@ def _warn_budget(result) -> None:
         names = ", ".join(escape(u.entries[0].name) for u in ev.removed[:5])
         err.print(f"evicted {len(ev.removed)} least recently used ({names}{', ...' if len(ev.removed) > 5 else ''}), "
                   f"freed {human_bytes(ev.freed)}", highlight=False, soft_wrap=True)
-
-
-def _evicted_json(ev) -> list[dict]:
-    return [{"id": u.key, "names": [e.name for e in u.entries], "ids": [e.id for e in u.entries],
-             "bytes": u.bytes, "last_used": u.last_used} for u in (ev.removed if ev else [])]
 
 
 @app.command()
@@ -256,57 +253,11 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
                                        for e in usage.entries]))
             return
         out.print(_entries_table(usage.entries, out.width, usage.last_used))
-        limit = human_bytes(usage.budget) if usage.budget is not None else "no limit"
-        out.print(f"{len(usage.entries)} entries, {human_bytes(usage.bytes)} of {limit} "
+        n = len(usage.entries)
+        limit = (f"of a {human_bytes(usage.budget)} budget" if usage.budget is not None
+                 else "with no budget")
+        out.print(f"{n} entr{'y' if n == 1 else 'ies'}, {human_bytes(usage.bytes)} {limit} "
                   "(LONGCTX_MAX_STORE)", highlight=False)
-
-
-def _ago(when: float, now: float | None = None) -> str:
-    """Seconds since `when` as `just now`, `5 min ago`, `3 h ago`, `2 d ago`."""
-    import time
-
-    s = max(0.0, (time.time() if now is None else now) - when)
-    if s < 60:
-        return "just now"
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if s >= size:
-            return f"{int(s // size)} {unit} ago"
-    return "just now"
-
-
-def _entries_table(entries, width: int, last_used: dict[str, float] | None = None) -> Table:
-    """`list`'s table in `width` columns: the optional columns that fit, most useful first; the
-    name column shrinks (ellipsis) before the id, which never wraps. `--json` has every field."""
-    used = last_used or {}
-    columns = {  # name -> (cells, justify); id, name and tokens always shown
-        "id": ([e.id for e in entries], "left"),
-        "name": ([e.name for e in entries], "left"),
-        "tokens": ([f"{e.tokens:,}" for e in entries], "right"),
-        "kv": ([e.kv_preset for e in entries], "left"),
-        "on disk": ([human_bytes(e.bytes) for e in entries], "right"),
-        "last used": ([_ago(used.get(e.id, e.created)) for e in entries], "right"),
-        "model": ([e.model_id for e in entries], "left"),
-        "pages": ([str(e.pages) for e in entries], "right"),
-        "bits/ch": ([f"{e.bits_per_channel:.2f}" for e in entries], "right"),
-        "B/token": ([f"{e.bytes_per_token:,.0f}" for e in entries], "right"),
-    }
-    need = {k: max([len(k)] + [len(c) for c in cells]) + 3 for k, (cells, _) in columns.items()}
-    name_min = 8 + 3
-    shown = ["id", "name", "tokens"]
-    used = 1 + need["id"] + min(need["name"], name_min) + need["tokens"]
-    for k in ("kv", "on disk", "last used", "model", "pages", "bits/ch", "B/token"):
-        if used + need[k] <= width:
-            shown.append(k)
-            used += need[k]
-    name_room = width - (used - min(need["name"], name_min)) - 3  # its cells, less padding, border
-    table = Table()
-    for k in [c for c in columns if c in shown]:
-        table.add_column(k, justify=columns[k][1], no_wrap=True,
-                         max_width=max(name_room, name_min - 3) if k == "name" else None,
-                         overflow="ellipsis" if k in ("name", "model") else "fold")
-    for row in zip(*[columns[k][0] for k in columns if k in shown]):
-        table.add_row(*row)
-    return table
 
 
 @app.command()
@@ -364,14 +315,14 @@ def gc(max_size: Optional[str] = typer.Option(None, "--max-size", help="Evict do
         if as_json:
             out.print_json(json.dumps({"dry_run": dry_run, "budget": ev.budget,
                                        "bytes_before": ev.bytes_before, "bytes_after": ev.bytes_after,
-                                       "freed": ev.freed, "evicted": _evicted_json(ev),
+                                       "freed": ev.freed, "evicted": evicted_json(ev),
                                        "busy": [u.key for u in ev.busy], "cleaned": cleaned}))
             return
         verb = "would remove" if dry_run else "removed"
         for u in ev.removed:
             for e in u.entries:
                 err.print(f"{verb} {escape(e.name)} ({e.id}, {human_bytes(e.bytes)}, last used "
-                          f"{_ago(u.last_used)})", highlight=False)
+                          f"{ago(u.last_used)})", highlight=False)
         leftovers = sum(cleaned.values())
         limit = human_bytes(ev.budget) if ev.budget is not None else "no limit"
         err.print(f"{'would free' if dry_run else 'freed'} {human_bytes(ev.freed)}: the store "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -380,34 +381,24 @@ def export(doc: str | None, out: str | Path, kv: str = "fp16") -> Path:
     return out
 
 
+@contextmanager
+def _opened(cleanup: bool = True) -> Iterator[Store]:
+    store = Store(cleanup=cleanup)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
 def list_entries() -> list[Entry]:
-    store = Store()
-    try:
+    with _opened() as store:
         return store.entries()
-    finally:
-        store.close()
 
 
-@dataclass
-class Usage:
-    """The store at a glance (`list`): entries newest first, their last use, size and budget."""
-
-    entries: list[Entry]
-    last_used: dict[str, float]  # entry id -> time (never used since written: its creation)
-    bytes: int
-    budget: int | None  # None: no limit
-
-
-def store_usage() -> Usage:
-    store = Store()
-    try:
-        entries = store.entries()
-        used = store.last_used()
-        total = sum(e.bytes for e in entries)
-        return Usage(entries, {e.id: used.get(e.id, e.created) for e in entries}, total,
-                     budget.budget(store.root, total))
-    finally:
-        store.close()
+def store_usage() -> budget.Usage:
+    """Every entry with its last use, the store's size and its budget (`list`)."""
+    with _opened() as store:
+        return budget.usage(store)
 
 
 def gc(max_size: str | None = None, dry_run: bool = False) -> tuple[dict[str, int], budget.Eviction]:
@@ -427,27 +418,17 @@ def gc(max_size: str | None = None, dry_run: bool = False) -> tuple[dict[str, in
             limit = config.parse_size(max_size)
         except ValueError as err:
             raise ConfigError(f"--max-size {max_size!r} is not valid ({err}).") from None
-    store = Store(cleanup=False)
-    try:
-        cleaned = {} if dry_run else store.cleanup()
-        return cleaned, budget.evict(store, limit, dry_run=dry_run)
-    finally:
-        store.close()
+    with _opened(cleanup=False) as store:
+        return ({} if dry_run else store.cleanup()), budget.evict(store, limit, dry_run=dry_run)
 
 
 def find_entry(doc: str | None) -> Entry:
-    store = Store()
-    try:
+    with _opened() as store:
         return store.find(doc)
-    finally:
-        store.close()
 
 
 def remove_entry(doc: str) -> Entry:
-    store = Store()
-    try:
+    with _opened() as store:
         entry = store.find(doc)
         store.remove(entry)
         return entry
-    finally:
-        store.close()

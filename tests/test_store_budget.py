@@ -18,7 +18,8 @@ import pytest
 from typer.testing import CliRunner
 
 from longctx import config, session
-from longctx.cli import _ago, _entries_table, app
+from longctx.cli import app
+from longctx.cli_render import ago, entries_table
 from longctx.errors import ConfigError, EntryNotFound
 from longctx.store import Entry, Store, budget
 
@@ -251,7 +252,7 @@ def test_list_shows_size_last_use_and_the_total_in_80_columns(monkeypatch):
     assert max(len(ln) for ln in lines) <= 80 and len(lines) == 7  # table of 2 rows + total
     assert "on disk" in lines[1] and "last used" in lines[1]
     assert "3 h ago" in lines[4] and "3.0 MiB" in lines[4] and "just now" in lines[3]
-    assert lines[-1] == "2 entries, 4.0 MiB of 20.0 GiB (LONGCTX_MAX_STORE)"
+    assert lines[-1] == "2 entries, 4.0 MiB of a 20.0 GiB budget (LONGCTX_MAX_STORE)"
     listed = json.loads(_invoke("list", "--json").stdout)
     assert [e["name"] for e in listed] == ["b.txt", "a-rather-long-document-name-for-the-table.pdf"]
     assert abs(listed[1]["last_used"] - (now - 3 * 3600 - 5)) < 1 and listed[0]["bytes"] >= MiB
@@ -265,14 +266,14 @@ def test_list_table_fits_with_the_last_used_column(width):
     store = Store()
     entries = [_put(store, "report.pdf", MiB, used=time.time() - 50000)]
     console = Console(width=width, record=True, file=open(os.devnull, "w"))
-    console.print(_entries_table(entries, width, store.last_used()))
+    console.print(entries_table(entries, width, store.last_used()))
     lines = console.export_text().splitlines()
     assert max(len(ln) for ln in lines) <= width and len(lines) == 5
     assert ("13 h ago" in lines[3]) == (width >= 80)
 
 
 def test_relative_times():
-    assert [_ago(1000 - s, now=1000) for s in (5, 61, 3 * 3600 + 1, 3 * 86400)] == [
+    assert [ago(1000 - s, now=1000) for s in (5, 61, 3 * 3600 + 1, 3 * 86400)] == [
         "just now", "1 min ago", "3 h ago", "3 d ago"]
 
 

@@ -45,9 +45,6 @@ from longctx.store.failpoints import failpoint
 from longctx.store.index import IndexCorrupt, open_index
 
 _ID = re.compile(r"^[0-9a-f]{16}$")
-_CACHE_NAME = re.compile(r"^([0-9a-f]{16})\.safetensors$")
-_TEMP_NAME = re.compile(r"^\.tmp-(?:([0-9a-f]{16})-)?(\d+)-")
-STALE_TEMP_SECONDS = 60  # a temp file no lock vouches for, untouched this long, is abandoned
 
 
 @dataclass(frozen=True)
@@ -121,16 +118,6 @@ def _private_dir(path: Path) -> Path:
     if path.stat().st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 class Store:
@@ -376,55 +363,14 @@ class Store:
 
     # -- recovery -----------------------------------------------------------------------------
     def cleanup(self) -> dict[str, int]:
-        """Remove what crashed processes left: temp files, files no entry names, entries whose file
-        is gone, unreadable entries. Only under the entry's lock, so live writers are untouched.
+        """Remove what crashed processes left (see `recovery.cleanup`, which this runs).
 
         Returns:
             counts by kind ("temps", "orphans", "dangling", "invalid").
         """
-        done = {"temps": 0, "orphans": 0, "dangling": 0, "invalid": 0}
-        known: dict[str, Entry] = {}
-        for key in self._entry_keys():
-            with self._guard():
-                try:
-                    value = self.index.get(key)
-                except (ValueError, zlib.error):  # IndexCorrupt too: e.g. a row asking to be
-                    value = {}  # unpickled is never read, only dropped
-            entry = Entry.from_json(value)
-            if entry is not None and key == f"entry:{entry.id}":
-                known[entry.id] = entry
-            elif value is not None:
-                self._delete(key)
-                done["invalid"] += 1
-        try:
-            names = os.listdir(self.caches)
-        except OSError:
-            names = []
-        for name in names:
-            path = self.caches / name
-            temp, cache = _TEMP_NAME.match(name), _CACHE_NAME.match(name)
-            if temp and temp.group(1):
-                with self.try_lock(temp.group(1)) as free:
-                    if free:  # its writer would hold the lock until the rename
-                        done["temps"] += _unlink(path)
-            elif temp or name.startswith(fmt.TEMP_PREFIX):
-                pid = int(temp.group(2)) if temp else None
-                if (pid is not None and not _pid_alive(pid)) or _age(path) > STALE_TEMP_SECONDS:
-                    done["temps"] += _unlink(path)
-            elif cache and cache.group(1) not in known:
-                with self.try_lock(cache.group(1)) as free:
-                    if free and self.get(cache.group(1)) is None:
-                        done["orphans"] += _unlink(path)
-        for key in self._entry_keys("used:"):  # a use recorded as its entry was evicted
-            if key[5:] not in known and self.get(key[5:]) is None:
-                self._delete(key)
-        for eid, entry in known.items():
-            if not self.cache_path(eid).exists():
-                with self.try_lock(eid) as free:
-                    if free and not self.cache_path(eid).exists():
-                        self._delete(f"entry:{eid}")
-                        done["dangling"] += 1
-        return done
+        from longctx.store import recovery
+
+        return recovery.cleanup(self)
 
 
 _IDENTITY = ("document_sha256", "tokens", "model_id", "weights_sha256", "tokenizer_sha256")
@@ -437,20 +383,3 @@ def _check_is_entrys(reader: fmt.Reader, entry: Entry) -> None:
     if differ:
         raise reader.corrupt(f"the file is not this entry's: its {', '.join(differ)} differ "
                              f"(it holds '{meta.get('document_name', '?')}', {meta['tokens']} tokens)")
-
-
-def _age(path: Path) -> float:
-    try:
-        return time.time() - path.stat().st_mtime
-    except OSError:
-        return 0.0
-
-
-def _unlink(path: Path) -> int:
-    try:
-        path.unlink()
-        return 1
-    except FileNotFoundError:
-        return 0
-    except OSError:
-        return 0

@@ -97,8 +97,22 @@ def units(entries: list[Entry], used: dict[str, float]) -> list[Unit]:
     return sorted(out, key=lambda u: (u.last_used, u.key))
 
 
-def store_bytes(store: Store) -> int:
-    return sum(e.bytes for e in store.entries())
+@dataclass
+class Usage:
+    """The store at a glance (`list`): entries newest first, their last use, size and budget."""
+
+    entries: list[Entry]
+    last_used: dict[str, float]  # entry id -> time (never used since written: its creation)
+    bytes: int
+    budget: int | None  # None: no limit
+
+
+def usage(store: Store) -> Usage:
+    entries = store.entries()
+    used = store.last_used()
+    total = sum(e.bytes for e in entries)
+    return Usage(entries, {e.id: used.get(e.id, e.created) for e in entries}, total,
+                 budget(store.root, total))
 
 
 def evict(store: Store, limit: int | None | str = SETTING, keep: tuple[str, ...] = (),
