@@ -116,6 +116,8 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
            force: bool = False, password: str | None = None,
            progress: Progress | None = None, chunk: int = engine.DEFAULT_CHUNK) -> IngestResult:
     """Prefill a document once into a cache and persist it; reuse an identical earlier entry.
+    After a save, least recently used entries are evicted to keep the store within its budget
+    (`LONGCTX_MAX_STORE`; the new entry is kept even if it alone is over): `result.eviction`.
 
     Args:
         path: PDF, text or markdown file.

@@ -5,6 +5,7 @@ a crash in the middle of an eviction."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -29,7 +30,7 @@ MiB = 2**20
 
 def _put(store: Store, name: str, nbytes: int, used: float | None = None) -> Entry:
     """An entry whose cache file holds about `nbytes` (no model involved), last used at `used`."""
-    eid = f"{abs(hash(name)) % 16**16:016x}"
+    eid = hashlib.sha256(name.encode()).hexdigest()[:16]
     entry = Entry(id=eid, name=name, path=f"/docs/{name}", document_sha256="d" * 64, kind="text",
                   pages=1, tokens=nbytes // 4, model_id="tiny/model-with-a-long-name",
                   model_spec="tiny", weights_sha256="w" * 64, tokenizer_sha256="t" * 64,
@@ -204,11 +205,22 @@ def test_ingest_evicts_after_saving_and_ask_counts_as_use(tiny_model, tmp_path, 
         docs[-1].write_text(f"The {word} keeper is number {i}.\n" * 8)
     a = session.ingest(docs[0], model=str(tiny_model)).entry
     b = session.ingest(docs[1], model=str(tiny_model)).entry
+    store = Store(cleanup=False)
+    before = store.last_used()
+    assert session.ingest(docs[1], model=str(tiny_model)).reused  # a reuse is a use
     assert "".join(session.ask("Who?", doc=a.id, max_tokens=2)) is not None  # a: used after b
+    after = store.last_used()
+    assert before[b.id] < after[b.id] < after[a.id]
+    store.close()
     monkeypatch.setenv("LONGCTX_MAX_STORE", str(a.bytes + b.bytes + a.bytes // 2))
     c = session.ingest(docs[2], model=str(tiny_model))
     assert [u.key for u in c.eviction.removed] == [b.id] and not c.eviction.over_budget
     assert sorted(e.id for e in session.list_entries()) == sorted([a.id, c.entry.id])
+    store = Store(cleanup=False)
+    before = store.last_used()[a.id]
+    session.export(a.id, tmp_path / "a.safetensors")  # an export is a use
+    assert store.last_used()[a.id] > before
+    store.close()
     monkeypatch.setenv("LONGCTX_MAX_STORE", "1")  # the new entry alone is over: kept, and said
     result = CliRunner().invoke(app, ["ingest", str(docs[1]), "--model", str(tiny_model)])
     assert result.exit_code == 0, result.output

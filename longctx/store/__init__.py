@@ -37,10 +37,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from longctx.errors import CacheCorrupt, EntryNotFound, StoreError
-from longctx.store import locks
 from longctx.paths import subdir
 from longctx.store import format as fmt
-from longctx.store import layout
+from longctx.store import layout, locks
 from longctx.store.failpoints import failpoint
 from longctx.store.index import IndexCorrupt, open_index
 

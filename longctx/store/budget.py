@@ -82,7 +82,10 @@ def budget(root: Path, store_bytes: int) -> int | None:
     `default_budget`."""
     value = config.get("max_store")
     if value is None:
-        return default_budget(root, store_bytes)
+        try:
+            return default_budget(root, store_bytes)
+        except OSError:  # the disk's size is unknown: no limit rather than a guess
+            return None
     return value or None
 
 
