@@ -24,6 +24,8 @@ from rich.table import Table
 import longctx
 from longctx.errors import LongctxError
 from longctx.kvcache.presets import DEFAULT_PRESET
+from longctx.cli_render import ago, evicted_json, unit_name
+from longctx.cli_render import entries_table as _entries_table
 from longctx.units import human_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -189,8 +191,29 @@ def ingest(files: list[str] = typer.Argument(..., help="PDF, text or markdown fi
             err.print(f"[green]ingested[/green] {escape(e.name)} as {e.id}: {e.tokens:,} tokens{what} in {s.seconds:.1f} s "
                       f"({s.tokens_per_second:,.0f} tok/s), peak memory {human_bytes(s.peak_bytes)}, "
                       f"cache {human_bytes(e.bytes)} ({e.bytes_per_token:,.0f} B/token)")
+        _warn_budget(result)
         if as_json:
-            out.print_json(json.dumps({**e.to_json(), "reused": result.reused}))
+            out.print_json(json.dumps({**e.to_json(), "reused": result.reused,
+                                       "evicted": evicted_json(result.eviction)}))
+
+
+def _warn_budget(result) -> None:
+    """One yellow line if the store could not be brought within its budget."""
+    ev, e = result.eviction, result.entry
+    if result.eviction_error:
+        err.print(f"[yellow]warning:[/yellow] {escape(e.name)} is saved, but the store could not "
+                  f"be trimmed to its budget: {escape(result.eviction_error)}", highlight=False,
+                  soft_wrap=True)
+    elif ev is not None and ev.over_budget:
+        why = (f"the cache of {escape(e.name)} alone ({human_bytes(e.bytes)}) exceeds it; kept it"
+               if e.bytes > ev.budget else f"{len(ev.busy)} entries in use were kept")
+        err.print(f"[yellow]warning:[/yellow] the store holds {human_bytes(ev.bytes_after)}, over "
+                  f"its budget of {human_bytes(ev.budget)} (LONGCTX_MAX_STORE): {why}",
+                  highlight=False, soft_wrap=True)
+    if ev is not None and ev.removed:
+        names = ", ".join(escape(unit_name(u)) for u in ev.removed[:5])
+        err.print(f"evicted {len(ev.removed)} least recently used ({names}{', ...' if len(ev.removed) > 5 else ''}), "
+                  f"freed {human_bytes(ev.freed)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -233,42 +256,17 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     from longctx import session
 
     with _boundary():
-        entries = session.list_entries()
+        usage = session.store_usage()
         if as_json:
-            out.print_json(json.dumps([e.to_json() for e in entries]))
+            out.print_json(json.dumps([{**e.to_json(), "last_used": usage.last_used[e.id]}
+                                       for e in usage.entries]))
             return
-        out.print(_entries_table(entries, out.width))
-
-
-def _entries_table(entries, width: int) -> Table:
-    """`list`'s table in `width` columns: the optional columns that fit, most useful first; the
-    name column shrinks (ellipsis) before the id, which never wraps. `--json` has every field."""
-    columns = {  # name -> (cells, justify); id, name and tokens always shown
-        "id": ([e.id for e in entries], "left"),
-        "name": ([e.name for e in entries], "left"),
-        "tokens": ([f"{e.tokens:,}" for e in entries], "right"),
-        "kv": ([e.kv_preset for e in entries], "left"),
-        "on disk": ([human_bytes(e.bytes) for e in entries], "right"),
-        "model": ([e.model_id for e in entries], "left"),
-        "pages": ([str(e.pages) for e in entries], "right"),
-        "bits/ch": ([f"{e.bits_per_channel:.2f}" for e in entries], "right"),
-        "B/token": ([f"{e.bytes_per_token:,.0f}" for e in entries], "right"),
-    }
-    need = {k: max([len(k)] + [len(c) for c in cells]) + 3 for k, (cells, _) in columns.items()}
-    name_min = 8 + 3
-    shown = ["id", "name", "tokens"]
-    used = 1 + need["id"] + min(need["name"], name_min) + need["tokens"]
-    for k in ("kv", "on disk", "model", "pages", "bits/ch", "B/token"):
-        if used + need[k] <= width:
-            shown.append(k)
-            used += need[k]
-    table = Table()
-    for k in [c for c in columns if c in shown]:
-        table.add_column(k, justify=columns[k][1], no_wrap=True,
-                         overflow="ellipsis" if k in ("name", "model") else "fold")
-    for row in zip(*[columns[k][0] for k in columns if k in shown]):
-        table.add_row(*row)
-    return table
+        out.print(_entries_table(usage.entries, out.width, usage.last_used))
+        n = len(usage.entries)
+        limit = (f"of a {human_bytes(usage.budget)} budget" if usage.budget is not None
+                 else "with no budget")
+        out.print(f"{n} entr{'y' if n == 1 else 'ies'}, {human_bytes(usage.bytes)} {limit} "
+                  "(LONGCTX_MAX_STORE)", highlight=False)
 
 
 @app.command()
@@ -319,6 +317,33 @@ def rm(doc: str = typer.Argument(..., help="Document name or id.")):
     with _boundary():
         e = session.remove_entry(doc)
         err.print(f"removed {escape(e.name)} ({e.id}, {human_bytes(e.bytes)})")
+
+
+@app.command()
+def gc(max_size: Optional[str] = typer.Option(None, "--max-size", help="Evict down to this size (20GB, 500MiB, bytes; 0: all not in use) instead of the budget (LONGCTX_MAX_STORE)."),
+       dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be removed; remove nothing."),
+       as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout.")):
+    """Evict least recently used documents down to the store's budget; clean crash leftovers."""
+    from longctx import session
+
+    with _boundary():
+        cleaned, ev = session.gc(max_size, dry_run)
+        if as_json:
+            out.print_json(json.dumps({"dry_run": dry_run, "budget": ev.budget,
+                                       "bytes_before": ev.bytes_before, "bytes_after": ev.bytes_after,
+                                       "freed": ev.freed, "evicted": evicted_json(ev),
+                                       "busy": [u.key for u in ev.busy], "cleaned": cleaned}))
+            return
+        verb = "would remove" if dry_run else "removed"
+        for u in ev.removed:
+            err.print(f"{verb} {escape(unit_name(u))} ({u.key}, {human_bytes(u.bytes)}, last used "
+                      f"{ago(u.last_used)})", highlight=False)
+        leftovers = sum(cleaned.values())
+        limit = human_bytes(ev.budget) if ev.budget is not None else "no limit"
+        err.print(f"{'would free' if dry_run else 'freed'} {human_bytes(ev.freed)}: the store "
+                  f"{'would hold' if dry_run else 'holds'} {human_bytes(ev.bytes_after)} of {limit}"
+                  + (f"; {len(ev.busy)} entries in use kept" if ev.busy else "")
+                  + (f"; cleaned {leftovers} crash leftovers" if leftovers else ""), highlight=False)
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks through the product path.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -44,6 +45,32 @@ def _megabytes(raw: str) -> int:
     if value < 0:
         raise ValueError("expected a size in MiB >= 0")
     return int(value * 2**20)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(raw: str) -> int | None:
+    """A size in bytes: `20GB` (powers of 1000), `500MiB` or `500M` (powers of 1024), `123`
+    (bytes); None for `none`, `unlimited` or `off`.
+
+    Raises:
+        ValueError: not a size.
+    """
+    if raw.strip().lower() in ("none", "unlimited", "off"):
+        return None
+    m = _SIZE.match(raw)
+    if not m or (m.group(3) and not m.group(2)) or (m.group(3) and not m.group(4)):
+        raise ValueError("expected a size such as 20GB, 500MiB, 1073741824, or 0/none for no limit")
+    number, prefix, binary, unit = m.groups()
+    power = "kmgtp".index(prefix.lower()) + 1 if prefix else 0
+    base = 1000 if unit and not binary else 1024  # `20GB`: decimal; `20G`, `20GiB`: binary
+    return int(float(number) * base ** power)
+
+
+def _budget(raw: str) -> int:
+    """`LONGCTX_MAX_STORE`: bytes, 0 for no limit (`0`, `none`)."""
+    return parse_size(raw) or 0
 
 
 def _count(raw: str) -> int:
@@ -85,6 +112,10 @@ SETTINGS: dict[str, Setting] = {
     "ranker": Setting("LONGCTX_RANKER", _choice("bm25", "model"), "bm25",
                       "how `ask` picks the segments of a long document: lexical (bm25) or the "
                       "model's question likelihood over BM25's best 4 (model)"),
+    "max_store": Setting("LONGCTX_MAX_STORE", _budget, None,
+                         "most bytes the store keeps (20GB, 500MiB, bytes; 0 or none: no limit); "
+                         "ingest then evicts the least recently asked entries (default: 25% of "
+                         "its disk, at most the store plus half the free space)"),
     "failpoint": Setting("LONGCTX_FAILPOINT", str, None,
                          "tests only: a named crash point, <point>[:kill, :stop or :enospc]"),
 }

@@ -23,9 +23,10 @@ from typing import Iterator, Sequence
 
 from longctx import config, engine, estimate, kvcache, prompt, retrieval, segments as seg
 from longctx.documents import TEXT_SUFFIXES, Document, read_document
-from longctx.errors import ConfigError, ContextLengthError, DocumentError, EntryNotFound
+from longctx.errors import (ConfigError, ContextLengthError, DocumentError, EntryNotFound,
+                             StoreError)
 from longctx.runtime import models
-from longctx.store import Entry, Store, entry_id, groups
+from longctx.store import Entry, Store, budget, entry_id, groups
 from longctx.store.groups import Group
 
 SUFFIXES = (".pdf", *TEXT_SUFFIXES)
@@ -54,7 +55,13 @@ class SetResult:
     reused: bool
     stats: engine.PrefillStats | None = None
     built: int = 0  # segments prefilled now (the rest were reused)
-    empty_pages: dict | None = None  # file name -> pages without text
+    empty_pages: dict | None = None  # file name -> (pages, pages without text)
+    eviction: object = None  # budget.Eviction after the save
+    eviction_error: str = ""
+
+    @property
+    def entry(self) -> Entry | Group:
+        return self.target
 
 
 def expand(paths: Sequence[str | Path]) -> list[Path]:
@@ -146,7 +153,8 @@ def ingest_files(paths: Sequence[str | Path], name: str | None = None, model: st
         try:
             r = session.ingest(files[0], model, preset, force, password, progress, chunk)
             return SetResult(r.entry, r.reused, r.stats, 0 if r.reused else 1,
-                             {r.entry.name: (r.entry.pages, r.empty_pages)} if r.empty_pages else None)
+                             {r.entry.name: (r.entry.pages, r.empty_pages)} if r.empty_pages else None,
+                             getattr(r, "eviction", None), getattr(r, "eviction_error", ""))
         except ContextLengthError:
             pass  # too long for one cache: segments
     p = plan(files, name, model, preset, password)
@@ -204,7 +212,12 @@ def ingest_files(paths: Sequence[str | Path], name: str | None = None, model: st
                 question_suffix=p.question_suffix)
             group = groups.save(store, group, saved)
             stats = engine.PrefillStats(total, seconds, peak) if built else None
-            return SetResult(group, False, stats, built, empty or None)
+            result = SetResult(group, False, stats, built, empty or None)
+        try:  # the new group is saved whatever happens here
+            result.eviction = budget.evict(store, keep=(group.id, *group.segment_ids))
+        except StoreError as err:
+            result.eviction_error = str(err)
+        return result
     finally:
         store.close()
 
@@ -359,6 +372,7 @@ def ask_group(group: Group, question: str, model: str | None, max_tokens: int,
             restored.pop(j)[1].wait()
         for i in chosen:
             load(i)
+            store.record_use(entries[i].id)
     finally:
         store.close()
     answer.restore_seconds = time.perf_counter() - start

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from longctx import engine, kvcache, prompt
+from longctx import config, engine, kvcache, prompt
 from longctx.documents import Document, read_document
 from longctx.kvcache.presets import bits_per_channel
-from longctx.errors import CacheCorrupt, CacheMismatch, ConfigError, ContextLengthError
+from longctx.errors import (CacheCorrupt, CacheMismatch, ConfigError, ContextLengthError,
+                            StoreError)
 from longctx.runtime import models
-from longctx.store import Entry, Store, entry_id, layout, rebuild_hint
+from longctx.store import Entry, Store, budget, entry_id, layout, rebuild_hint
 from longctx.store.failpoints import failpoint
 
 Progress = Callable[[int, int], None]
@@ -53,6 +55,8 @@ class IngestResult:
     reused: bool
     stats: engine.PrefillStats | None = None
     empty_pages: tuple[int, ...] = ()  # PDF pages without text (ingested without them)
+    eviction: budget.Eviction | None = None  # what making room after the save removed
+    eviction_error: str = ""  # the store could not be brought within its budget (entry kept)
 
 
 @dataclass
@@ -119,6 +123,8 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
            force: bool = False, password: str | None = None,
            progress: Progress | None = None, chunk: int = engine.DEFAULT_CHUNK) -> IngestResult:
     """Prefill a document once into a cache and persist it; reuse an identical earlier entry.
+    After a save, least recently used entries are evicted to keep the store within its budget
+    (`LONGCTX_MAX_STORE`; the new entry is kept even if it alone is over): `result.eviction`.
 
     Args:
         path: PDF, text or markdown file.
@@ -142,6 +148,7 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
             existing = store.get(p.entry_id)
             if existing and not force and store.verify(existing):
                 store.touch_latest(existing)
+                store.record_use(existing.id)
                 return IngestResult(existing, reused=True, empty_pages=empty)
             failpoint("ingest:locked")
             lm = models.load(p.model)
@@ -151,7 +158,12 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
                 document_sha256=p.document.sha256, kind=p.document.kind,
                 pages=p.document.pages, question_suffix=p.question_suffix,
                 progress=progress, chunk=chunk)
-            return IngestResult(entry, reused=False, stats=stats, empty_pages=empty)
+            result = IngestResult(entry, reused=False, stats=stats, empty_pages=empty)
+        try:  # the new entry is saved whatever happens here
+            result.eviction = budget.evict(store, keep=(result.entry.id,))
+        except StoreError as err:
+            result.eviction_error = str(err)
+        return result
     finally:
         store.close()
 
@@ -330,6 +342,7 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
         lm = (models.load_light(ref) if entry.question_suffix else None) or models.load(ref)
         # The checksums are computed while the question runs; checked before the first token.
         cache, pending = restore_verifying(entry, lm, store)
+        store.record_use(entry.id)
     finally:
         store.close()
     answer.restore_seconds = time.perf_counter() - start
@@ -411,6 +424,7 @@ def export(doc: str | None, out: str | Path, kv: str = "fp16") -> Path:
         _check_same_model(entry, ref)
         lm = models.load(ref)
         cache = restore(entry, lm, store, answering=False)
+        store.record_use(entry.id)
     finally:
         store.close()
     stock = kvcache.to_mlx_lm(cache, EXPORT_KV[kv])
@@ -428,28 +442,58 @@ def export(doc: str | None, out: str | Path, kv: str = "fp16") -> Path:
     return out
 
 
+@contextmanager
+def _opened(cleanup: bool = True) -> Iterator[Store]:
+    store = Store(cleanup=cleanup)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
 def list_entries() -> list:
     """Ingested documents, newest first: entries and groups (segmented documents, collections);
     a group's segments are listed through it (`info`), not here."""
     from longctx.store import groups
 
-    store = Store()
-    try:
+    with _opened() as store:
         items = [*groups.groups(store), *(e for e in store.entries() if not e.group)]
         return sorted(items, key=lambda t: t.created, reverse=True)
-    finally:
-        store.close()
+
+
+def store_usage() -> budget.Usage:
+    """Every entry with its last use, the store's size and its budget (`list`)."""
+    with _opened() as store:
+        return budget.usage(store)
+
+
+def gc(max_size: str | None = None, dry_run: bool = False) -> tuple[dict[str, int], budget.Eviction]:
+    """Clean crash leftovers, then evict least recently used entries down to the budget.
+
+    Args:
+        max_size: evict down to this size (`20GB`, `500MiB`, bytes; `0`: every entry not in
+            use); None: the configured budget (`LONGCTX_MAX_STORE`).
+        dry_run: change nothing; report what would be removed.
+
+    Returns:
+        (the cleanup's counts, empty when dry; the eviction).
+    """
+    limit: int | None | str = budget.SETTING
+    if max_size is not None:
+        try:
+            limit = config.parse_size(max_size)
+        except ValueError as err:
+            raise ConfigError(f"--max-size {max_size!r} is not valid ({err}).") from None
+    with _opened(cleanup=False) as store:
+        return ({} if dry_run else store.cleanup()), budget.evict(store, limit, dry_run=dry_run)
 
 
 def find_entry(doc: str | None):
     """The entry or group named `doc` (None: the latest)."""
     from longctx import multidoc
 
-    store = Store()
-    try:
+    with _opened() as store:
         return multidoc.find(store, doc)
-    finally:
-        store.close()
 
 
 def remove_entry(doc: str):
@@ -457,13 +501,10 @@ def remove_entry(doc: str):
     from longctx import multidoc
     from longctx.store import groups
 
-    store = Store()
-    try:
+    with _opened() as store:
         target = multidoc.find(store, doc)
         if isinstance(target, groups.Group):
             groups.remove(store, target)
         else:
             store.remove(target)
         return target
-    finally:
-        store.close()

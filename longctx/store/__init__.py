@@ -5,7 +5,12 @@ Layout under `<data dir>/store/` (every directory 0700):
 - `caches/<id>.safetensors`: one cache file per entry (see `format.py`); the name is the entry's
   content address, never anything a user typed;
 - `index/`: a diskcache index of JSON values (`index.py`: nothing is ever unpickled);
-- `locks/<id>.lock`: `fcntl.flock` locks, one per entry id (macOS and Linux).
+- `locks/<id>.lock`: `fcntl.flock` locks, one per entry id (`locks.py`: exclusive for writers
+  and evictors, shared for readers).
+
+The index holds `entry:<id>` (the Entry as JSON), `used:<id>` (when the entry was last asked,
+reused or exported: a key of its own, so recording a use is one small upsert that never
+rewrites the entry) and `latest`. `budget.py` evicts the least recently used entries.
 
 Writers of an entry hold its lock from the moment they decide to build it until the index says so,
 so concurrent ingests of one document build it once and the others reuse it. The order of steps
@@ -19,8 +24,6 @@ entry's lock, so a live writer's files are never touched.
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
 import hashlib
 import os
 import re
@@ -36,14 +39,11 @@ from typing import Callable, Iterator
 from longctx.errors import CacheCorrupt, EntryNotFound, StoreError
 from longctx.paths import subdir
 from longctx.store import format as fmt
-from longctx.store import layout
+from longctx.store import layout, locks
 from longctx.store.failpoints import failpoint
 from longctx.store.index import IndexCorrupt, open_index
 
 _ID = re.compile(r"^[0-9a-f]{16}$")
-_CACHE_NAME = re.compile(r"^([0-9a-f]{16})\.safetensors$")
-_TEMP_NAME = re.compile(r"^\.tmp-(?:([0-9a-f]{16})-)?(\d+)-")
-STALE_TEMP_SECONDS = 60  # a temp file no lock vouches for, untouched this long, is abandoned
 
 
 @dataclass(frozen=True)
@@ -121,16 +121,6 @@ def _private_dir(path: Path) -> Path:
     return path
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 class Store:
     """The index plus the cache files; safe to use from several processes at once.
 
@@ -199,51 +189,27 @@ class Store:
         with self._guard():
             self.index.delete(key)
 
-    def _entry_keys(self) -> list[str]:
+    def _entry_keys(self, prefix: str = "entry:") -> list[str]:
         with self._guard():
-            return [k for k in self.index.iterkeys() if k.startswith("entry:")]
+            return [k for k in self.index.iterkeys() if k.startswith(prefix)]
 
-    # -- locking ------------------------------------------------------------------------------
-    def _lock_fd(self, eid: str) -> int:
+    # -- locking (see locks.py) ----------------------------------------------------------------
+    def _lock_dir(self, eid: str) -> Path:
         if not _ID.match(eid):
             raise StoreError(f"Invalid entry id {eid!r}.")
-        try:
-            return os.open(self.locks / f"{eid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as err:
-            raise StoreError(f"Cannot create a lock in {self.locks}: {err.strerror or err}.") from err
+        return self.locks
 
-    def _no_locking(self, err: OSError) -> StoreError:
-        return StoreError(f"Cannot lock files in {self.locks} ({err.strerror or err}); the data "
-                          "directory must be on a local disk: set LONGCTX_HOME to one.")
-
-    @contextmanager
-    def lock(self, eid: str) -> Iterator[None]:
+    def lock(self, eid: str):
         """Hold entry `eid`'s exclusive lock (waits for another process holding it)."""
-        fd = self._lock_fd(eid)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as err:
-                raise self._no_locking(err) from err
-            yield
-        finally:
-            os.close(fd)  # releases the lock
+        return locks.exclusive(self._lock_dir(eid), eid)
 
-    @contextmanager
-    def try_lock(self, eid: str) -> Iterator[bool]:
-        """Take entry `eid`'s lock if nobody holds it; yields whether it was taken."""
-        fd = self._lock_fd(eid)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as err:
-                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise self._no_locking(err) from err
-                yield False
-                return
-            yield True
-        finally:
-            os.close(fd)
+    def try_lock(self, eid: str):
+        """Take entry `eid`'s exclusive lock if nobody holds it; yields whether it was taken."""
+        return locks.try_exclusive(self._lock_dir(eid), eid)
+
+    def read_lock(self, eid: str):
+        """Hold entry `eid`'s shared lock while opening its file (yields whether it is held)."""
+        return locks.shared(self._lock_dir(eid), eid)
 
     # -- entries ------------------------------------------------------------------------------
     def cache_path(self, eid: str) -> Path:
@@ -298,12 +264,44 @@ class Store:
                 path.unlink(missing_ok=True)
             raise
         failpoint("save:indexed")
+        self.record_use(entry.id, entry.created)
         self._set("latest", entry.id)
         failpoint("save:done")
         return entry
 
     def touch_latest(self, entry: Entry) -> None:
         self._set("latest", entry.id)
+
+    def record_use(self, eid: str, when: float | None = None) -> bool:
+        """Note that entry `eid` was just used (asked, reused, exported): the eviction order.
+        Best effort: a store that cannot record it (disk full) still answers; returns whether
+        it was recorded."""
+        try:
+            self._set(f"used:{eid}", time.time() if when is None else when)
+            return True
+        except StoreError:
+            return False
+
+    def last_used(self, ids: list[str] | None = None) -> dict[str, float]:
+        """Entry id -> when it was last used, for `ids` (default: all); absent if never recorded."""
+        keys = self._entry_keys("used:") if ids is None else [f"used:{eid}" for eid in ids]
+        values = {key[5:]: self._get(key) for key in keys if _ID.match(key[5:])}
+        return {eid: float(v) for eid, v in values.items() if type(v) in (int, float)}
+
+    def unindex(self, ids: list[str], group: str = "") -> None:
+        """Drop entries (and the record of the group they make up, if any) from the index in one
+        transaction (their files stay: delete them next; a crash in between leaves orphan files,
+        which `cleanup` deletes)."""
+        with self._guard():
+            with self.index.transact():
+                if group:
+                    self.index.delete(f"group:{group}")
+                for eid in ids:
+                    self.index.delete(f"entry:{eid}")
+                    self.index.delete(f"used:{eid}")
+                    self.index.delete(f"segtext:{eid}")
+                if self.index.get("latest") in (*ids, group):
+                    self.index.delete("latest")
 
     def check_free_space(self, nbytes: int, what: str) -> None:
         """Raise StoreError unless the store's disk has room for `nbytes` more (plus a margin)."""
@@ -331,14 +329,22 @@ class Store:
         the third value (it raises CacheCorrupt) before anything computed from the arrays is
         shown. Used by `ask`, whose question pass then overlaps the checksums."""
         hint = rebuild_hint(entry)
-        with fmt.open_cache(self.cache_path(entry.id), entry.name, hint) as reader:
-            meta = reader.header.meta
-            if check is not None:
-                check(dict(meta))
-            _check_is_entrys(reader, entry)
-            layout.check(reader.header, entry.name, hint)
-            arrays, pending = reader.arrays_verifying()
-            return arrays, dict(meta), pending
+        path = self.cache_path(entry.id)
+        # Shared while the file is opened and read: an evictor skips the entry meanwhile (the
+        # checks go on after, on a descriptor of their own).
+        with self.read_lock(entry.id):
+            if not path.exists() and self.get(entry.id) is None:
+                raise EntryNotFound(f"'{entry.name}' was removed from the store while it was "
+                                    "being opened (`longctx rm`, or evicted to keep the store "
+                                    "within LONGCTX_MAX_STORE); ingest it again.")
+            with fmt.open_cache(path, entry.name, hint) as reader:
+                meta = reader.header.meta
+                if check is not None:
+                    check(dict(meta))
+                _check_is_entrys(reader, entry)
+                layout.check(reader.header, entry.name, hint)
+                arrays, pending = reader.arrays_verifying()
+                return arrays, dict(meta), pending
 
     def verify(self, entry: Entry) -> bool:
         """Whether the entry's file is complete and intact (reads it all; keeps nothing)."""
@@ -356,9 +362,7 @@ class Store:
         """Unindex the entry, then delete its file (a crash in between leaves only an orphan file,
         which `cleanup` deletes)."""
         with self.lock(entry.id):
-            self._delete(f"entry:{entry.id}")
-            if self._get("latest") == entry.id:
-                self._delete("latest")
+            self.unindex([entry.id])
             failpoint("remove:unindexed")
             self.cache_path(entry.id).unlink(missing_ok=True)
             if entry.group:
@@ -366,52 +370,14 @@ class Store:
 
     # -- recovery -----------------------------------------------------------------------------
     def cleanup(self) -> dict[str, int]:
-        """Remove what crashed processes left: temp files, files no entry names, entries whose file
-        is gone, unreadable entries. Only under the entry's lock, so live writers are untouched.
+        """Remove what crashed processes left (see `recovery.cleanup`, which this runs).
 
         Returns:
             counts by kind ("temps", "orphans", "dangling", "invalid").
         """
-        done = {"temps": 0, "orphans": 0, "dangling": 0, "invalid": 0}
-        known: dict[str, Entry] = {}
-        for key in self._entry_keys():
-            with self._guard():
-                try:
-                    value = self.index.get(key)
-                except (ValueError, zlib.error):  # IndexCorrupt too: e.g. a row asking to be
-                    value = {}  # unpickled is never read, only dropped
-            entry = Entry.from_json(value)
-            if entry is not None and key == f"entry:{entry.id}":
-                known[entry.id] = entry
-            elif value is not None:
-                self._delete(key)
-                done["invalid"] += 1
-        try:
-            names = os.listdir(self.caches)
-        except OSError:
-            names = []
-        for name in names:
-            path = self.caches / name
-            temp, cache = _TEMP_NAME.match(name), _CACHE_NAME.match(name)
-            if temp and temp.group(1):
-                with self.try_lock(temp.group(1)) as free:
-                    if free:  # its writer would hold the lock until the rename
-                        done["temps"] += _unlink(path)
-            elif temp or name.startswith(fmt.TEMP_PREFIX):
-                pid = int(temp.group(2)) if temp else None
-                if (pid is not None and not _pid_alive(pid)) or _age(path) > STALE_TEMP_SECONDS:
-                    done["temps"] += _unlink(path)
-            elif cache and cache.group(1) not in known:
-                with self.try_lock(cache.group(1)) as free:
-                    if free and self.get(cache.group(1)) is None:
-                        done["orphans"] += _unlink(path)
-        for eid, entry in known.items():
-            if not self.cache_path(eid).exists():
-                with self.try_lock(eid) as free:
-                    if free and not self.cache_path(eid).exists():
-                        self._delete(f"entry:{eid}")
-                        done["dangling"] += 1
-        return done
+        from longctx.store import recovery
+
+        return recovery.cleanup(self)
 
 
 _IDENTITY = ("document_sha256", "tokens", "model_id", "weights_sha256", "tokenizer_sha256")
@@ -424,20 +390,3 @@ def _check_is_entrys(reader: fmt.Reader, entry: Entry) -> None:
     if differ:
         raise reader.corrupt(f"the file is not this entry's: its {', '.join(differ)} differ "
                              f"(it holds '{meta.get('document_name', '?')}', {meta['tokens']} tokens)")
-
-
-def _age(path: Path) -> float:
-    try:
-        return time.time() - path.stat().st_mtime
-    except OSError:
-        return 0.0
-
-
-def _unlink(path: Path) -> int:
-    try:
-        path.unlink()
-        return 1
-    except FileNotFoundError:
-        return 0
-    except OSError:
-        return 0

@@ -5,7 +5,7 @@ At the named point the process SIGKILLs itself (`kill`, the default), stops itse
 `OSError(ENOSPC)` (`enospc`: a disk that fills up right there). Unset, a failpoint is one
 environment lookup. Points: `ingest:locked`, `ingest:prefilled`, `write:opened`, `write:mid`,
 `write:arrays`, `write:written`, `write:synced`, `write:renamed`, `save:written`, `save:indexed`,
-`save:done`, `remove:unindexed`.
+`save:done`, `remove:unindexed`, `evict:unindexed`.
 """
 
 from __future__ import annotations
