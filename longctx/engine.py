@@ -21,6 +21,9 @@ class PrefillStats:
     tokens: int
     seconds: float
     peak_bytes: int
+    # The longest single chunk (forward pass + mx.eval): one command buffer's worth of work, which
+    # the Metal watchdog kills after a few seconds (mlx-lm issue #1087).
+    max_eval_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -50,14 +53,17 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
     mx.reset_peak_memory()
     start = time.perf_counter()
     total = len(tokens)
+    longest = 0.0
     for lo in range(0, total, chunk):
+        t = time.perf_counter()
         piece = mx.array(tokens[lo : lo + chunk], dtype=mx.int32)[None]  # (1, T)
         model(piece, cache=cache)  # logits stay an unevaluated graph node
         mx.eval(_cache_arrays(cache))
+        longest = max(longest, time.perf_counter() - t)
         if progress:
             progress(min(lo + chunk, total), total)
     mx.synchronize()
-    return PrefillStats(total, time.perf_counter() - start, mx.get_peak_memory())
+    return PrefillStats(total, time.perf_counter() - start, mx.get_peak_memory(), longest)
 
 
 def token_stream(model, tokens: list[int], cache: list, max_tokens: int, temperature: float = 0.0,

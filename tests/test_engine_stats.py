@@ -1,0 +1,48 @@
+"""engine.prefill's statistics: the longest single chunk evaluation (the Metal watchdog's unit)."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from longctx import engine, kvcache
+from longctx.runtime import models
+
+
+class _Layer:
+    def __init__(self):
+        self.state = mx.zeros((1,))
+
+
+class _SlowChunkModel:
+    """Stands in for a model: the third forward pass takes `delay` seconds, the others none."""
+
+    def __init__(self, delay: float):
+        self.delay, self.calls = delay, 0
+
+    def __call__(self, ids, cache):
+        self.calls += 1
+        if self.calls == 3:
+            time.sleep(self.delay)
+        for layer in cache:
+            layer.state = layer.state + ids.shape[1]
+        return ids
+
+
+def test_max_eval_seconds_is_the_longest_chunk_not_the_mean():
+    model = _SlowChunkModel(0.3)
+    cache = [_Layer(), _Layer()]
+    stats = engine.prefill(model, list(range(10 * 16)), cache, chunk=16)
+    assert model.calls == 10 and stats.tokens == 160
+    assert 0.3 <= stats.max_eval_seconds < 0.3 + 0.25
+    assert stats.max_eval_seconds <= stats.seconds
+    assert cache[0].state.item() == 160  # every chunk's state was evaluated
+
+
+def test_max_eval_seconds_of_a_real_prefill(tiny_model):
+    lm = models.load(models.resolve(str(tiny_model)))
+    cache = kvcache.make(lm.model, kvcache.get_preset("fp16"))
+    stats = engine.prefill(lm.model, list(range(3, 200)), cache, chunk=64)
+    assert 0 < stats.max_eval_seconds <= stats.seconds
+    assert cache[0].offset == 197
