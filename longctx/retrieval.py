@@ -24,19 +24,25 @@ RERANK = 4
 _WORD = re.compile(r"[A-Za-z0-9]+(?:['\u2019][A-Za-z]+)?")
 _PAGE = re.compile(r"^\[Page (\d+)\]$", re.MULTILINE)
 _FILE = re.compile(r"^\[File (.+)\]$", re.MULTILINE)
-_SUFFIXES = ("ies", "es", "s", "ing", "ed")
 
 
 def _fold(word: str) -> str:
-    """A light stemmer: lower case, a few English suffixes off (enough to match plurals and
-    simple verb forms; numbers and short words untouched)."""
+    """A light stemmer: lower case, then plural, -ing/-ed and final -e folded off, so that
+    "licenses", "license" and "licensed" meet (numbers and words of 4 letters or fewer stay)."""
     w = word.lower()
     if w.isdigit() or len(w) <= 4:
         return w
-    for suf in _SUFFIXES:
+    if w.endswith(("ies", "ied")):
+        w = w[:-3] + "y"
+    elif w.endswith("sses"):
+        w = w[:-2]
+    elif w.endswith("s") and not w.endswith("ss"):
+        w = w[:-1]
+    for suf in ("ing", "ed"):
         if w.endswith(suf) and len(w) - len(suf) >= 4:
-            return w[: -len(suf)] + ("y" if suf == "ies" else "")
-    return w
+            w = w[: -len(suf)]
+            break
+    return w[:-1] if w.endswith("e") and len(w) > 4 else w
 
 
 def words(text: str) -> list[str]:

@@ -193,7 +193,7 @@ def split(docs: Sequence[Document], name: str, count: Callable[[str], int],
         return [Segment(0, _spans(every), whole, name)]
     overhead = prompt_tokens(f"{name} (x.pdf p. 99999\u201399999)", "") + 16
     room = budget - overhead
-    if room < 64:
+    if room < 32:
         raise ValueError(f"a segment budget of {budget} tokens leaves no room for text")
     room = int(room * 0.97)  # units' counts are planned apart; their joins add a few tokens
     pieces = [p for u in every for p in _split_unit(u, count, room)]
