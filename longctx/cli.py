@@ -24,7 +24,7 @@ from rich.table import Table
 import longctx
 from longctx.errors import LongctxError
 from longctx.kvcache.presets import DEFAULT_PRESET
-from longctx.cli_render import ago, evicted_json, unit_name
+from longctx.cli_render import ago, evicted_json, niah_segments_report, unit_name
 from longctx.cli_render import entries_table as _entries_table
 from longctx.units import human_bytes
 
@@ -355,9 +355,10 @@ def _split(values: list[str]) -> list[str]:
 
 
 @bench_app.command("niah")
-def bench_niah(lengths: list[str] = typer.Option(["1k,2k,4k,8k,16k,32k"], "--lengths", help="Context lengths (e.g. 1k,2k or 2048); above the model's context are skipped."),
-               depths: list[str] = typer.Option(["0,10,20,30,40,50,60,70,80,90,100"], "--depths", help="Needle depths in percent."),
-               kv: list[str] = typer.Option(["fp16,tq4"], "--kv", help="KV presets (fp16 is always included as the baseline)."),
+def bench_niah(lengths: list[str] = typer.Option(["1k,2k,4k,8k,16k,32k"], "--lengths", help="Context lengths (e.g. 1k,2k or 2048); those above the model's context run as segmented documents, asked through each --rankers."),
+               depths: Optional[list[str]] = typer.Option(None, "--depths", help="Needle depths in percent (default 0,10,...,100; past the context 0,25,50,75,100)."),
+               rankers: list[str] = typer.Option(["bm25,model"], "--rankers", help="Segment rankers compared past the context (bm25, model)."),
+               kv: list[str] = typer.Option(["fp16,tq4"], "--kv", help="KV presets (fp16 is always included as the baseline; past the context, the first other preset only)."),
                task: list[str] = typer.Option(["single"], "--task", help="single, uuid, multikey or multivalue (repeatable)."),
                samples: int = typer.Option(1, "--samples", min=1, help="Haystacks per cell."),
                model: Optional[str] = ModelOpt,
@@ -367,24 +368,30 @@ def bench_niah(lengths: list[str] = typer.Option(["1k,2k,4k,8k,16k,32k"], "--len
                rope_scale: Optional[float] = RopeScaleOpt,
                rope_type: str = RopeTypeOpt,
                as_json: bool = typer.Option(False, "--json", help="Print the results JSON on stdout.")):
-    """Needle-in-a-haystack (RULER tasks): ingest haystacks, ask from the restored caches, score."""
+    """Needle-in-a-haystack (RULER tasks): ingest haystacks, ask from the restored caches, score.
+
+    Lengths past the model's context are split into segment caches; their needle is asked for
+    literally and in paraphrase with each ranker (recall@1/@2 of the needle's segment, accuracy)."""
     from pathlib import Path
 
-    from longctx.bench import niah
+    from longctx.bench import niah, niah_segments
     from longctx.errors import ConfigError
 
     with _boundary():
         try:
-            depth_list = [float(d) / 100 for d in _split(depths)]
+            depth_list = [float(d) / 100 for d in _split(depths)] if depths else None
         except ValueError:
             raise ConfigError("Depths are percentages, e.g. --depths 0,50,100.") from None
         length_list = [niah.parse_length(n) for n in _split(lengths)]
         model = _rope_model(model, rope_scale, rope_type)
         folder = Path(out_dir)
-        for t in _split(task):
+        context = niah_segments.context_length(model)
+        fit = [n for n in length_list if n <= context]
+        past = [n for n in length_list if n > context]
+        for t in _split(task) if fit or not past else []:
             with _bar(f"niah {t}", "ingests") as update:
-                res = niah.run(model, t, length_list, depth_list, _split(kv), samples, seed,
-                               workdir=folder / "docs", shared=shared, progress=update)
+                res = niah.run(model, t, fit, depth_list or niah.DEFAULT_DEPTHS, _split(kv), samples,
+                               seed, workdir=folder / "docs", shared=shared, progress=update)
             stem = "niah_" + "".join(c if c.isalnum() or c in "-_." else "_" for c in res.model_id) + f"_{t}"
             path = niah.save(res, folder / f"{stem}.json")
             _niah_table(res)
@@ -398,6 +405,32 @@ def bench_niah(lengths: list[str] = typer.Option(["1k,2k,4k,8k,16k,32k"], "--len
                           "heatmaps (pip install 'longctx[bench]')", highlight=False)
             if as_json:
                 out.print_json(json.dumps(res.to_json()))
+        if past:
+            presets = [p for p in _split(kv) if p != niah.BASELINE] or [niah.BASELINE]
+            with _bar("niah past the context", "documents") as update:
+                seg = niah_segments.run(model, past, depth_list or niah_segments.DEFAULT_DEPTHS,
+                                        _split(rankers), preset=presets[0], seed=seed,
+                                        workdir=folder / "docs", progress=update)
+            stem = "niah_segments_" + "".join(c if c.isalnum() or c in "-_." else "_" for c in seg.model_id)
+            path = niah_segments.save(seg, folder / f"{stem}.json")
+            _niah_segments_table(seg)
+            try:
+                from longctx.bench import plot
+
+                pngs = plot.segment_heatmaps(seg, folder, stem)
+                err.print(f"wrote {path} and {len(pngs)} heatmap(s) in {folder}", highlight=False)
+            except ImportError:
+                err.print(f"wrote {path}; [yellow]warning:[/yellow] matplotlib is not installed, no "
+                          "heatmaps (pip install 'longctx[bench]')", highlight=False)
+            if as_json:
+                out.print_json(json.dumps(seg.to_json()))
+
+
+def _niah_segments_table(res) -> None:
+    table, lines = niah_segments_report(res)
+    err.print(table)
+    for line in lines:
+        err.print(line, highlight=False)
 
 
 def _niah_table(res) -> None:

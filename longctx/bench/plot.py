@@ -1,4 +1,5 @@
-"""Depth x length heatmaps of NIAH results, one PNG per preset with the fp16 baseline beside it.
+"""Depth x length heatmaps of NIAH results: one PNG per preset with the fp16 baseline beside it;
+for segmented runs (past the context), one PNG per ranker with a panel per task.
 
 matplotlib is optional (`pip install 'longctx[bench]'`); `heatmaps` raises ImportError without it,
 and callers skip the pictures with a warning.
@@ -62,6 +63,71 @@ def heatmaps(results: Results, out_dir: str | Path, stem: str) -> list[Path]:
         fig.colorbar(im, ax=list(axes[0]), shrink=0.8, label="score")
         fig.suptitle(f"NIAH {results.task} - {results.model_id}", fontsize=10)
         path = out_dir / f"{stem}_{preset}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _counts(counts: list[int] | None) -> str:
+    if not counts:
+        return "?"
+    return str(counts[0]) if len(counts) == 1 else f"{min(counts)}-{max(counts)}"
+
+
+def segment_heatmaps(results, out_dir: str | Path, stem: str) -> list[Path]:
+    """Write `<stem>_<ranker>.png` for every ranker of a segmented run (`niah_segments`): one
+    depth x length accuracy panel per task, its recall@1 / recall@2 in the panel's title.
+
+    Args:
+        results: a `niah_segments.Results`.
+        out_dir: destination folder.
+        stem: file name prefix.
+
+    Returns:
+        the paths written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LinearSegmentedColormap
+
+    cmap = LinearSegmentedColormap.from_list("niah", ["#c0392b", "#f1c40f", "#27ae60"])
+    cmap = cmap.with_extremes(bad="#dddddd")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = results.summary()
+    written = []
+    for ranker in results.rankers:
+        tasks = [t for t in results.tasks if ranker in summary.get(t, {})]
+        if not tasks:
+            continue
+        width = max(3.4, 0.8 + 0.6 * len(results.lengths))
+        fig, axes = plt.subplots(1, len(tasks), figsize=(0.8 + width * len(tasks),
+                                                         1.4 + 0.3 * len(results.depths)),
+                                 squeeze=False, constrained_layout=True)
+        for ax, task in zip(axes[0], tasks):
+            grid = [[float("nan") if v is None else v for v in row]
+                    for row in results.grid(ranker, task)]
+            im = ax.imshow(grid, cmap=cmap, vmin=0, vmax=1, aspect="auto", origin="upper")
+            ax.set_xticks(range(len(results.lengths)),
+                          [f"{_label(n)}\n{_counts(results.segments.get(str(n)))} seg"
+                           for n in results.lengths])
+            ax.set_yticks(range(len(results.depths)), [f"{d:.0%}" for d in results.depths])
+            ax.set_xlabel("document length (tokens)")
+            ax.set_ylabel("needle depth")
+            s = summary[task][ranker]["all"]
+            ax.set_title(f"{task}: accuracy {s['accuracy']:.2f}, recall@1 {s['recall_at_1']:.2f}, "
+                         f"@2 {s['recall_at_2']:.2f}", fontsize=9)
+            for i, row in enumerate(grid):
+                for j, v in enumerate(row):
+                    if v == v:  # not NaN
+                        ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=6)
+        fig.colorbar(im, ax=list(axes[0]), shrink=0.8, label="accuracy")
+        fig.suptitle(f"NIAH past the context, ranker {ranker} - {results.model_id} "
+                     f"({results.context_length:,}-token context, {results.preset})", fontsize=10)
+        path = out_dir / f"{stem}_{ranker}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
