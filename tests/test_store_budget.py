@@ -111,11 +111,6 @@ def test_the_entry_just_written_is_kept_even_alone_over_budget():
     assert ev.over_budget and ev.bytes_after == new.bytes and _names(store) == ["new.txt"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Segment(Entry):
-    group: str = ""  # as segmented entries will carry it
-
-
 def test_a_group_is_one_unit_sized_and_used_as_a_whole(monkeypatch):
     store = Store()
     now = time.time()
@@ -125,7 +120,7 @@ def test_a_group_is_one_unit_sized_and_used_as_a_whole(monkeypatch):
     gid = "9" * 16
     real = Store.entries
     monkeypatch.setattr(Store, "entries", lambda self: [
-        Segment(**e.to_json(), group=gid) if e.name.startswith("book") else e for e in real(self)])
+        dataclasses.replace(e, group=gid) if e.name.startswith("book") else e for e in real(self)])
     book = next(u for u in budget.units(store.entries(), store.last_used()) if u.key == gid)
     assert book.bytes == sum(p.bytes for p in parts) and book.last_used == now - 5
     ev = budget.evict(store, 3 * MiB + 4096)
@@ -140,7 +135,7 @@ def test_a_group_being_written_or_read_is_skipped_whole(monkeypatch):
     parts = [_put(store, f"book.pdf#{i}", MiB, used=1.0) for i in range(2)]
     gid = "9" * 16
     real = Store.entries
-    monkeypatch.setattr(Store, "entries", lambda self: [Segment(**e.to_json(), group=gid)
+    monkeypatch.setattr(Store, "entries", lambda self: [dataclasses.replace(e, group=gid)
                                                         for e in real(self)])
     for busy in (gid, parts[1].id):  # its writer holds the group's lock; a reader one segment's
         with store.read_lock(busy) if busy != gid else store.lock(busy):
@@ -294,7 +289,7 @@ def test_a_failure_between_unindexing_and_deleting_leaves_only_orphans(monkeypat
     store = Store()
     parts = [_put(store, f"book.pdf#{i}", MiB, used=1.0) for i in range(2)]
     real = Store.entries
-    monkeypatch.setattr(Store, "entries", lambda self: [Segment(**e.to_json(), group="9" * 16)
+    monkeypatch.setattr(Store, "entries", lambda self: [dataclasses.replace(e, group="9" * 16)
                                                         for e in real(self)])
     monkeypatch.setenv("LONGCTX_FAILPOINT", "evict:unindexed:enospc")
     with pytest.raises(OSError):
