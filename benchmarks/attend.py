@@ -16,7 +16,7 @@ shared/ANCHORS.md report; ~0.1 ms is the floor there); `pipelined` is the time p
 steps issued back to back with mx.async_eval and one final eval (a decode loop's steady state).
 GB/s counts the bytes of the cache representation the method reads (fp16 K/V, packed words +
 norms, affine words + scales + biases), not what a method writes in between. A knob sweep
-(threadgroups per launch, keys per thread) runs at 128k for tq4.
+(prefetch, register cap, threadgroups per launch) runs at 128k for tq4.
 
 Usage: python benchmarks/attend.py [--lengths 4096 8192 32768 131072] [--name attend_h200]
 """
@@ -162,20 +162,21 @@ def check(env) -> float:
 
 
 def sweep(env, scale=D ** -0.5) -> list:
-    """Kernel-only time at this length for a few launch shapes (tq4)."""
+    """Kernel-only time at this length for a few launch shapes (tq4): prefetch on/off, register
+    cap (threadgroups per SM, CUDA), threadgroups per launch."""
     rows = []
     fn = _kernel_only(env["q"], env["tq4"], scale)
-    saved = da.TARGET_GROUPS, da.KPT, da.VECTOR_ROWS
+    saved = da.TARGET_GROUPS, da.PREFETCH, da.MIN_BLOCKS
     try:
-        for vec in (True, False):
-            for kpt in (1, 2, 4):
-                for groups in (512, 1024, 2048):
-                    da.TARGET_GROUPS, da.KPT, da.VECTOR_ROWS = groups, kpt, vec
-                    rows.append({"vector_rows": vec, "kpt": kpt, "target_groups": groups,
+        for pf in (True, False):
+            for mb in (0, 3, 5):
+                for groups in (0, 528, 1056):
+                    da.TARGET_GROUPS, da.PREFETCH, da.MIN_BLOCKS = groups, pf, mb
+                    rows.append({"prefetch": pf, "min_blocks": mb, "target_groups": groups,
                                  "pipelined_ms": pipelined_ms(fn, steps=20, reps=5)})
                     print("sweep", rows[-1], flush=True)
     finally:
-        da.TARGET_GROUPS, da.KPT, da.VECTOR_ROWS = saved
+        da.TARGET_GROUPS, da.PREFETCH, da.MIN_BLOCKS = saved
     return rows
 
 
@@ -220,8 +221,9 @@ def main() -> None:
         "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "batch": B, "query_tokens": 1},
         "kernel_backend": backend, "peak_gbs": PEAK_GBS, "rows": rows, "ratios": ratios,
         "fused_vs_mlx_path_max_rel_diff": checks, "sweep": sweeps,
-        "knobs": {"TARGET_GROUPS": da.TARGET_GROUPS, "NT": da.NT, "KPT": da.KPT or "auto",
-                  "VECTOR_ROWS": da.VECTOR_ROWS}})
+        "knobs": {"TARGET_GROUPS": da.TARGET_GROUPS or "auto", "SM_COUNT": da.SM_COUNT,
+                  "NT": da.NT, "PREFETCH": da.PREFETCH, "MIN_BLOCKS": da.MIN_BLOCKS,
+                  "STAGE_WORDS": da.STAGE_WORDS}})
     print(f"wrote {path}")
 
 

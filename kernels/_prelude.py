@@ -15,7 +15,9 @@ A kernel body uses only these names (plus plain C++ arithmetic, `uint32_t`, `int
                 load; ptr + offset must be 16-byte aligned; ptr may be an input in either Metal
                 address space (MLX puts inputs of < 8 elements in `constant`, others in `device`);
                 LC_ST_U4(out, offset, t): one 16-byte store into an output (aligned likewise);
-                LC_F2H_BITS(f): the 16 bits of f rounded to fp16, as a uint32
+                LC_F2H_BITS(f): the 16 bits of f rounded to fp16, as a uint32;
+                LC_F4: four floats (.x .y .z .w), e.g. `LC_SHARED LC_F4 buf[N];` for 16-byte
+                threadgroup reads
     helpers     lc_pack_word(...) (packing.py's layout, see COMMON below)
 
 MLX generates the signature: inputs arrive as `const T* name` (Metal: `const device T*`) plus
@@ -67,6 +69,7 @@ CUDA_HEADER = r"""
 #define LC_FN __device__ __forceinline__
 #define LC_UNROLL _Pragma("unroll")
 #define LC_U4 uint4
+#define LC_F4 float4
 #define LC_LD_U4(p, off) (*reinterpret_cast<const uint4*>((p) + (off)))
 #define LC_ST_U4(p, off, v) (*reinterpret_cast<uint4*>((p) + (off)) = (v))
 #define LC_F2H_BITS(x) ((uint32_t)__half_as_ushort(__float2half_rn(x)))
@@ -105,6 +108,7 @@ METAL_HEADER = r"""
 #define LC_FN inline
 #define LC_UNROLL _Pragma("clang loop unroll(full)")
 #define LC_U4 uint4
+#define LC_F4 float4
 // MLX declares an input `const constant T*` when it has fewer than 8 elements and `const device
 // T*` otherwise, and MSL refuses casts between address spaces: one overload per space.
 inline uint4 lc_ld_u4(const device uint32_t* p, int64_t off) {
@@ -229,8 +233,8 @@ def failed(name: str) -> bool:
 def _variant(spec: KernelSpec, which: str, launch: Launch) -> tuple:
     """What MLX compiles one module per: template values, dtypes, address-space classes."""
     return (which, spec.name, spec.header, tuple(launch.template),
-            tuple((str(a.dtype), a.size < 8) for a in launch.inputs),
-            tuple(str(d) for d in launch.output_dtypes), id(_EXECUTOR))
+            tuple([(a.dtype, a.size < 8) for a in launch.inputs]),
+            tuple(launch.output_dtypes), id(_EXECUTOR))
 
 
 def _in_transformation(arrays: list) -> bool:

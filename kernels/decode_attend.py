@@ -20,17 +20,21 @@ Inputs (as the cache stores them; any strides, so slices of a preallocated tail 
 Returns the segment's softmax state, natural-log units, float32, to merge with other segments:
     m (B, H, R, 1) running max, l (B, H, R, 1) sum of exp(s - m), acc (B, H, R, P) unnormalized.
 
-Thread plan (GPU). The dispatcher pre-multiplies q (and q_proj) by scale * log2(e), so the kernel
-works in base 2 (exp2). Grid, one launch: one threadgroup of NT = 128 threads per (b, h, split, row
-block); a row block is up to R <= max_rows rows (48 rows at P = 64: three blocks of 16, evenly
-filled); a split is a chunk of keys (a multiple of 128; chosen so about TARGET_GROUPS threadgroups
-cover the sequence). A threadgroup stages its rows' q (transposed, [d][row]) and the two tables in
-threadgroup memory and walks its chunk in tiles of NT * KPT keys:
-  1. scores: thread t owns keys t + j * 128 (j < KPT) of the tile: it reads each key's packed
-     words (optionally whole rows through 16-byte loads, VECTOR_ROWS), decodes 32 codes
-     per group with compile-time shifts (a 3-bit code may straddle two words), looks each code up
-     in the table and accumulates R dot products (q read as a broadcast from threadgroup memory);
-     then norm, QJL term, causal mask.
+Thread plan (GPU). The kernel multiplies q (and q_proj) by scale * log2(e) (the `scales` input)
+as it stages them, so it works in base 2 (exp2). Grid, one launch: one threadgroup of NT = 128
+threads per (b, h, split, row block); a row block is up to R <= max_rows rows (48 rows at P = 64:
+three blocks of 16, evenly filled); a split is a chunk of whole tiles, chosen so the launch is
+about one wave (SM_COUNT x the threadgroups an SM holds). A threadgroup stages its rows' q
+(transposed, [d][4 rows] as float4) and the two tables in threadgroup memory and walks its chunk
+in tiles of TK keys (NT, or fewer where the staged rows would pass STAGE_WORDS):
+  0. staging: the tile's packed key rows are read coalesced (consecutive threads, consecutive
+     16-byte units; word by word where strides forbid) into registers and stored in threadgroup
+     memory at an odd row stride (conflict-free per-row reads). With PREFETCH the next tile's
+     rows and this tile's value words are issued before the scores, so they are in flight while
+     the tile computes; the rows are stored after the max barrier, when nobody reads the tile.
+  1. scores: thread t scores staged row t: decodes its codes with compile-time shifts (a 3- or
+     5-bit code may straddle two words), looks each up in the table and accumulates R dot
+     products (one 16-byte broadcast read of q per dim for 4 rows); norm, QJL term, causal mask.
   2. softmax: per-row tile max by simdgroup max + a fixed-order max over the 4 warp partials; the
      running max m (identical in every thread) moves, acc and each thread's partial l are scaled by
      exp2(m_old - m_new), and w = exp2(s - m) * norm_v goes to threadgroup memory.
@@ -39,19 +43,22 @@ threadgroup memory and walks its chunk in tiles of NT * KPT keys:
      w[row] * T_v[code] into R x DPT register accumulators.
 Two barriers per tile. At the end the G groups' accumulators are summed through threadgroup memory
 and each split writes (m, l, acc) partials; `split_combine` merges the splits (a second kernel).
+On CUDA, single-stage keys without QJL at <= 4 rows, `__launch_bounds__(NT, MIN_BLOCKS)` caps the
+registers (MLX writes the signature, so the header redefines `__global__`).
 Limits: P in 32/64/128/256; rows per threadgroup <= min(16, 1024 / max(P, M)) (more rows: more
 row blocks in the same launch); b1 + b2 <= 8, bv <= 8.
 
-Measured (H200, MLX 0.32.4 CUDA, Llama-3.1-8B shapes, 128k, tq4; benchmarks/attend.py, ncu):
-the kernel takes ~0.2 ms where its 138 MB of packed cache would take ~0.03 ms at copy bandwidth.
-ncu: ~79M warp instructions (~20 per key-dim pair for K and V together: unpack, table lookup and
-q / weight reads from threadgroup memory, 4 FMAs, 64-bit strided addressing), issued at ~1.6 per
-SM-cycle; 128 registers cap occupancy at 25%, and half the stall cycles wait on the per-thread key
-row loads (L1TEX scoreboard). DRAM ran at 15% of peak: this kernel is issue/latency bound.
+Measured (H200, MLX 0.32.4 CUDA, Llama-3.1-8B shapes, 128k, tq4, 138 MB; benchmarks/attend.py,
+ncu in benchmarks/results/attend_h200_ncu.txt): 0.143 ms under ncu (the previous kernel: 0.263),
+96 registers, 5 threadgroups per SM (28% achieved occupancy), one wave of 632 threadgroups, DRAM
+at 21% of peak. ~84M warp instructions (~20 per key-dim pair, K and V: 8 FMAs, two table reads,
+a q read, code extraction) issued at 0.61 per scheduler-cycle; the top stall is now the short
+scoreboard (threadgroup-memory reads, 33%), not global loads: issue- and MIO-bound.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import mlx.core as mx
@@ -61,19 +68,19 @@ from .pack import unpack_reference
 from .split_combine import split_combine
 
 LOG2E = 1.4426950408889634
-NT = 128  # threads per threadgroup = keys per tile
-# Launch knobs. Defaults = the fastest of the 18 configurations benchmarks/attend.py swept on an
-# H200 at 128k, tq4, 4 rows (benchmarks/attend.py, its sweep): 512 groups, KPT 4, scalar loads
-# 0.213 ms per pipelined step; 16-byte row loads with KPT 1 0.215; with KPT 2 (142 registers,
-# 17% occupancy) 0.305, the slowest.
-TARGET_GROUPS = 512  # threadgroups per launch to aim for (132 SMs on an H200)
-KPT = 0  # keys per thread in the score phase; 0: `_kpt(rows)`
-VECTOR_ROWS = False  # whole key rows through 16-byte loads where they fit in 32 registers
+NT = 128  # threads per threadgroup
+# Launch knobs (benchmarks/attend.py sweeps them on an H200).
+SM_COUNT = 132  # multiprocessors to fill (MLX exposes no count; an H200 has 132)
+MIN_BLOCKS = 5  # CUDA, single-stage keys, <= 4 rows per threadgroup: threadgroups per SM to
+#                 fit (__launch_bounds__ caps registers: 5 -> 96); 0: the compiler's (128)
+TARGET_GROUPS = 0  # threadgroups per launch to aim for; 0: SM_COUNT x resident threadgroups
+PREFETCH = True  # issue the next tile's key rows and this tile's value words before the scores
+STAGE_WORDS = 2304  # threadgroup words for a tile's staged key rows (sets keys per tile)
 
 _SPEC = KernelSpec(
     name="lc_decode_attend",
     inputs=("q", "qp", "k_idx", "k_idx2", "k_norm", "k_qjl", "k_rnorm", "v_idx", "v_norm",
-            "k_table", "v_table", "params"),
+            "k_table", "v_table", "params", "scales"),
     outputs=("m_out", "l_out", "acc_out"),
     row_contiguous=False,
     source=r"""
@@ -81,22 +88,31 @@ _SPEC = KernelSpec(
   constexpr int TPK = P / DPT;   // threads per key in the value phase
   constexpr int G = NT / TPK;    // key groups in the value phase
   constexpr int NW = NT / 32;
-  constexpr int TK = NT * KPT;   // keys per tile
   constexpr int WK = B1 * P / 32;   // words of a key's stage-1 row
-  constexpr int WK2 = B2X * P / 32;
-  // Whole key rows in registers through 16-byte loads, when they fit (<= 32 words per thread).
-  constexpr bool VROW = VEC && (WK % 4 == 0) && (B2 == 0 || WK2 % 4 == 0)
-                        && (WK + (B2 > 0 ? WK2 : 0)) * KPT <= 32;
+  constexpr int WK2 = B2 * P / 32;
+  constexpr int WKP = WK | 1;       // odd staged row strides: a thread per row reads no conflicts
+  constexpr int WK2P = B2 > 0 ? (WK2 | 1) : 0;
+  constexpr int UW = (WK % 4 == 0 && WK2 % 4 == 0) ? 4 : 1;  // words per staging unit
+  constexpr int UPR = WK / UW;      // units per key row
+  constexpr int UPR2 = B2 > 0 ? WK2 / UW : 1;
+  constexpr int UK = (TK * UPR + NT - 1) / NT;  // staging units per thread and tile
+  constexpr int UK2 = B2 > 0 ? (TK * UPR2 + NT - 1) / NT : 0;  // no stage 2: no units
+  constexpr int R4 = (R + 3) / 4;   // float4s of q per dim (rows padded to a multiple of 4)
+  constexpr int NV = TK / G;        // keys per thread and tile in the value phase
+  constexpr bool VSTR = (32 % (DPT * BV)) != 0;  // a thread's value bits may straddle two words
+  constexpr int VB = NV < (VSTR ? 8 : 16) ? NV : (VSTR ? 8 : 16);  // value words per batch
+  constexpr bool VPRE = PF && VB == NV;  // the tile's value words load before the scores
   constexpr uint32_t MASK1 = (1u << B1) - 1u;
   constexpr uint32_t MASK2 = (1u << B2X) - 1u;
   constexpr uint32_t MASKV = (1u << BV) - 1u;
 
-  LC_SHARED float q_s[P * R];
+  LC_SHARED LC_F4 q_s[P * R4];  // q[d][rows 4j..4j+3] (padding rows 0): one 16-byte read
   LC_SHARED float qp_s[QJL ? M * R : 1];
   LC_SHARED float qsum_s[R];
   LC_SHARED float ktab_s[1 << (B1 + B2)];
   LC_SHARED float vtab_s[1 << BV];
-  LC_SHARED float scratch[NT * R * (DPT > KPT ? DPT : KPT)];
+  LC_SHARED uint32_t kst_s[TK * (WKP + WK2P)];  // the tile's key rows (stage 1, then stage 2)
+  LC_SHARED float scratch[NT * R * DPT];        // weights w[key][row]; at the end, partial acc
   LC_SHARED float red_s[NW * R];
 
   const int L = params[0];
@@ -104,6 +120,8 @@ _SPEC = KernelSpec(
   const int causal_base = params[2];
   const int S = params[3];
   const int RT = params[4];  // rows in all; this threadgroup takes the R rows from row0
+  const float qscale = scales[0];  // scale * log2(e): logits in base 2
+  const float pscale = scales[1];  // the same times sqrt(pi / 2) / M, for q_proj
   const int NRB = (RT + R - 1) / R;
   const int H = q_shape[1];
   const int rb = (int)(lc_tg % (uint32_t)NRB);
@@ -118,19 +136,110 @@ _SPEC = KernelSpec(
   const int k1 = (k0 + chunk < L) ? k0 + chunk : L;
   const int tid = (int)lc_tid;
 
-  // Stage q (transposed to [d][row]), q_proj and the tables.
+  // Per-head base pointers and 32-bit strides within a head (fewer live registers).
+  const auto kip = k_idx + (bb * k_idx_strides[0] + hh * k_idx_strides[1]);
+  const int kis = (int)k_idx_strides[2];
+  const int kiw = (int)k_idx_strides[3];
+  const auto k2p = k_idx2 + (bb * k_idx2_strides[0] + hh * k_idx2_strides[1]);
+  const int k2s = (int)k_idx2_strides[2];
+  const int k2w = (int)k_idx2_strides[3];
+  const auto knp = k_norm + (bb * k_norm_strides[0] + hh * k_norm_strides[1]);
+  const int kns = (int)k_norm_strides[2];
+  const auto kqp = k_qjl + (bb * k_qjl_strides[0] + hh * k_qjl_strides[1]);
+  const int kqs = (int)k_qjl_strides[2];
+  const int kqw = (int)k_qjl_strides[3];
+  const auto krp = k_rnorm + (bb * k_rnorm_strides[0] + hh * k_rnorm_strides[1]);
+  const int krs = (int)k_rnorm_strides[2];
+  const auto vip = v_idx + (bb * v_idx_strides[0] + hh * v_idx_strides[1]);
+  const int vis = (int)v_idx_strides[2];
+  const int viw = (int)v_idx_strides[3];
+  const auto vnp = v_norm + (bb * v_norm_strides[0] + hh * v_norm_strides[1]);
+  const int vns = (int)v_norm_strides[2];
+  // 16-byte loads need units of 4 words: unit word stride, row strides and bases multiples of 4.
+  const bool vec = UW == 4 && kiw == 1 && kis % 4 == 0
+                   && (bb * k_idx_strides[0] + hh * k_idx_strides[1]) % 4 == 0
+                   && (B2 == 0 || (k2w == 1 && k2s % 4 == 0
+                                   && (bb * k_idx2_strides[0] + hh * k_idx2_strides[1]) % 4 == 0));
+
+  // Staging of a tile's key rows: units of UW words of one row, read coalesced (consecutive
+  // threads, consecutive units) into registers, then stored into kst_s. Rows past the chunk read
+  // the chunk's first row (masked later), so the loads need no branches.
+  uint32_t kr[UK * UW];
+  uint32_t kr2[B2 > 0 ? UK2 * UW : 1];
+#define LC_DA_LOAD_K(tt)                                                                     \
+  LC_UNROLL for (int j = 0; j < UK; ++j) {                                                   \
+    const int u = tid + j * NT;                                                              \
+    const int key = u / UPR;                                                                 \
+    const int part = u - key * UPR;                                                          \
+    const int kg = (u < TK * UPR && (tt) + key < k1) ? (tt) + key : k0;                      \
+    if (vec) {                                                                               \
+      const LC_U4 t = LC_LD_U4(kip, kg * kis + 4 * part);                            \
+      kr[j * UW] = t.x;                                                                      \
+      kr[j * UW + (UW > 1 ? 1 : 0)] = t.y;                                                   \
+      kr[j * UW + (UW > 2 ? 2 : 0)] = t.z;                                                   \
+      kr[j * UW + (UW > 3 ? 3 : 0)] = t.w;                                                   \
+    } else {                                                                                 \
+      LC_UNROLL for (int c = 0; c < UW; ++c)                                                 \
+        kr[j * UW + c] = kip[kg * kis + (part * UW + c) * kiw];                      \
+    }                                                                                        \
+  }                                                                                          \
+  LC_UNROLL for (int j = 0; j < UK2; ++j) {                                                  \
+    const int u = tid + j * NT;                                                              \
+    const int key = u / UPR2;                                                                \
+    const int part = u - key * UPR2;                                                         \
+    const int kg = (u < TK * UPR2 && (tt) + key < k1) ? (tt) + key : k0;                     \
+    if (vec) {                                                                               \
+      const LC_U4 t = LC_LD_U4(k2p, kg * k2s + 4 * part);                           \
+      kr2[j * UW] = t.x;                                                                     \
+      kr2[j * UW + (UW > 1 ? 1 : 0)] = t.y;                                                  \
+      kr2[j * UW + (UW > 2 ? 2 : 0)] = t.z;                                                  \
+      kr2[j * UW + (UW > 3 ? 3 : 0)] = t.w;                                                  \
+    } else {                                                                                 \
+      LC_UNROLL for (int c = 0; c < UW; ++c)                                                 \
+        kr2[j * UW + c] = k2p[kg * k2s + (part * UW + c) * k2w];                    \
+    }                                                                                        \
+  }
+#define LC_DA_STORE_K()                                                                      \
+  LC_UNROLL for (int j = 0; j < UK; ++j) {                                                   \
+    const int u = tid + j * NT;                                                              \
+    const int key = u / UPR;                                                                 \
+    const int part = u - key * UPR;                                                          \
+    if (u < TK * UPR) {                                                                      \
+      LC_UNROLL for (int c = 0; c < UW; ++c) kst_s[key * WKP + part * UW + c] = kr[j * UW + c]; \
+    }                                                                                        \
+  }                                                                                          \
+  LC_UNROLL for (int j = 0; j < UK2; ++j) {                                                  \
+    const int u = tid + j * NT;                                                              \
+    const int key = u / UPR2;                                                                \
+    const int part = u - key * UPR2;                                                         \
+    if (u < TK * UPR2) {                                                                     \
+      LC_UNROLL for (int c = 0; c < UW; ++c)                                                 \
+        kst_s[TK * WKP + key * WK2P + part * UW + c] = kr2[j * UW + c];                      \
+    }                                                                                        \
+  }
+
+  // The first tile's key rows, q (transposed to [d][row]), q_proj and the tables.
+  LC_DA_LOAD_K(k0);
+  LC_DA_STORE_K();
   const int64_t qo = bb * q_strides[0] + hh * q_strides[1];
-  for (int i = tid; i < R * P; i += NT) {
-    const int r = i / P;
-    const int d = i - r * P;
-    q_s[d * R + r] = r < nr ? q[qo + (row0 + r) * q_strides[2] + d * q_strides[3]] : 0.0f;
+  for (int i = tid; i < P * R4; i += NT) {
+    const int d = i / R4;
+    const int r = 4 * (i - d * R4);
+    const int64_t qd = qo + row0 * q_strides[2] + d * q_strides[3];
+    LC_F4 t;
+    t.x = r < nr ? q[qd + r * q_strides[2]] * qscale : 0.0f;
+    t.y = r + 1 < nr ? q[qd + (r + 1) * q_strides[2]] * qscale : 0.0f;
+    t.z = r + 2 < nr ? q[qd + (r + 2) * q_strides[2]] * qscale : 0.0f;
+    t.w = r + 3 < nr ? q[qd + (r + 3) * q_strides[2]] * qscale : 0.0f;
+    q_s[i] = t;
   }
   if (QJL) {
     const int64_t po = bb * qp_strides[0] + hh * qp_strides[1];
     for (int i = tid; i < R * M; i += NT) {
       const int r = i / M;
       const int j = i - r * M;
-      qp_s[j * R + r] = r < nr ? qp[po + (row0 + r) * qp_strides[2] + j * qp_strides[3]] : 0.0f;
+      qp_s[j * R + r] = r < nr ? qp[po + (row0 + r) * qp_strides[2] + j * qp_strides[3]] * pscale
+                               : 0.0f;
     }
   }
   for (int i = tid; i < (1 << (B1 + B2)); i += NT) ktab_s[i] = k_table[i];
@@ -142,28 +251,6 @@ _SPEC = KernelSpec(
     qsum_s[tid] = t;
   }
   LC_BARRIER();
-
-  const int64_t kib = bb * k_idx_strides[0] + hh * k_idx_strides[1];
-  const int64_t kis = k_idx_strides[2];
-  const int64_t kiw = k_idx_strides[3];
-  const int64_t k2b = bb * k_idx2_strides[0] + hh * k_idx2_strides[1];
-  const int64_t k2s = k_idx2_strides[2];
-  const int64_t k2w = k_idx2_strides[3];
-  const int64_t knb = bb * k_norm_strides[0] + hh * k_norm_strides[1];
-  const int64_t kns = k_norm_strides[2];
-  const int64_t kqb = bb * k_qjl_strides[0] + hh * k_qjl_strides[1];
-  const int64_t kqs = k_qjl_strides[2];
-  const int64_t kqw = k_qjl_strides[3];
-  const int64_t krb = bb * k_rnorm_strides[0] + hh * k_rnorm_strides[1];
-  const int64_t krs = k_rnorm_strides[2];
-  const int64_t vib = bb * v_idx_strides[0] + hh * v_idx_strides[1];
-  const int64_t vis = v_idx_strides[2];
-  const int64_t viw = v_idx_strides[3];
-  const int64_t vnb = bb * v_norm_strides[0] + hh * v_norm_strides[1];
-  const int64_t vns = v_norm_strides[2];
-  // 16-byte loads need rows of whole 16-byte units: unit word stride, row strides multiples of 4.
-  const bool vec = VROW && kiw == 1 && kis % 4 == 0 && kib % 4 == 0
-                   && (B2 == 0 || (k2w == 1 && k2s % 4 == 0 && k2b % 4 == 0));
 
   float m_run[R];
   float l_loc[R];
@@ -177,155 +264,157 @@ _SPEC = KernelSpec(
   const int d0 = (tid - vg * TPK) * DPT;
   const int vwi = (d0 * BV) >> 5;
   const int vsh = (d0 * BV) & 31;
-  const bool vstraddle = vsh + DPT * BV > 32;
+  const bool vstraddle = VSTR && vsh + DPT * BV > 32;
+  const int kt = tid < TK ? tid : 0;  // the staged row this thread scores (threads past TK: none)
+  uint32_t vr[VB];
+  uint32_t vr2[VSTR ? VB : 1];
+#define LC_DA_LOAD_V(tt, jb)                                                                 \
+  LC_UNROLL for (int j = 0; j < VB; ++j) {                                                   \
+    const int key = (tt) + vg + G * ((jb) + j);                                              \
+    const int vo = (key < k1 ? key : k0) * vis;                                    \
+    vr[j] = vip[vo + vwi * viw];                                                           \
+    if (VSTR) vr2[VSTR ? j : 0] = vstraddle ? vip[vo + (vwi + 1) * viw] : 0u;              \
+  }
 
   for (int t0 = k0; t0 < k1; t0 += TK) {
-    // 1. Scores (base-2 logits). Thread tid owns keys t0 + tid + j * NT, j < KPT: every q value
-    //    read from threadgroup memory serves KPT keys. Keys past the chunk read a valid row
-    //    (the chunk's first) and are masked afterwards, so the loads need no branches.
-    float s[KPT * R];
-    float vn[KPT];
-    int kc[KPT];
-    bool ok[KPT];
-    LC_UNROLL for (int j = 0; j < KPT; ++j) {
-      const int key = t0 + tid + j * NT;
-      ok[j] = key < k1;
-      kc[j] = ok[j] ? key : k0;
-      LC_UNROLL for (int r = 0; r < R; ++r) s[j * R + r] = 0.0f;
+    const int tn = t0 + TK;  // the next tile
+    // Loads in flight during the scores (PF): the next tile's key rows, this tile's value words.
+    if (PF && tn < k1) {
+      LC_DA_LOAD_K(tn);
     }
-    uint32_t kw[VROW ? KPT * WK : 1];
-    uint32_t kw2[VROW && B2 > 0 ? KPT * WK2 : 1];
-    if (VROW && vec) {
-      LC_UNROLL for (int j = 0; j < KPT; ++j) {
-        LC_UNROLL for (int u = 0; u < (VROW ? WK / 4 : 0); ++u) {
-          const LC_U4 t = LC_LD_U4(k_idx, kib + kc[j] * kis + 4 * u);
-          kw[VROW ? j * WK + 4 * u : 0] = t.x;
-          kw[VROW ? j * WK + 4 * u + 1 : 0] = t.y;
-          kw[VROW ? j * WK + 4 * u + 2 : 0] = t.z;
-          kw[VROW ? j * WK + 4 * u + 3 : 0] = t.w;
-        }
-        if (B2 > 0) {
-          LC_UNROLL for (int u = 0; u < (VROW && B2 > 0 ? WK2 / 4 : 0); ++u) {
-            const LC_U4 t = LC_LD_U4(k_idx2, k2b + kc[j] * k2s + 4 * u);
-            kw2[VROW && B2 > 0 ? j * WK2 + 4 * u : 0] = t.x;
-            kw2[VROW && B2 > 0 ? j * WK2 + 4 * u + 1 : 0] = t.y;
-            kw2[VROW && B2 > 0 ? j * WK2 + 4 * u + 2 : 0] = t.z;
-            kw2[VROW && B2 > 0 ? j * WK2 + 4 * u + 3 : 0] = t.w;
-          }
-        }
+    if (VPRE) {
+      LC_DA_LOAD_V(t0, 0);
+    }
+    const int key = t0 + tid;
+    const bool ok = tid < TK && key < k1;
+    const int kc = ok ? key : k0;
+    const float kn = LC_H2F(knp[kc * kns]);
+    const float vn = LC_H2F(vnp[kc * vns]);
+
+    // 1. Scores (base-2 logits): thread tid scores staged row tid against the R rows.
+    float s[4 * R4];
+    LC_UNROLL for (int r = 0; r < 4 * R4; ++r) s[r] = 0.0f;
+    uint32_t w1[WK];
+    uint32_t w2[B2 > 0 ? WK2 : 1];
+    LC_UNROLL for (int b = 0; b < WK; ++b) w1[b] = kst_s[kt * WKP + b];
+    if (B2 > 0) {
+      LC_UNROLL for (int b = 0; b < (B2 > 0 ? WK2 : 1); ++b) {
+        w2[b] = kst_s[TK * WKP + kt * WK2P + b];
       }
     }
-    LC_UNROLL for (int g = 0; g < P / 32; ++g) {
-      uint32_t w1[KPT * B1];
-      uint32_t w2[KPT * B2X];
-      LC_UNROLL for (int j = 0; j < KPT; ++j) {
-        LC_UNROLL for (int b = 0; b < B1; ++b) {
-          w1[j * B1 + b] = (VROW && vec) ? kw[VROW ? j * WK + g * B1 + b : 0]
-                                         : k_idx[kib + kc[j] * kis + (g * B1 + b) * kiw];
-        }
-        if (B2 > 0) {
-          LC_UNROLL for (int b = 0; b < B2X; ++b) {
-            w2[j * B2X + b] = (VROW && vec) ? kw2[VROW && B2 > 0 ? j * WK2 + g * B2X + b : 0]
-                                            : k_idx2[k2b + kc[j] * k2s + (g * B2X + b) * k2w];
-          }
-        }
+    // Code of dim d (compile-time shifts; a code may straddle two words of its 32-dim group).
+#define LC_DA_CODE(d, out)                                                                   \
+  {                                                                                          \
+    const int g = (d) >> 5;                                                                  \
+    const int i = (d) & 31;                                                                  \
+    const int sh = (i * B1) & 31;                                                            \
+    const int wi = g * B1 + ((i * B1) >> 5);                                                 \
+    uint32_t c = w1[wi] >> sh;                                                               \
+    if (sh + B1 > 32) c |= w1[wi + 1] << (32 - sh);                                          \
+    c &= MASK1;                                                                              \
+    if (B2 > 0) {                                                                            \
+      const int sh2 = (i * B2X) & 31;                                                        \
+      const int wi2 = g * B2X + ((i * B2X) >> 5);                                            \
+      uint32_t c2 = w2[B2 > 0 ? wi2 : 0] >> sh2;                                             \
+      if (sh2 + B2X > 32) c2 |= w2[B2 > 0 ? wi2 + 1 : 0] << (32 - sh2);                      \
+      c = (c << B2X) | (c2 & MASK2);                                                         \
+    }                                                                                        \
+    out = c;                                                                                 \
+  }
+    // Software-pipelined by one dim: dim d + 1's table value and q are read before dim d's
+    // FMAs, so the threadgroup-memory latency overlaps arithmetic within the warp.
+    uint32_t c0;
+    LC_DA_CODE(0, c0);
+    float kv_n = ktab_s[c0];
+    LC_F4 q_n[R4];
+    LC_UNROLL for (int j = 0; j < R4; ++j) q_n[j] = q_s[j];
+    LC_UNROLL for (int g = 0; g < P / 32; ++g) LC_UNROLL for (int i = 0; i < 32; ++i) {
+      const int d = g * 32 + i;
+      const float kv = kv_n;
+      LC_F4 qv[R4];
+      LC_UNROLL for (int j = 0; j < R4; ++j) qv[j] = q_n[j];
+      if (d + 1 < P) {
+        uint32_t cn;
+        LC_DA_CODE(d + 1, cn);
+        kv_n = ktab_s[cn];
+        LC_UNROLL for (int j = 0; j < R4; ++j) q_n[j] = q_s[(d + 1) * R4 + j];
       }
-      LC_UNROLL for (int i = 0; i < 32; ++i) {
-        const int sh = (i * B1) & 31;
-        const int wi = (i * B1) >> 5;
-        const int sh2 = (i * B2X) & 31;
-        const int wi2 = (i * B2X) >> 5;
-        float kv[KPT];
-        LC_UNROLL for (int j = 0; j < KPT; ++j) {
-          uint32_t c = w1[j * B1 + wi] >> sh;
-          if (sh + B1 > 32) c |= w1[j * B1 + wi + 1] << (32 - sh);
-          c &= MASK1;
-          if (B2 > 0) {
-            uint32_t c2 = w2[j * B2X + wi2] >> sh2;
-            if (sh2 + B2X > 32) c2 |= w2[j * B2X + wi2 + 1] << (32 - sh2);
-            c = (c << B2X) | (c2 & MASK2);
-          }
-          kv[j] = ktab_s[c];
-        }
-        LC_UNROLL for (int r = 0; r < R; ++r) {
-          const float qv = q_s[(g * 32 + i) * R + r];
-          LC_UNROLL for (int j = 0; j < KPT; ++j) s[j * R + r] += qv * kv[j];
-        }
+      LC_UNROLL for (int j = 0; j < R4; ++j) {
+        s[4 * j] += qv[j].x * kv;
+        s[4 * j + 1] += qv[j].y * kv;
+        s[4 * j + 2] += qv[j].z * kv;
+        s[4 * j + 3] += qv[j].w * kv;
       }
     }
-    LC_UNROLL for (int j = 0; j < KPT; ++j) {
-      const float kn = LC_H2F(k_norm[knb + kc[j] * kns]);
-      LC_UNROLL for (int r = 0; r < R; ++r) s[j * R + r] *= kn;
-      vn[j] = LC_H2F(v_norm[vnb + kc[j] * vns]);
-    }
+#undef LC_DA_CODE
+    LC_UNROLL for (int r = 0; r < R; ++r) s[r] *= kn;
     if (QJL) {
-      float cq[KPT * R];
-      LC_UNROLL for (int i = 0; i < KPT * R; ++i) cq[i] = 0.0f;
+      float cq[R];
+      LC_UNROLL for (int r = 0; r < R; ++r) cq[r] = 0.0f;
       LC_UNROLL for (int w = 0; w < M / 32; ++w) {
-        uint32_t wq[KPT];
-        LC_UNROLL for (int j = 0; j < KPT; ++j) wq[j] = k_qjl[kqb + kc[j] * kqs + w * kqw];
+        const uint32_t wq = kqp[kc * kqs + w * kqw];
         LC_UNROLL for (int i = 0; i < 32; ++i) {
-          float bit[KPT];
-          LC_UNROLL for (int j = 0; j < KPT; ++j) bit[j] = (float)((wq[j] >> i) & 1u);
-          LC_UNROLL for (int r = 0; r < R; ++r) {
-            const float qv = qp_s[(w * 32 + i) * R + r];
-            LC_UNROLL for (int j = 0; j < KPT; ++j) cq[j * R + r] += bit[j] * qv;
-          }
+          const float bit = (float)((wq >> i) & 1u);
+          LC_UNROLL for (int r = 0; r < R; ++r) cq[r] += bit * qp_s[(w * 32 + i) * R + r];
         }
       }
-      LC_UNROLL for (int j = 0; j < KPT; ++j) {
-        const float rn = LC_H2F(k_rnorm[krb + kc[j] * krs]);
-        LC_UNROLL for (int r = 0; r < R; ++r) s[j * R + r] += rn * (2.0f * cq[j * R + r] - qsum_s[r]);
-      }
+      const float rn = LC_H2F(krp[kc * krs]);
+      LC_UNROLL for (int r = 0; r < R; ++r) s[r] += rn * (2.0f * cq[r] - qsum_s[r]);
     }
-    LC_UNROLL for (int j = 0; j < KPT; ++j) {
-      LC_UNROLL for (int r = 0; r < R; ++r) {
-        bool visible = ok[j];
-        if (CAUSAL) visible = visible && (t0 + tid + j * NT <= causal_base + (row0 + r) % LQ);
-        if (!visible) s[j * R + r] = -LC_INF;
-      }
+    LC_UNROLL for (int r = 0; r < R; ++r) {
+      bool visible = ok;
+      if (CAUSAL) visible = visible && (key <= causal_base + (row0 + r) % LQ);
+      if (!visible) s[r] = -LC_INF;
     }
 
     // 2. Online softmax: tile max, rescale, weights w = exp2(s - m) * norm_v.
     LC_UNROLL for (int r = 0; r < R; ++r) {
-      float tm = s[r];
-      LC_UNROLL for (int j = 1; j < KPT; ++j) tm = LC_MAX(tm, s[j * R + r]);
-      tm = lc_simd_max(tm);
+      const float tm = lc_simd_max(s[r]);
       if (lc_lane == 0u) red_s[(int)lc_warp * R + r] = tm;
     }
     LC_BARRIER();
+    // Every thread is past its reads of the staged rows: stage the next tile's.
+    if (tn < k1) {
+      if (!PF) {
+        LC_DA_LOAD_K(tn);
+      }
+      LC_DA_STORE_K();
+    }
     LC_UNROLL for (int r = 0; r < R; ++r) {
       float tm = red_s[r];
       for (int w = 1; w < NW; ++w) tm = LC_MAX(tm, red_s[w * R + r]);
       const float mn = LC_MAX(m_run[r], tm);
       const float mu = mn == -LC_INF ? 0.0f : mn;
       const float alpha = LC_EXP2(m_run[r] - mu);
-      float ps = 0.0f;
-      LC_UNROLL for (int j = 0; j < KPT; ++j) {
-        const float p = LC_EXP2(s[j * R + r] - mu);
-        ps += p;
-        scratch[(tid + j * NT) * R + r] = p * vn[j];
-      }
-      l_loc[r] = l_loc[r] * alpha + ps;
+      const float p = LC_EXP2(s[r] - mu);
+      if (tid < TK) scratch[tid * R + r] = p * vn;
+      l_loc[r] = l_loc[r] * alpha + p;
       m_run[r] = mn;
       LC_UNROLL for (int i = 0; i < DPT; ++i) acc[r * DPT + i] *= alpha;
     }
     LC_BARRIER();
 
-    // 3. Values: DPT dims of every G-th key of the tile.
-    const int nk = (k1 - t0) < TK ? (k1 - t0) : TK;
-    for (int kk = vg; kk < nk; kk += G) {
-      const int64_t vo = vib + (t0 + kk) * vis;
-      uint32_t bits = v_idx[vo + vwi * viw] >> vsh;
-      if (vstraddle) bits |= v_idx[vo + (vwi + 1) * viw] << (32 - vsh);
-      float wv[R];
-      LC_UNROLL for (int r = 0; r < R; ++r) wv[r] = scratch[kk * R + r];
-      LC_UNROLL for (int i = 0; i < DPT; ++i) {
-        const float cv = vtab_s[(bits >> (i * BV)) & MASKV];
-        LC_UNROLL for (int r = 0; r < R; ++r) acc[r * DPT + i] += wv[r] * cv;
+    // 3. Values: DPT dims of keys vg + G * j of the tile (keys past the chunk weigh 0).
+    LC_UNROLL for (int jb = 0; jb < NV; jb += VB) {
+      if (!VPRE) {
+        LC_DA_LOAD_V(t0, jb);
+      }
+      LC_UNROLL for (int j = 0; j < VB; ++j) {
+        const int kk = vg + G * (jb + j);
+        uint32_t bits = vr[j] >> vsh;
+        if (VSTR && vstraddle) bits |= vr2[VSTR ? j : 0] << (32 - vsh);
+        float wv[R];
+        LC_UNROLL for (int r = 0; r < R; ++r) wv[r] = scratch[kk * R + r];
+        LC_UNROLL for (int i = 0; i < DPT; ++i) {
+          const float cv = vtab_s[(bits >> (i * BV)) & MASKV];
+          LC_UNROLL for (int r = 0; r < R; ++r) acc[r * DPT + i] += wv[r] * cv;
+        }
       }
     }
   }
+#undef LC_DA_LOAD_K
+#undef LC_DA_STORE_K
+#undef LC_DA_LOAD_V
 
   // Sum the G key groups' accumulators and the threads' partial l; write this split's state.
   LC_BARRIER();
@@ -355,6 +444,24 @@ _SPEC = KernelSpec(
   }
 """,
 )
+
+
+def _min_blocks_header(min_blocks: int) -> str:
+    """CUDA only: MLX writes the kernel's signature itself, so its `__global__` is redefined to
+    carry `__launch_bounds__(NT, min_blocks)` (registers capped to fit min_blocks per SM)."""
+    if not min_blocks:
+        return ""
+    return ("#ifdef LC_CUDA\n#undef __global__\n#define __global__ __attribute__((global)) "
+            f"__launch_bounds__({NT}, {min_blocks})\n#endif\n")
+
+
+_SPECS: dict = {}
+
+
+def _spec(min_blocks: int) -> KernelSpec:
+    if min_blocks not in _SPECS:
+        _SPECS[min_blocks] = dataclasses.replace(_SPEC, header=_min_blocks_header(min_blocks))
+    return _SPECS[min_blocks]
 
 
 def _unpack_codes(keys: dict, p: int, key_bits: int, key_bits2: int, lo: int, hi: int):
@@ -414,9 +521,13 @@ def _dpt(p: int, rows: int, value_bits: int) -> int | None:
     return None
 
 
-def _kpt(rows: int) -> int:
-    """Keys per thread in the score phase: each q read serves KPT keys; <= 16 score registers."""
-    return max(1, min(4, 16 // rows))
+def tile_keys(p: int, key_bits: int, key_bits2: int = 0) -> int:
+    """Keys per tile: NT, halved (down to 32) until the staged key rows fit STAGE_WORDS."""
+    words = ((key_bits * p // 32) | 1) + (((key_bits2 * p // 32) | 1) if key_bits2 else 0)
+    tk = NT
+    while tk > 32 and tk * words > STAGE_WORDS:
+        tk //= 2
+    return tk
 
 
 def max_rows(p: int, m_qjl: int = 0) -> int:
@@ -424,11 +535,19 @@ def max_rows(p: int, m_qjl: int = 0) -> int:
     return max(1, min(16, 1024 // max(p, m_qjl)))
 
 
-def _splits(length: int, bh: int) -> tuple[int, int]:
-    """(chunk, splits): chunks are whole tiles; about TARGET_GROUPS threadgroups in all."""
-    tiles = groups(length, NT)
-    want = max(1, min(tiles, groups(TARGET_GROUPS, bh)))
-    chunk = groups(tiles, want) * NT
+def _min_blocks(rows: int, key_bits2: int, qjl: bool) -> int:
+    """The register cap in threadgroups per SM: MIN_BLOCKS for single-stage keys without QJL
+    and up to 4 rows (32 accumulators); the others need their registers (0: uncapped)."""
+    return MIN_BLOCKS if rows <= 4 and not key_bits2 and not qjl else 0
+
+
+def _splits(length: int, bh: int, tk: int = NT, min_blocks: int = 0) -> tuple[int, int]:
+    """(chunk, splits): chunks are whole tiles; about TARGET_GROUPS threadgroups in all, by
+    default one wave: SM_COUNT x the threadgroups an SM holds (min_blocks, else 4)."""
+    tiles = groups(length, tk)
+    target = TARGET_GROUPS or SM_COUNT * (min_blocks or 4)
+    want = max(1, min(tiles, groups(target, bh)))
+    chunk = groups(tiles, want) * tk
     return chunk, groups(length, chunk)
 
 
@@ -468,12 +587,13 @@ def decode_attend(q_rot, keys, values, key_table, value_table, *, key_bits, valu
     if backend() == "cpu" or L == 0 or not _supported(P, key_bits, key_bits2, value_bits, m_qjl):
         return decode_attend_reference(q_rot, keys, values, key_table, value_table, **kw)
     c = scale * LOG2E
-    q = _as(q_rot, mx.float32) * c
-    qp = (q_proj.astype(mx.float32) * (c * math.sqrt(math.pi / 2) / m_qjl)
-          if q_proj is not None else None)
-    return _launch(q, qp, keys, values, key_table, value_table, key_bits, key_bits2, value_bits,
-                   m_qjl, lq, causal_base, dict(kw, q_rot=q_rot, keys=keys, values=values,
-                                                key_table=key_table, value_table=value_table))
+    scales = _scales((c, c * math.sqrt(math.pi / 2) / m_qjl))
+    q = _as(q_rot, mx.float32)
+    qp = _as(q_proj, mx.float32) if q_proj is not None else None
+    ref = dict(kw, q_rot=q_rot, keys=keys, values=values, key_table=key_table,
+               value_table=value_table)
+    return _launch(q, qp, scales, keys, values, key_table, value_table, key_bits, key_bits2,
+                   value_bits, m_qjl, lq, causal_base, ref)
 
 
 def _check(q_rot, keys, values, key_table, value_table, key_bits, key_bits2, value_bits, q_proj):
@@ -505,6 +625,7 @@ def _as(a: mx.array, dtype) -> mx.array:
 
 _DUMMIES: list = []
 _PARAMS: dict = {}
+_SCALES: dict = {}
 
 
 def _dummies():
@@ -523,6 +644,15 @@ def _params(values: tuple) -> mx.array:
             _PARAMS.clear()
         _PARAMS[values] = mx.array(values, dtype=mx.int32)
     return _PARAMS[values]
+
+
+def _scales(values: tuple) -> mx.array:
+    """The float32 scale array (q, q_proj), reused across decode steps with the same values."""
+    if values not in _SCALES:
+        if len(_SCALES) > 256:
+            _SCALES.clear()
+        _SCALES[values] = mx.array(values, dtype=mx.float32)
+    return _SCALES[values]
 
 
 def row_blocks(rows: int, p: int, m_qjl: int = 0) -> tuple[int, int]:
@@ -544,14 +674,16 @@ def _reference_partials(splits: int, q_rot, keys, values, key_table, value_table
     return m_p, l_p, acc_p
 
 
-def _launch(q, qp, keys, values, key_table, value_table, key_bits, key_bits2, value_bits, m_qjl,
-            lq, causal_base, reference):
+def _launch(q, qp, scales, keys, values, key_table, value_table, key_bits, key_bits2, value_bits,
+            m_qjl, lq, causal_base, reference):
     """One kernel launch for all rows (row blocks x KV heads x splits threadgroups), then the
     split merge. `reference`: `decode_attend_reference`'s arguments, for the fallback."""
     B, H, R, P = q.shape
     L = keys["norm"].shape[2]
     per_block, nrb = row_blocks(R, P, m_qjl if qp is not None else 0)
-    chunk, splits = _splits(L, B * H * nrb)
+    tk = tile_keys(P, key_bits, key_bits2)
+    min_blocks = _min_blocks(per_block, key_bits2, qp is not None)
+    chunk, splits = _splits(L, B * H * nrb, tk, min_blocks)
     dummy4, dummy3, dummyf = _dummies()
     params = _params((L, chunk, 0 if causal_base is None else causal_base, splits, R))
     u32, f16, f32 = mx.uint32, mx.float16, mx.float32  # fixed: MLX caches modules by name
@@ -559,14 +691,14 @@ def _launch(q, qp, keys, values, key_table, value_table, key_bits, key_bits2, va
               _as(keys["idx"], u32), _as(keys["idx2"], u32) if key_bits2 else dummy4,
               _as(keys["norm"], f16), _as(keys["qjl"], u32) if qp is not None else dummy4,
               _as(keys["rnorm"], f16) if qp is not None else dummy3, _as(values["idx"], u32),
-              _as(values["norm"], f16), _as(key_table, f32), _as(value_table, f32), params]
+              _as(values["norm"], f16), _as(key_table, f32), _as(value_table, f32), params,
+              scales]
     template = [("P", P), ("R", per_block), ("LQ", lq), ("B1", key_bits), ("B2", key_bits2),
                 ("BV", value_bits), ("QJL", int(qp is not None)), ("M", m_qjl),
                 ("CAUSAL", int(causal_base is not None)), ("NT", NT),
-                ("DPT", _dpt(P, per_block, value_bits)), ("KPT", KPT if KPT else _kpt(per_block)),
-                ("VEC", int(VECTOR_ROWS))]
+                ("DPT", _dpt(P, per_block, value_bits)), ("TK", tk), ("PF", int(PREFETCH))]
     n = B * H * splits * nrb
-    m_p, l_p, acc_p = run(_SPEC, Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
+    m_p, l_p, acc_p = run(_spec(min_blocks), Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
                                         [(B * H, splits, R), (B * H, splits, R),
                                          (B * H, splits, R, P)], [mx.float32] * 3),
                           reference=lambda: _reference_partials(splits, **reference))

@@ -62,6 +62,8 @@ static inline lc_u4 lc_ld_u4(const uint32_t* p) {
   lc_u4 t; std::memcpy(&t, p, 16); return t;
 }
 #define LC_U4 lc_u4
+struct lc_f4 { float x, y, z, w; };
+#define LC_F4 lc_f4
 #define LC_LD_U4(p, off) lc_ld_u4((p) + (off))
 template <typename T> static inline void lc_st_u4(T* p, lc_u4 v) {
   if (reinterpret_cast<uintptr_t>(p) % 16) __builtin_trap();  // the GPU would fault
@@ -176,14 +178,17 @@ def _compile(src: str):
     return lib
 
 
-def _embed(a: np.ndarray) -> np.ndarray:
-    """A view of `a` with the same values inside a larger buffer (padded along axis -2)."""
+def _embed(a: np.ndarray, odd_rows: bool = False) -> np.ndarray:
+    """A view of `a` with the same values inside a larger buffer (padded along axis -2; with
+    `odd_rows`, also one element along axis -1 of 4-d arrays: rows of odd stride)."""
     if a.ndim < 2:
         return a
     shape = list(a.shape)
     shape[-2] += 3
+    pad = int(odd_rows and a.ndim == 4)
+    shape[-1] += pad
     big = np.full(shape, 0x5A if a.dtype.kind in "ui" else np.nan, dtype=a.dtype)
-    view = big[..., 1:1 + a.shape[-2], :]
+    view = big[..., 1:1 + a.shape[-2], pad:]
     view[...] = a
     return view
 
@@ -195,15 +200,17 @@ def _poison(shape, dt) -> np.ndarray:
     return np.full(shape, np.iinfo(npdt).max, dtype=npdt)
 
 
-def emulator(strided: bool = True):
-    """An executor running kernels on the CPU (see the module docstring)."""
+def emulator(strided: bool = True, odd_rows: bool = False):
+    """An executor running kernels on the CPU (see the module docstring); `odd_rows`: strided
+    inputs' rows also get an odd stride (see `_embed`)."""
 
     def execute(spec, launch):
         lib = _compile(_emu_source(spec, launch))
         ins = []
         for a in launch.inputs:
             x = np.array(a)
-            ins.append(_embed(x) if strided and not spec.row_contiguous else np.ascontiguousarray(x))
+            ins.append(_embed(x, odd_rows) if strided and not spec.row_contiguous
+                       else np.ascontiguousarray(x))
         outs = [_poison(s, d) for s, d in zip(launch.output_shapes, launch.output_dtypes)]
         shapes = np.zeros((len(ins), MAXD), dtype=np.int32)
         strides = np.zeros((len(ins), MAXD), dtype=np.int64)

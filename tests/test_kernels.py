@@ -242,9 +242,12 @@ def test_launch_plans():
     launch = rec.launches[3][1]
     groups_, threads = _geometry(launch)
     t = dict(launch.template)
-    chunk, splits, rows = (int(launch.inputs[-1][i]) for i in (1, 3, 4))
+    params = launch.inputs[da._SPEC.inputs.index("params")]
+    chunk, splits, rows = (int(params[i]) for i in (1, 3, 4))
     assert threads == da.NT and groups_ == 2 * 3 * splits * 2 and t["R"] == 10 and rows == 20
-    assert chunk % da.NT == 0 and (splits - 1) * chunk < 1000 <= splits * chunk
+    assert chunk % t["TK"] == 0 and (splits - 1) * chunk < 1000 <= splits * chunk
+    scales = launch.inputs[da._SPEC.inputs.index("scales")]
+    assert abs(float(scales[0]) - da.LOG2E) < 1e-6  # scale 1.0 in base 2, applied in the kernel
     assert t["DPT"] * t["BV"] <= 32 and t["DPT"] * t["R"] <= 32
     assert launch.output_shapes == [(6, splits, 20), (6, splits, 20), (6, splits, 20, 64)]
     assert da.row_blocks(48, 64) == (16, 3) and da.row_blocks(3, 64) == (3, 1)

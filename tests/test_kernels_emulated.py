@@ -76,9 +76,10 @@ def test_qjl_encode(emulated, dim):
     assert mx.array_equal(signs, want[0]) and mx.array_equal(rnorm, want[1])
 
 
-CASES = [  # B, H, R, P, L, preset, lq, causal_base, target_groups, kpt
+CASES = [  # B, H, R, P, L, preset, lq, causal_base, target_groups, prefetch
+    (1, 2, 4, 128, 300, "tq4", 1, None, None, 1),
     (1, 2, 4, 128, 300, "tq4", 1, None, None, 0),
-    (1, 1, 3, 64, 200, "tq3+qjl", 1, None, None, 0),
+    (1, 1, 3, 64, 200, "tq3+qjl", 1, None, None, 1),
     (2, 2, 8, 64, 130, "rvq2+2", 2, None, None, 0),
     (1, 2, 6, 128, 260, "tq3", 3, 250, None, 0),
     (1, 1, 20, 64, 129, "tq4k3v", 4, None, None, 0),  # 20 rows: two row blocks of 10
@@ -87,21 +88,24 @@ CASES = [  # B, H, R, P, L, preset, lq, causal_base, target_groups, kpt
     (1, 2, 19, 64, 300, "tq3+qjl", 19, 250, None, 0),  # blocks of 10 + 9, causal, QJL
     (1, 1, 2, 256, 150, "tq4", 1, None, None, 0),
     (1, 2, 4, 128, 1000, "tq4", 1, None, 2, 0),  # chunks of several tiles: rescaling
-    (1, 2, 4, 128, 1000, "tq3+qjl", 1, None, 2, 2),
+    (1, 2, 4, 128, 1000, "tq3+qjl", 1, None, 2, 1),
+    (1, 2, 4, 128, 1000, "rvq2+2", 1, None, 2, 1),  # staged rows of both stages, several tiles
+    (1, 2, 4, 128, 1000, "rvq2+2", 1, None, 2, 0),
+    (1, 1, 4, 256, 700, "tq4", 1, None, 2, 1),  # 64-key tiles (STAGE_WORDS)
     (1, 1, 6, 64, 700, "rvq2+2", 3, 40, 3, 0),  # later splits fully masked
     (1, 1, 4, 64, 300, "tq4", 2, -1, None, 1),  # row 0 of each head sees nothing
-    (1, 2, 4, 128, 300, "tq5k4v", 1, None, None, 0),  # 5-bit keys straddle words
+    (1, 2, 4, 128, 300, "tq5k4v", 1, None, None, 1),  # 5-bit keys straddle words
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[5]}-P{c[3]}-R{c[2]}-L{c[4]}")
 def test_decode_attend(emulated, monkeypatch, case):
-    B, H, R, P, L, name, lq, causal_base, target, kpt = case
+    B, H, R, P, L, name, lq, causal_base, target, prefetch = case
     b1, b2, qjl, bv = preset_bits(name)
     q, qp, keys, values, kt, vt = random_segment(B, H, R, P, L, b1, b2, bv, qjl, seed=L)
     if target:
         monkeypatch.setattr(da, "TARGET_GROUPS", target)
-    monkeypatch.setattr(da, "KPT", kpt)
+    monkeypatch.setattr(da, "PREFETCH", bool(prefetch))
     kw = dict(key_bits=b1, key_bits2=b2, value_bits=bv, scale=P ** -0.5, q_proj=qp, lq=lq,
               causal_base=causal_base)
     errs = state_errors(da.decode_attend(q, keys, values, kt, vt, **kw),
@@ -110,16 +114,17 @@ def test_decode_attend(emulated, monkeypatch, case):
     assert errs["out_rel"] < 1e-5 and errs["l_rel"] < 1e-5 and errs["m_abs"] < 1e-5, errs
 
 
-@pytest.mark.parametrize("name,kpt", [("tq4", 2), ("rvq2+2", 1), ("tq3", 1)])
-def test_decode_attend_vector_rows(emulated, monkeypatch, name, kpt):
-    """The optional 16-byte whole-row key loads (off by default) compute the same state."""
+@pytest.mark.parametrize("strided,odd_rows", [(False, False), (True, True)])
+@pytest.mark.parametrize("name", ["tq4", "rvq2+2", "tq3+qjl"])
+def test_decode_attend_row_layouts(name, strided, odd_rows):
+    """Contiguous rows, and rows of odd stride (no 16-byte staging loads: word by word), compute
+    the same state as the padded rows of the other cases."""
     b1, b2, qjl, bv = preset_bits(name)
     q, qp, keys, values, kt, vt = random_segment(1, 2, 4, 128, 300, b1, b2, bv, qjl, seed=1)
-    monkeypatch.setattr(da, "VECTOR_ROWS", True)
-    monkeypatch.setattr(da, "KPT", kpt)
     kw = dict(key_bits=b1, key_bits2=b2, value_bits=bv, scale=0.1, q_proj=qp)
-    errs = state_errors(da.decode_attend(q, keys, values, kt, vt, **kw),
-                        da.decode_attend_reference(q, keys, values, kt, vt, **kw))
+    with _prelude.executor(kernel_emu.emulator(strided, odd_rows)):
+        errs = state_errors(da.decode_attend(q, keys, values, kt, vt, **kw),
+                            da.decode_attend_reference(q, keys, values, kt, vt, **kw))
     assert errs["finite"] and errs["out_rel"] < 1e-5 and errs["l_rel"] < 1e-5, errs
 
 
