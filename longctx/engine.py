@@ -24,6 +24,14 @@ class PrefillStats:
     # The longest single chunk (forward pass + mx.eval): one command buffer's worth of work, which
     # the Metal watchdog kills after a few seconds (mlx-lm issue #1087).
     max_eval_seconds: float = 0.0
+    chunk_seconds: tuple[float, ...] = ()  # every chunk's time, in order
+
+    @property
+    def max_steady_eval_seconds(self) -> float:
+        """The longest chunk but the first two and the last (whose new shapes may compile
+        kernels: MLX's first use, the first chunk with a cached prefix, a shorter tail)."""
+        steady = self.chunk_seconds[2:-1]
+        return max(steady) if steady else self.max_eval_seconds
 
     @property
     def tokens_per_second(self) -> float:
@@ -53,17 +61,18 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
     mx.reset_peak_memory()
     start = time.perf_counter()
     total = len(tokens)
-    longest = 0.0
+    times: list[float] = []
     for lo in range(0, total, chunk):
         t = time.perf_counter()
         piece = mx.array(tokens[lo : lo + chunk], dtype=mx.int32)[None]  # (1, T)
         model(piece, cache=cache)  # logits stay an unevaluated graph node
         mx.eval(_cache_arrays(cache))
-        longest = max(longest, time.perf_counter() - t)
+        times.append(time.perf_counter() - t)
         if progress:
             progress(min(lo + chunk, total), total)
     mx.synchronize()
-    return PrefillStats(total, time.perf_counter() - start, mx.get_peak_memory(), longest)
+    return PrefillStats(total, time.perf_counter() - start, mx.get_peak_memory(),
+                        max(times, default=0.0), tuple(times))
 
 
 def token_stream(model, tokens: list[int], cache: list, max_tokens: int, temperature: float = 0.0,

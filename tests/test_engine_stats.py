@@ -38,6 +38,27 @@ def test_max_eval_seconds_is_the_longest_chunk_not_the_mean():
     assert 0.3 <= stats.max_eval_seconds < 0.3 + 0.25
     assert stats.max_eval_seconds <= stats.seconds
     assert cache[0].state.item() == 160  # every chunk's state was evaluated
+    assert len(stats.chunk_seconds) == 10 and max(stats.chunk_seconds) == stats.max_eval_seconds
+    assert stats.max_steady_eval_seconds == stats.max_eval_seconds  # the third chunk is steady
+
+
+def test_the_steady_maximum_leaves_out_the_first_two_chunks_and_the_last():
+    for slow in (1, 2, 10):  # compiling chunks: the first, the first with a prefix, the tail
+        model = _SlowChunkModel(0.0)
+        model.__class__ = type("Slow", (_SlowChunkModel,), {"__call__": _slow_at(slow)})
+        stats = engine.prefill(model, list(range(10 * 16)), [_Layer()], chunk=16)
+        assert stats.max_eval_seconds >= 0.2 and stats.max_steady_eval_seconds < 0.2, slow
+
+
+def _slow_at(n: int):
+    def call(self, ids, cache):
+        self.calls += 1
+        if self.calls == n:
+            time.sleep(0.2)
+        for layer in cache:
+            layer.state = layer.state + ids.shape[1]
+        return ids
+    return call
 
 
 def test_max_eval_seconds_of_a_real_prefill(tiny_model):
