@@ -472,8 +472,11 @@ def main() -> None:
         # The preloaded OpenBLAS (Debian's 0.3.21 pthread build) can deadlock in its exit-time
         # thread shutdown (`blas_thread_shutdown_` joins a worker parked on a condition variable:
         # seen in 4 of 6 `ask` runs of a segmented document on a 2-core VM). Everything the
-        # command wrote is fsynced and the store is closed by now, so skip the C library
-        # finalizers: flush and leave.
+        # command wrote is fsynced and the store is closed by now, so run Python's exit
+        # handlers, flush, and skip only the C libraries' finalizers.
+        import atexit
+
+        getattr(atexit, "_run_exitfuncs", lambda: None)()
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()
