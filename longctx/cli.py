@@ -180,8 +180,8 @@ def ingest(files: list[str] = typer.Argument(..., help="PDF, text or markdown fi
         with _bar("prefill", "tok") as update:
             result = multidoc.ingest_files(files, name, model, kv, force=force, password=password, progress=update)
         e = result.target
-        for fname, empty in (result.empty_pages or {}).items():
-            _warn_empty_pages(fname, empty, 0)
+        for fname, (pages, empty) in (result.empty_pages or {}).items():
+            _warn_empty_pages(fname, tuple(empty), pages)
         n_seg = len(getattr(e, "segments", ()) or ())
         what = f" in {n_seg} segments" if n_seg > 1 else ""
         if result.reused:

@@ -73,7 +73,8 @@ def expand(paths: Sequence[str | Path]) -> list[Path]:
             found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES
                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
             if not found:
-                raise DocumentError(f"{raw} holds no PDF, text or markdown files.")
+                raise DocumentError(f"{raw} is a directory with no PDF, text or markdown files in "
+                                    "it; give files, or a directory that holds some.")
             out.extend(found)
         else:
             out.append(p)
@@ -126,9 +127,12 @@ def plan(paths: Sequence[str | Path], name: str | None = None, model: str | None
 
     try:
         parts = seg.split(docs, title, count, lambda t, x: len(prefix(t, x)), budget)
-    except ValueError as err:
-        raise ContextLengthError(f"Cannot split '{title}' for this model: {err}; use a model "
-                                 "with a longer context.") from None
+    except ValueError:
+        raise ContextLengthError(
+            f"'{title}' does not fit this model and cannot be split into segments: the model's "
+            f"context is {context:,} tokens, {session.ANSWER_RESERVE} of them kept for the question "
+            f"and answer, which leaves {budget:,} per segment, too few for the prompt around any "
+            "text; use a longer-context model (--model).") from None
     lay = prompt.layout(tokenizer, title, "")
     gid = groups.group_id([d.sha256 for d in docs], ref.weights_sha256, ref.tokenizer_sha256,
                           kv.name, prompt.layout_sha256(tokenizer), budget, title)
