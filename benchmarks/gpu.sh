@@ -89,7 +89,7 @@ for phase in "${phases[@]}"; do
       run niah 400 python3 benchmarks/niah.py --budget-s 360 --out "$out" --kv fp16,tq4 --model smollm2 ;;
     niahseg)
       run niahseg 470 python3 benchmarks/niah_segments.py --model smollm2 --lengths 16k,32k,64k \
-        --depths 0,25,50,75,100 --rankers bm25,model --tasks literal,paraphrase --kv tq4 \
+        --depths 0,25,50,75,100 --rankers bm25,model,attention --tasks literal,paraphrase --kv tq4 \
         --budget-s 420 --out benchmarks/results
       keep benchmarks/results/niah_segments_*_cuda.json benchmarks/results/niah_segments_*_cuda.cells.jsonl \
         benchmarks/results/niah_segments_*_cuda_*.png ;;

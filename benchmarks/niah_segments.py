@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model spec (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--lengths", default="16k,32k,64k")
     ap.add_argument("--depths", default="0,25,50,75,100", help="percent")
-    ap.add_argument("--rankers", default="bm25,model")
+    ap.add_argument("--rankers", default="bm25,model,attention")
     ap.add_argument("--tasks", default="literal,paraphrase")
     ap.add_argument("--kv", default="tq4", help="KV preset of the segment caches")
     ap.add_argument("--seed", type=int, default=0)

@@ -223,7 +223,7 @@ def ask(question: str = typer.Argument(..., help="The question."),
         max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="Most answer tokens."),
         temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0 = greedy)."),
         seed: Optional[int] = typer.Option(None, "--seed", help="Sampler seed."),
-        ranker: Optional[str] = typer.Option(None, "--ranker", help="Segmented documents: choose segments by bm25 or model (default: LONGCTX_RANKER)."),
+        ranker: Optional[str] = typer.Option(None, "--ranker", help="Segmented documents: choose segments by bm25, model (question likelihood) or attention (attention mass) (default: LONGCTX_RANKER)."),
         segments: int = typer.Option(1, "--segments", min=1, help="Segmented documents: answer from this many best segments, keep the surest answer."),
         as_json: bool = typer.Option(False, "--json", help="Print answer and timings as JSON.")):
     """Answer a question from a stored document's cache, streaming to stdout."""
@@ -357,7 +357,7 @@ def _split(values: list[str]) -> list[str]:
 @bench_app.command("niah")
 def bench_niah(lengths: list[str] = typer.Option(["1k,2k,4k,8k,16k,32k"], "--lengths", help="Context lengths (e.g. 1k,2k or 2048); those above the model's context run as segmented documents, asked through each --rankers."),
                depths: Optional[list[str]] = typer.Option(None, "--depths", help="Needle depths in percent (default 0,10,...,100; past the context 0,25,50,75,100)."),
-               rankers: list[str] = typer.Option(["bm25,model"], "--rankers", help="Segment rankers compared past the context (bm25, model)."),
+               rankers: list[str] = typer.Option(["bm25,model,attention"], "--rankers", help="Segment rankers compared past the context (bm25, model, attention)."),
                kv: list[str] = typer.Option(["fp16,tq4"], "--kv", help="KV presets (fp16 is always included as the baseline; past the context, the first other preset only)."),
                task: list[str] = typer.Option(["single"], "--task", help="single, uuid, multikey or multivalue (repeatable)."),
                samples: int = typer.Option(1, "--samples", min=1, help="Haystacks per cell."),

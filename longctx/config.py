@@ -109,9 +109,10 @@ SETTINGS: dict[str, Setting] = {
     "segment_tokens": Setting("LONGCTX_SEGMENT_TOKENS", _count, 0,
                               "most prompt tokens of one segment of a long document or "
                               "collection (0: the model's context less the answer reserve)"),
-    "ranker": Setting("LONGCTX_RANKER", _choice("bm25", "model"), "bm25",
-                      "how `ask` picks the segments of a long document: lexical (bm25) or the "
-                      "model's question likelihood over BM25's best 4 (model)"),
+    "ranker": Setting("LONGCTX_RANKER", _choice("bm25", "model", "attention"), "bm25",
+                      "how `ask` picks the segments of a long document: lexical (bm25), or BM25's "
+                      "best 4 reranked by the model's question likelihood (model) or by the "
+                      "question's attention mass on each (attention)"),
     "max_store": Setting("LONGCTX_MAX_STORE", _budget, None,
                          "most bytes the store keeps (20GB, 500MiB, bytes; 0 or none: no limit); "
                          "ingest then evicts the least recently asked entries (default: 25% of "

@@ -30,6 +30,7 @@ from longctx.store import Entry, Store, budget, entry_id, groups
 from longctx.store.groups import Group
 
 SUFFIXES = (".pdf", *TEXT_SUFFIXES)
+_TAIL = 8  # tokens after a segment's text in its prompt ("</document>", "Question:")
 
 
 @dataclass
@@ -317,6 +318,60 @@ def _score_question(lm, cache: list, suffix: list[int], n_question: int) -> floa
     return float(mx.mean(picked).item())
 
 
+def _body_mass(queries, kv, scale: float, head: int, tail: int):
+    """The largest share, over query heads, of the question's attention that lands on the
+    document's text (not the template before and after it, nor the question itself), averaged
+    over the question's tokens; one compressed layer."""
+    import mlx.core as mx
+
+    from longctx.kvcache import dense_gpu
+    from longctx.kvcache.attend_fused import kernel_table
+
+    kc = kv.key_codec
+    if kv.dense is not None:  # the CPU's decoded prefix
+        keys = kv.dense[0].astype(mx.float32)
+    else:
+        sink = dense_gpu._rotated(kc, kv.sink[0]) if kv.sink is not None else None
+        keys = dense_gpu._dense(kc, kernel_table(kc), [s[0] for s in kv.segments], sink,
+                                None).astype(mx.float32)
+    B, Hq, Lq, _ = queries.shape
+    Hkv, n = keys.shape[1], keys.shape[2]
+    q = kc.rotate(queries.astype(mx.float32)).reshape(B, Hkv, (Hq // Hkv) * Lq, -1)
+    scores = (q @ keys.swapaxes(-1, -2)) * scale  # (B, H_kv, r * L_q, N)
+    total = mx.logsumexp(scores, axis=-1)
+    if kv.window is not None:
+        win = kc.rotate(kv.window[0].astype(mx.float32))
+        s_win = (q @ win.swapaxes(-1, -2)) * scale
+        if kv.window_mask is not None:
+            s_win = mx.where(kv.window_mask, s_win, -mx.inf)
+        total = mx.logaddexp(total, mx.logsumexp(s_win, axis=-1))
+    body = mx.logsumexp(scores[..., head:max(head + 1, n - tail)], axis=-1)
+    share = mx.exp(body - total).reshape(B, Hq, Lq).mean(axis=-1)  # (B, H_q)
+    return mx.max(share)
+
+
+def _score_attention(lm, cache: list, suffix: list[int], head: int, tail: int) -> float:
+    """Attention mass: run the question over the segment's cache and read, in every compressed
+    layer, how much of its attention goes to the segment's text; the mean over layers."""
+    import mlx.core as mx
+
+    from longctx.kvcache import attention
+
+    shares = []
+
+    def observe(queries, kv, scale):
+        shares.append(_body_mass(queries, kv, scale, head, tail))
+
+    attention._OBSERVERS.append(observe)
+    try:
+        lm.model(mx.array(suffix, dtype=mx.int32)[None], cache=kvcache.fork(cache))
+    finally:
+        attention._OBSERVERS.remove(observe)
+    if not shares:
+        return 0.0
+    return float(mx.mean(mx.stack(shares)).item())
+
+
 def _score_answer(lm, cache: list, suffix: list[int], answer: list[int]) -> float:
     """Mean log-probability of `answer` after the question (how sure the model is of it)."""
     import mlx.core as mx
@@ -366,6 +421,12 @@ def ask_group(group: Group, question: str, model: str | None, max_tokens: int,
             cache, pending = load(i)
             pending.wait()
             suffix = session.question_suffix(lm, entries[i], question)
+            if ranker == "attention":
+                # The template before the text (system turn, instructions, document tag) and
+                # after it (closing tag, "Question:") are not the document.
+                head = len(prompt.prefix_tokens(lm.tokenizer, prompt.layout(
+                    lm.tokenizer, entries[i].name, ""))) - _TAIL
+                return _score_attention(lm, cache, suffix, max(0, head), _TAIL)
             n_q = len(prompt.encode(lm.tokenizer, " " + " ".join(question.split()), first=False))
             return _score_question(lm, cache, suffix, max(2, min(n_q, len(suffix))))
 

@@ -9,6 +9,12 @@ Two rankers:
   segment (query likelihood: a segment that holds the answer makes the question less surprising,
   even when the question's words do not appear in it). It costs one restore and one
   question-length prefill per candidate.
+- `attention`: the same candidates, ordered by attention mass: the question is run over each
+  candidate's cache and, in every compressed layer, its queries are scored against the
+  segment's (decoded) keys; the share of the question's attention that lands on the segment's
+  text (not the prompt template, nor the question itself), for the head where it is largest,
+  averaged over the question's tokens and the layers. A segment that answers the question draws
+  the attention of the heads that look for it.
 
 `cite` names the page (or file) of a segment that best matches a question and its answer.
 """
@@ -19,7 +25,7 @@ import functools
 import re
 from typing import Callable, Sequence
 
-RANKERS = ("bm25", "model")
+RANKERS = ("bm25", "model", "attention")
 RERANK = 4
 _WORD = re.compile(r"[A-Za-z0-9]+(?:['\u2019][A-Za-z]+)?")
 _PAGE = re.compile(r"^\[Page (\d+)\]$", re.MULTILINE)
@@ -94,7 +100,7 @@ def rank(query: str, texts: Sequence[str], ranker: str = "bm25",
     order = rank_bm25(query, texts)
     if ranker == "bm25" or len(texts) == 1:
         return order
-    if ranker != "model" or model_score is None:
+    if ranker not in ("model", "attention") or model_score is None:
         raise ValueError(f"unknown ranker {ranker!r}")
     head = order[:max(1, rerank)]
     scored = {i: model_score(i) for i in head}

@@ -202,3 +202,28 @@ def test_unknown_ranker_is_a_config_error(short_model, tmp_path):
     multidoc.ingest_files([_long_md(tmp_path / "long.md")], model=str(short_model))
     with pytest.raises(ConfigError, match="ranker"):
         "".join(session.ask("q?", ranker="tfidf"))
+
+
+def test_the_attention_ranker_reads_every_compressed_layer_and_reranks_bm25s_best(
+        short_model, tmp_path, monkeypatch):
+    from longctx.kvcache import attention
+
+    group = multidoc.ingest_files([_long_md(tmp_path / "long.md")], model=str(short_model)).target
+    seen = []
+    real = multidoc._body_mass
+
+    def counting(queries, kv, scale, head, tail):
+        seen.append((queries.shape[2], head, tail))
+        share = real(queries, kv, scale, head, tail)
+        assert 0.0 <= share.item() <= 1.0  # a share of the question's attention
+        return share
+
+    monkeypatch.setattr(multidoc, "_body_mass", counting)
+    answer = session.Answer()
+    "".join(session.ask("What is the secret launch code?", max_tokens=2, answer=answer,
+                        ranker="attention"))
+    n = len(group.segments)
+    assert sorted(answer.ranking) == list(range(n))
+    layers = 2  # the tiny model's compressed layers, once per reranked candidate
+    assert len(seen) == layers * min(n, 4) and all(h > 0 and t == 8 for _, h, t in seen)
+    assert attention._OBSERVERS == []  # the hook is gone after ranking

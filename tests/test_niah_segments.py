@@ -128,7 +128,7 @@ def test_harness_end_to_end_on_segments(tiny_1k, tmp_path):
     res = ns.run(str(tiny_1k), lengths=[3072], depths=[0.0, 0.5, 1.0], workdir=tmp_path / "docs",
                  keep=True, on_cell=seen.append)
     assert res.context_length == 1024 and res.lengths == [3072] and res.preset == "tq4"
-    assert len(res.cells) == 3 * 2 * 2 == len(seen)  # depths x tasks x rankers
+    assert len(res.cells) == 3 * 2 * len(ns.RANKERS) == len(seen)  # depths x tasks x rankers
     assert min(res.segments["3072"]) >= 3
     store = Store(cleanup=False)
     try:
@@ -153,17 +153,18 @@ def test_harness_end_to_end_on_segments(tiny_1k, tmp_path):
     by = {(c.task, c.ranker, c.depth): c for c in res.cells}
     for d in res.depths:
         for task in res.tasks:
-            bm25, model = by[(task, "bm25", d)], by[(task, "model", d)]
-            # the model reranks BM25's best RERANK, the rest keep BM25's order
-            k = retrieval.RERANK
-            assert sorted(model.ranking[:k]) == sorted(bm25.ranking[:k])
-            assert model.ranking[k:] == bm25.ranking[k:]
+            bm25 = by[(task, "bm25", d)]
+            for name in ("model", "attention"):
+                # the model reranks BM25's best RERANK, the rest keep BM25's order
+                other, k = by[(task, name, d)], retrieval.RERANK
+                assert sorted(other.ranking[:k]) == sorted(bm25.ranking[:k])
+                assert other.ranking[k:] == bm25.ranking[k:]
         # the literal question's key words are in the needle's segment only
         assert by[("literal", "bm25", d)].recall_at_1 == 1.0
     summary = res.summary()
     assert summary["literal"]["bm25"]["3072"]["recall_at_1"] == 1.0
     data = json.loads(json.dumps(res.to_json()))
-    assert data["environment"]["backend"] and set(data["grids"]) == {"bm25", "model"}
+    assert data["environment"]["backend"] and set(data["grids"]) == set(ns.RANKERS)
     assert len(session.list_entries()) == 3  # kept groups only; segments are listed through them
 
 

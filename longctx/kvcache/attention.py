@@ -78,6 +78,11 @@ def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
     return "blocked", "pure MLX" + (" (CPU)" if cpu else "")
 
 
+# Called with (queries, view, scale) before each compressed attention (retrieval's attention-mass
+# ranker reads the question's queries against the document's keys); empty in normal use.
+_OBSERVERS: list = []
+
+
 def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask=None,
                          block: int = BLOCK, fused: bool | None = None,
                          softcap: float | None = None) -> mx.array:
@@ -98,6 +103,9 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
     Returns:
         (B, H_q, L_q, D) in the queries' dtype.
     """
+    if _OBSERVERS:
+        for observe in _OBSERVERS:
+            observe(queries, kv, scale)
     lq = queries.shape[2]
     path, why = choose_path(kv, mask, lq, fused, softcap)
     if _log.isEnabledFor(logging.DEBUG):
