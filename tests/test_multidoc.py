@@ -227,3 +227,22 @@ def test_the_attention_ranker_reads_every_compressed_layer_and_reranks_bm25s_bes
     layers = 2  # the tiny model's compressed layers, once per reranked candidate
     assert len(seen) == layers * min(n, 4) and all(h > 0 and t == 8 for _, h, t in seen)
     assert attention._OBSERVERS == []  # the hook is gone after ranking
+
+
+def test_answering_from_two_segments_keeps_the_answer_the_model_is_surest_of(short_model, tmp_path,
+                                                                             monkeypatch):
+    multidoc.ingest_files([_long_md(tmp_path / "long.md")], model=str(short_model))
+    scored = []
+    real = multidoc._score_answer
+
+    def spy(lm, cache, suffix, ids):
+        scored.append(real(lm, cache, suffix, ids))
+        return scored[-1]
+
+    monkeypatch.setattr(multidoc, "_score_answer", spy)
+    answer = session.Answer()
+    text = "".join(session.ask("What is the secret launch code?", max_tokens=3, answer=answer,
+                               segments=2))
+    assert len(scored) == 2 and text == answer.text
+    best = answer.ranking[:2][scored.index(max(scored))]
+    assert answer.entry.segment == best and len(answer.sources) == 1
