@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from longctx import config, engine, estimate, kvcache, prompt, retrieval, segments as seg
+from longctx import config, engine, estimate, kvcache, model_scores, prompt, retrieval
+from longctx import segments as seg
 from longctx.documents import TEXT_SUFFIXES, Document, read_document
 from longctx.errors import (ConfigError, ContextLengthError, DocumentError, EntryNotFound,
                              StoreError)
@@ -306,86 +307,6 @@ def find(store: Store, ref: str | None) -> Entry | Group:
     return matches[0]
 
 
-def _score_question(lm, cache: list, suffix: list[int], n_question: int) -> float:
-    """Mean log-probability of the question's tokens (after its first) given the cached prefix."""
-    import mlx.core as mx
-
-    logits = lm.model(mx.array(suffix, dtype=mx.int32)[None], cache=kvcache.fork(cache))
-    logits = logits[0, : n_question - 1].astype(mx.float32)  # predicts suffix[1:n_question]
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    target = mx.array(suffix[1:n_question], dtype=mx.int32)
-    picked = mx.take_along_axis(logp, target[:, None], axis=-1)
-    return float(mx.mean(picked).item())
-
-
-def _body_mass(queries, kv, scale: float, head: int, tail: int):
-    """The largest share, over query heads, of the question's attention that lands on the
-    document's text (not the template before and after it, nor the question itself), averaged
-    over the question's tokens; one compressed layer."""
-    import mlx.core as mx
-
-    from longctx.kvcache import dense_gpu
-    from longctx.kvcache.attend_fused import kernel_table
-
-    kc = kv.key_codec
-    if kv.dense is not None:  # the CPU's decoded prefix
-        keys = kv.dense[0].astype(mx.float32)
-    else:
-        sink = dense_gpu._rotated(kc, kv.sink[0]) if kv.sink is not None else None
-        keys = dense_gpu._dense(kc, kernel_table(kc), [s[0] for s in kv.segments], sink,
-                                None).astype(mx.float32)
-    B, Hq, Lq, _ = queries.shape
-    Hkv, n = keys.shape[1], keys.shape[2]
-    q = kc.rotate(queries.astype(mx.float32)).reshape(B, Hkv, (Hq // Hkv) * Lq, -1)
-    scores = (q @ keys.swapaxes(-1, -2)) * scale  # (B, H_kv, r * L_q, N)
-    total = mx.logsumexp(scores, axis=-1)
-    if kv.window is not None:
-        win = kc.rotate(kv.window[0].astype(mx.float32))
-        s_win = (q @ win.swapaxes(-1, -2)) * scale
-        if kv.window_mask is not None:
-            s_win = mx.where(kv.window_mask, s_win, -mx.inf)
-        total = mx.logaddexp(total, mx.logsumexp(s_win, axis=-1))
-    body = mx.logsumexp(scores[..., head:max(head + 1, n - tail)], axis=-1)
-    share = mx.exp(body - total).reshape(B, Hq, Lq).mean(axis=-1)  # (B, H_q)
-    return mx.max(share)
-
-
-def _score_attention(lm, cache: list, suffix: list[int], head: int, tail: int) -> float:
-    """Attention mass: run the question over the segment's cache and read, in every compressed
-    layer, how much of its attention goes to the segment's text; the mean over layers."""
-    import mlx.core as mx
-
-    from longctx.kvcache import attention
-
-    shares = []
-
-    def observe(queries, kv, scale):
-        shares.append(_body_mass(queries, kv, scale, head, tail))
-
-    attention._OBSERVERS.append(observe)
-    try:
-        lm.model(mx.array(suffix, dtype=mx.int32)[None], cache=kvcache.fork(cache))
-    finally:
-        attention._OBSERVERS.remove(observe)
-    if not shares:
-        return 0.0
-    return float(mx.mean(mx.stack(shares)).item())
-
-
-def _score_answer(lm, cache: list, suffix: list[int], answer: list[int]) -> float:
-    """Mean log-probability of `answer` after the question (how sure the model is of it)."""
-    import mlx.core as mx
-
-    if not answer:
-        return float("-inf")
-    ids = suffix + answer
-    logits = lm.model(mx.array(ids, dtype=mx.int32)[None], cache=kvcache.fork(cache))
-    logits = logits[0, len(suffix) - 1: len(ids) - 1].astype(mx.float32)
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    picked = mx.take_along_axis(logp, mx.array(answer, dtype=mx.int32)[:, None], axis=-1)
-    return float(mx.mean(picked).item())
-
-
 def ask_group(group: Group, question: str, model: str | None, max_tokens: int,
               temperature: float, seed: int | None, answer, start: float,
               ranker: str | None = None, segments: int = 1) -> Iterator[str]:
@@ -426,9 +347,9 @@ def ask_group(group: Group, question: str, model: str | None, max_tokens: int,
                 # after it (closing tag, "Question:") are not the document.
                 head = len(prompt.prefix_tokens(lm.tokenizer, prompt.layout(
                     lm.tokenizer, entries[i].name, ""))) - _TAIL
-                return _score_attention(lm, cache, suffix, max(0, head), _TAIL)
+                return model_scores.attention_mass(lm, cache, suffix, max(0, head), _TAIL)
             n_q = len(prompt.encode(lm.tokenizer, " " + " ".join(question.split()), first=False))
-            return _score_question(lm, cache, suffix, max(2, min(n_q, len(suffix))))
+            return model_scores.question_likelihood(lm, cache, suffix, max(2, min(n_q, len(suffix))))
 
         order = retrieval.rank(question, texts, ranker, model_score)
         answer.ranking = order
@@ -457,7 +378,7 @@ def ask_group(group: Group, question: str, model: str | None, max_tokens: int,
                                            temperature, seed, trial, start))
         suffix = session.question_suffix(lm, entries[i], question)
         ids = list(lm.tokenizer.encode(text, add_special_tokens=False)) if text else []
-        score = _score_answer(lm, cache, suffix, ids)
+        score = model_scores.answer_likelihood(lm, cache, suffix, ids)
         if best is None or score > best[0]:
             best = (score, i, text)
     _, i, text = best

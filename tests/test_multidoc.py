@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import make_tiny_model
-from longctx import estimate, multidoc, session
+from longctx import estimate, model_scores, multidoc, session
 from longctx.cli import app
 from longctx.errors import ConfigError, ResourceError
 from longctx.store import Store, groups
@@ -210,7 +210,7 @@ def test_the_attention_ranker_reads_every_compressed_layer_and_reranks_bm25s_bes
 
     group = multidoc.ingest_files([_long_md(tmp_path / "long.md")], model=str(short_model)).target
     seen = []
-    real = multidoc._body_mass
+    real = model_scores.body_mass
 
     def counting(queries, kv, scale, head, tail):
         seen.append((queries.shape[2], head, tail))
@@ -218,7 +218,7 @@ def test_the_attention_ranker_reads_every_compressed_layer_and_reranks_bm25s_bes
         assert 0.0 <= share.item() <= 1.0  # a share of the question's attention
         return share
 
-    monkeypatch.setattr(multidoc, "_body_mass", counting)
+    monkeypatch.setattr(model_scores, "body_mass", counting)
     answer = session.Answer()
     "".join(session.ask("What is the secret launch code?", max_tokens=2, answer=answer,
                         ranker="attention"))
@@ -233,13 +233,13 @@ def test_answering_from_two_segments_keeps_the_answer_the_model_is_surest_of(sho
                                                                              monkeypatch):
     multidoc.ingest_files([_long_md(tmp_path / "long.md")], model=str(short_model))
     scored = []
-    real = multidoc._score_answer
+    real = model_scores.answer_likelihood
 
     def spy(lm, cache, suffix, ids):
         scored.append(real(lm, cache, suffix, ids))
         return scored[-1]
 
-    monkeypatch.setattr(multidoc, "_score_answer", spy)
+    monkeypatch.setattr(model_scores, "answer_likelihood", spy)
     answer = session.Answer()
     text = "".join(session.ask("What is the secret launch code?", max_tokens=3, answer=answer,
                                segments=2))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from longctx.store import Entry
 
