@@ -2,45 +2,29 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
-import sys
 from pathlib import Path
 
 import longctx  # noqa: F401  (OpenBLAS before mlx)
+from longctx.bench.env import environment, safe_name  # noqa: F401  (the benchmarks' helpers)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 
 
-def environment() -> dict:
-    """Machine, backend and versions, recorded with every result."""
-    import importlib.metadata as md
-
+def device_kind() -> str:
+    """"cpu", "cuda" or "metal": the backend MLX runs on, for result file names."""
     import mlx.core as mx
 
-    def version(pkg: str) -> str:
-        try:
-            return md.version(pkg)
-        except md.PackageNotFoundError:
-            return "-"
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return "cpu"
+    return "cuda" if getattr(mx, "cuda", None) is not None and mx.cuda.is_available() else "metal"
 
-    device = mx.default_device()
-    info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.node(), "platform": platform.platform(), "processor": platform.machine(),
-        "cpus": os.cpu_count(), "python": sys.version.split()[0],
-        "backend": str(device), "mlx": version("mlx"), "mlx_lm": version("mlx-lm"),
-        "longctx": longctx.__version__, "blas": longctx.BLAS_STATUS,
-    }
-    if device.type == mx.DeviceType.gpu:
-        try:
-            info["gpu"] = mx.device_info().get("device_name", "gpu")
-        except Exception:  # device_info is best-effort across backends
-            info["gpu"] = "gpu"
-    return info
+
+def split_list(text: str) -> list[str]:
+    """A command-line list: items separated by commas or spaces."""
+    return text.replace(",", " ").split()
 
 
 def write(name: str, payload: dict) -> Path:

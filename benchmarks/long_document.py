@@ -101,10 +101,7 @@ def main() -> None:
                "ingest_seconds": ingest_s, "ranker": args.ranker, "rows": rows,
                "correct": sum(r.get("correct", False) for r in rows),
                "retrieved": sum(r.get("retrieved", False) for r in rows), "facts": len(rows)}
-    import mlx.core as mx
-
-    backend = "cpu" if mx.default_device().type == mx.DeviceType.cpu else "gpu"
-    out = _common.write(f"long_document_{backend}", payload)
+    out = _common.write(f"long_document_{_common.device_kind()}", payload)
     print(f"{payload['tokens']:,} tokens in {payload['segments']} segments, ingest "
           f"{ingest_s:.1f} s; {payload['correct']}/{len(rows)} correct, {payload['retrieved']}/"
           f"{len(rows)} from the right segment -> {out}")

@@ -22,25 +22,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, environment  # noqa: E402
+from _common import RESULTS, device_kind, environment, safe_name, split_list  # noqa: E402
 
 from longctx.bench import niah  # noqa: E402
-
-
-def _device() -> str:
-    import mlx.core as mx
-
-    if mx.default_device().type == mx.DeviceType.cpu:
-        return "cpu"
-    return "cuda" if getattr(mx, "cuda", None) is not None and mx.cuda.is_available() else "metal"
-
-
-def _split(text: str) -> list[str]:
-    return text.replace(",", " ").split()
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
 def plot(path: Path) -> list[Path]:
@@ -80,14 +64,14 @@ def main() -> None:
     start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lengths = [niah.parse_length(n) for n in _split(args.lengths)]
-    depths = [float(d) / 100 for d in _split(args.depths)]
+    lengths = [niah.parse_length(n) for n in split_list(args.lengths)]
+    depths = [float(d) / 100 for d in split_list(args.depths)]
     from longctx.runtime import models
 
     if args.rope_scale:
         args.model = models.with_rope_scale(args.model, args.rope_scale, args.rope_type)
     model_id = models.resolve(args.model).model_id  # a first GGUF import happens here
-    name = f"niah_{_safe(model_id)}_{_device()}" + (f"_{args.label}" if args.label else "")
+    name = f"niah_{safe_name(model_id)}_{device_kind()}" + (f"_{args.label}" if args.label else "")
     cells_file = out / f"{name}.cells.jsonl"
     cells_file.unlink(missing_ok=True)
 
@@ -100,12 +84,12 @@ def main() -> None:
             f.write(json.dumps(asdict(cell)) + "\n")
 
     runs = []
-    for task in _split(args.task):
+    for task in split_list(args.task):
         left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - start)
         if left is not None and left <= 0:
             print(f"budget spent; skipping task {task}", file=sys.stderr)
             continue
-        res = niah.run(args.model, task, lengths, depths, _split(args.kv), args.samples, args.seed,
+        res = niah.run(args.model, task, lengths, depths, split_list(args.kv), args.samples, args.seed,
                        workdir=Path("/tmp") / f"{name}-docs", shared=args.shared,
                        on_cell=on_cell, budget_seconds=left)
         runs.append(res.to_json())

@@ -25,25 +25,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, environment  # noqa: E402
+from _common import RESULTS, device_kind, environment, safe_name, split_list  # noqa: E402
 
 from longctx.bench import niah, niah_segments  # noqa: E402
-
-
-def _device() -> str:
-    import mlx.core as mx
-
-    if mx.default_device().type == mx.DeviceType.cpu:
-        return "cpu"
-    return "cuda" if getattr(mx, "cuda", None) is not None and mx.cuda.is_available() else "metal"
-
-
-def _split(text: str) -> list[str]:
-    return text.replace(",", " ").split()
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
 def plot(path: Path) -> list[Path]:
@@ -79,7 +63,7 @@ def main() -> None:
     from longctx.runtime import models
 
     model_id = models.resolve(args.model).model_id  # a first GGUF import happens here
-    name = f"niah_segments_{_safe(model_id)}_{_device()}" + (f"_{args.label}" if args.label else "")
+    name = f"niah_segments_{safe_name(model_id)}_{device_kind()}" + (f"_{args.label}" if args.label else "")
     cells_file = out / f"{name}.cells.jsonl"
     cells_file.unlink(missing_ok=True)
 
@@ -92,9 +76,9 @@ def main() -> None:
         with open(cells_file, "a") as f:
             f.write(json.dumps(asdict(c)) + "\n")
 
-    res = niah_segments.run(args.model, [niah.parse_length(n) for n in _split(args.lengths)],
-                            [float(d) / 100 for d in _split(args.depths)], _split(args.rankers),
-                            _split(args.tasks), preset=args.kv, seed=args.seed,
+    res = niah_segments.run(args.model, [niah.parse_length(n) for n in split_list(args.lengths)],
+                            [float(d) / 100 for d in split_list(args.depths)], split_list(args.rankers),
+                            split_list(args.tasks), preset=args.kv, seed=args.seed,
                             workdir=Path("/tmp") / f"{name}-docs", on_cell=on_cell,
                             budget_seconds=args.budget_s)
     res.environment = environment()

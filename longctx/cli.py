@@ -374,7 +374,8 @@ def bench_niah(lengths: list[str] = typer.Option(["1k,2k,4k,8k,16k,32k"], "--len
     literally and in paraphrase with each ranker (recall@1/@2 of the needle's segment, accuracy)."""
     from pathlib import Path
 
-    from longctx.bench import niah, niah_segments
+    from longctx.bench import niah, niah_segments, plot
+    from longctx.bench.env import safe_name
     from longctx.errors import ConfigError
 
     with _boundary():
@@ -392,38 +393,33 @@ def bench_niah(lengths: list[str] = typer.Option(["1k,2k,4k,8k,16k,32k"], "--len
             with _bar(f"niah {t}", "ingests") as update:
                 res = niah.run(model, t, fit, depth_list or niah.DEFAULT_DEPTHS, _split(kv), samples,
                                seed, workdir=folder / "docs", shared=shared, progress=update)
-            stem = "niah_" + "".join(c if c.isalnum() or c in "-_." else "_" for c in res.model_id) + f"_{t}"
-            path = niah.save(res, folder / f"{stem}.json")
             _niah_table(res)
-            try:
-                from longctx.bench import plot
-
-                pngs = plot.heatmaps(res, folder, stem)
-                err.print(f"wrote {path} and {len(pngs)} heatmap(s) in {folder}", highlight=False)
-            except ImportError:
-                err.print(f"wrote {path}; [yellow]warning:[/yellow] matplotlib is not installed, no "
-                          "heatmaps (pip install 'longctx[bench]')", highlight=False)
-            if as_json:
-                out.print_json(json.dumps(res.to_json()))
+            _save_niah(res, folder, f"niah_{safe_name(res.model_id)}_{t}", plot.heatmaps, as_json)
         if past:
             presets = [p for p in _split(kv) if p != niah.BASELINE] or [niah.BASELINE]
             with _bar("niah past the context", "documents") as update:
                 seg = niah_segments.run(model, past, depth_list or niah_segments.DEFAULT_DEPTHS,
                                         _split(rankers), preset=presets[0], seed=seed,
                                         workdir=folder / "docs", progress=update)
-            stem = "niah_segments_" + "".join(c if c.isalnum() or c in "-_." else "_" for c in seg.model_id)
-            path = niah_segments.save(seg, folder / f"{stem}.json")
             _niah_segments_table(seg)
-            try:
-                from longctx.bench import plot
+            _save_niah(seg, folder, f"niah_segments_{safe_name(seg.model_id)}",
+                       plot.segment_heatmaps, as_json)
 
-                pngs = plot.segment_heatmaps(seg, folder, stem)
-                err.print(f"wrote {path} and {len(pngs)} heatmap(s) in {folder}", highlight=False)
-            except ImportError:
-                err.print(f"wrote {path}; [yellow]warning:[/yellow] matplotlib is not installed, no "
-                          "heatmaps (pip install 'longctx[bench]')", highlight=False)
-            if as_json:
-                out.print_json(json.dumps(seg.to_json()))
+
+def _save_niah(res, folder, stem: str, draw, as_json: bool) -> None:
+    """Write a NIAH run's JSON and its heatmaps (`draw`, a `bench.plot` function; skipped with a
+    warning without matplotlib) under `folder`; `--json` prints the results too."""
+    from longctx.bench import niah
+
+    path = niah.save(res, folder / f"{stem}.json")
+    try:
+        pngs = draw(res, folder, stem)
+        err.print(f"wrote {path} and {len(pngs)} heatmap(s) in {folder}", highlight=False)
+    except ImportError:
+        err.print(f"wrote {path}; [yellow]warning:[/yellow] matplotlib is not installed, no "
+                  "heatmaps (pip install 'longctx[bench]')", highlight=False)
+    if as_json:
+        out.print_json(json.dumps(res.to_json()))
 
 
 def _niah_segments_table(res) -> None:

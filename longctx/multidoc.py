@@ -283,7 +283,8 @@ def find(store: Store, ref: str | None) -> Entry | Group:
     """The group or entry named `ref` (name, id or id prefix), or the latest if None. Segment
     entries are reached through their group only."""
     found = groups.groups(store)
-    entries = [e for e in store.entries() if not e.group]
+    stored = store.entries()
+    entries = [e for e in stored if not e.group]
     if not found and not entries:
         raise EntryNotFound("No documents ingested yet; run `longctx ingest FILE` first.")
     if ref is None:
@@ -294,7 +295,7 @@ def find(store: Store, ref: str | None) -> Entry | Group:
         return max([*found, *entries], key=lambda t: t.created)
     ref = ref.strip()
     every = [*found, *entries]
-    segment = [e for e in store.entries() if e.group and e.id == ref]  # by its exact id only
+    segment = [e for e in stored if e.group and e.id == ref]  # by its exact id only
     matches = ([t for t in every if t.id == ref] or segment or [t for t in every if t.name == ref]
                or [t for t in every if ref and t.id.startswith(ref)])
     if not matches:

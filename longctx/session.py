@@ -40,14 +40,6 @@ class Plan:
     entry_id: str
     question_suffix: str = ""  # the template after the question, when `ask` may skip transformers
 
-    @property
-    def estimated_cache_bytes(self) -> int:
-        """The cache file's size (exact but for a few header bytes; `longctx.estimate`)."""
-        from longctx import estimate
-
-        return estimate.for_ingest(self.model, self.preset, [len(self.tokens)], self.document.name,
-                                   engine.DEFAULT_CHUNK)["cache_bytes"]
-
 
 @dataclass
 class IngestResult:

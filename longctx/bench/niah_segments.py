@@ -34,7 +34,6 @@ phase `niahseg` stops starting documents after 420 s).
 from __future__ import annotations
 
 import json
-import platform
 import random
 import re
 import time
@@ -44,7 +43,7 @@ from typing import Callable
 
 from longctx import kvcache, multidoc, retrieval, session
 from longctx.bench import haystack as hay
-from longctx.bench import niah
+from longctx.bench import env, niah
 from longctx.errors import ConfigError
 from longctx.runtime import models
 from longctx.store import Store, groups
@@ -251,25 +250,6 @@ def _ask(question: str, group_id: str, model: str, ranker: str) -> tuple[str, se
     return niah.cut_answer(answer.text), answer, time.perf_counter() - start
 
 
-def environment() -> dict:
-    """Machine, backend and versions (as benchmarks/_common.py records them)."""
-    import importlib.metadata as md
-
-    import mlx.core as mx
-
-    import longctx
-
-    def version(pkg: str) -> str:
-        try:
-            return md.version(pkg)
-        except md.PackageNotFoundError:
-            return "-"
-
-    return {"machine": platform.node(), "platform": platform.platform(),
-            "python": platform.python_version(), "backend": str(mx.default_device()),
-            "mlx": version("mlx"), "mlx_lm": version("mlx-lm"), "longctx": longctx.__version__}
-
-
 def run(model: str | None = None, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS,
         rankers=RANKERS, tasks=TASKS, preset: str = kvcache.DEFAULT_PRESET, seed: int = 0,
         workdir: str | Path = "niah-work", keep: bool = False, progress: Progress | None = None,
@@ -321,7 +301,7 @@ def run(model: str | None = None, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS
                               f"context (got {', '.join(map(str, short)) or 'none'}); shorter "
                               "lengths run through `niah.run`.")
         results = Results(model or models.DEFAULT_MODEL, named.model_id, ctx, preset, todo,
-                          list(depths), rankers, tasks, seed, environment=environment())
+                          list(depths), rankers, tasks, seed, environment=env.environment())
         sentence_tokens: dict[str, int] = {}
 
         def piece_tokens(s: str) -> int:
@@ -392,12 +372,7 @@ def _run_case(case: Case, spec: str, preset: str, rankers: list[str], tasks: lis
     return cells
 
 
-def save(results: Results, path: str | Path) -> Path:
-    """Write `results.to_json()` to `path` (pretty-printed)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results.to_json(), indent=1))
-    return path
+save = niah.save  # writes `results.to_json()`, pretty-printed
 
 
 def load(path: str | Path) -> Results:

@@ -16,6 +16,42 @@ def _label(n: int) -> str:
     return f"{n / 1024:g}k" if n % 256 == 0 else str(n)
 
 
+def _pyplot():
+    """matplotlib's pyplot (headless) and the red-yellow-green map, grey for missing cells."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LinearSegmentedColormap
+
+    cmap = LinearSegmentedColormap.from_list("niah", ["#c0392b", "#f1c40f", "#27ae60"])
+    return plt, cmap.with_extremes(bad="#dddddd")
+
+
+def _figure(plt, panels: int, results):
+    """A row of `panels` depth x length panels sized to the grid."""
+    width = max(3.4, 0.8 + 0.6 * len(results.lengths))
+    return plt.subplots(1, panels, figsize=(0.8 + width * panels, 1.4 + 0.3 * len(results.depths)),
+                        squeeze=False, constrained_layout=True)
+
+
+def _panel(ax, cmap, grid: list, xlabels: list[str], depths: list[float], xlabel: str,
+           title: str):
+    """One depth x length panel: the values (None: missing), each written in its cell."""
+    grid = [[float("nan") if v is None else v for v in row] for row in grid]
+    im = ax.imshow(grid, cmap=cmap, vmin=0, vmax=1, aspect="auto", origin="upper")
+    ax.set_xticks(range(len(xlabels)), xlabels)
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("needle depth")
+    ax.set_title(title, fontsize=9)
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if v == v:  # not NaN
+                ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=6)
+    return im
+
+
 def heatmaps(results: Results, out_dir: str | Path, stem: str) -> list[Path]:
     """Write `<stem>_<preset>.png` for every preset that has cells.
 
@@ -27,14 +63,7 @@ def heatmaps(results: Results, out_dir: str | Path, stem: str) -> list[Path]:
     Returns:
         the paths written.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LinearSegmentedColormap
-
-    cmap = LinearSegmentedColormap.from_list("niah", ["#c0392b", "#f1c40f", "#27ae60"])
-    cmap = cmap.with_extremes(bad="#dddddd")
+    plt, cmap = _pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = results.summary()
@@ -43,23 +72,12 @@ def heatmaps(results: Results, out_dir: str | Path, stem: str) -> list[Path]:
         if preset not in summary:
             continue
         panels = [preset] if preset == BASELINE or BASELINE not in summary else [BASELINE, preset]
-        width = max(3.4, 0.8 + 0.6 * len(results.lengths))
-        fig, axes = plt.subplots(1, len(panels), figsize=(0.8 + width * len(panels),
-                                                          1.4 + 0.3 * len(results.depths)),
-                                 squeeze=False, constrained_layout=True)
+        fig, axes = _figure(plt, len(panels), results)
         for ax, p in zip(axes[0], panels):
-            grid = [[float("nan") if v is None else v for v in row] for row in results.grid(p)]
-            im = ax.imshow(grid, cmap=cmap, vmin=0, vmax=1, aspect="auto", origin="upper")
-            ax.set_xticks(range(len(results.lengths)), [_label(n) for n in results.lengths])
-            ax.set_yticks(range(len(results.depths)), [f"{d:.0%}" for d in results.depths])
-            ax.set_xlabel("context length (tokens)")
-            ax.set_ylabel("needle depth")
             s = summary[p]
-            ax.set_title(f"{p}: score {s['score']:.2f}, {s['bits_per_channel']:.2f} bits/ch", fontsize=9)
-            for i, row in enumerate(grid):
-                for j, v in enumerate(row):
-                    if v == v:  # not NaN
-                        ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=6)
+            im = _panel(ax, cmap, results.grid(p), [_label(n) for n in results.lengths],
+                        results.depths, "context length (tokens)",
+                        f"{p}: score {s['score']:.2f}, {s['bits_per_channel']:.2f} bits/ch")
         fig.colorbar(im, ax=list(axes[0]), shrink=0.8, label="score")
         fig.suptitle(f"NIAH {results.task} - {results.model_id}", fontsize=10)
         path = out_dir / f"{stem}_{preset}.png"
@@ -87,14 +105,7 @@ def segment_heatmaps(results, out_dir: str | Path, stem: str) -> list[Path]:
     Returns:
         the paths written.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LinearSegmentedColormap
-
-    cmap = LinearSegmentedColormap.from_list("niah", ["#c0392b", "#f1c40f", "#27ae60"])
-    cmap = cmap.with_extremes(bad="#dddddd")
+    plt, cmap = _pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = results.summary()
@@ -103,27 +114,14 @@ def segment_heatmaps(results, out_dir: str | Path, stem: str) -> list[Path]:
         tasks = [t for t in results.tasks if ranker in summary.get(t, {})]
         if not tasks:
             continue
-        width = max(3.4, 0.8 + 0.6 * len(results.lengths))
-        fig, axes = plt.subplots(1, len(tasks), figsize=(0.8 + width * len(tasks),
-                                                         1.4 + 0.3 * len(results.depths)),
-                                 squeeze=False, constrained_layout=True)
+        fig, axes = _figure(plt, len(tasks), results)
         for ax, task in zip(axes[0], tasks):
-            grid = [[float("nan") if v is None else v for v in row]
-                    for row in results.grid(ranker, task)]
-            im = ax.imshow(grid, cmap=cmap, vmin=0, vmax=1, aspect="auto", origin="upper")
-            ax.set_xticks(range(len(results.lengths)),
-                          [f"{_label(n)}\n{_counts(results.segments.get(str(n)))} seg"
-                           for n in results.lengths])
-            ax.set_yticks(range(len(results.depths)), [f"{d:.0%}" for d in results.depths])
-            ax.set_xlabel("document length (tokens)")
-            ax.set_ylabel("needle depth")
             s = summary[task][ranker]["all"]
-            ax.set_title(f"{task}: accuracy {s['accuracy']:.2f}, recall@1 {s['recall_at_1']:.2f}, "
-                         f"@2 {s['recall_at_2']:.2f}", fontsize=9)
-            for i, row in enumerate(grid):
-                for j, v in enumerate(row):
-                    if v == v:  # not NaN
-                        ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=6)
+            im = _panel(ax, cmap, results.grid(ranker, task),
+                        [f"{_label(n)}\n{_counts(results.segments.get(str(n)))} seg"
+                         for n in results.lengths], results.depths, "document length (tokens)",
+                        f"{task}: accuracy {s['accuracy']:.2f}, recall@1 {s['recall_at_1']:.2f}, "
+                        f"@2 {s['recall_at_2']:.2f}")
         fig.colorbar(im, ax=list(axes[0]), shrink=0.8, label="accuracy")
         fig.suptitle(f"NIAH past the context, ranker {ranker} - {results.model_id} "
                      f"({results.context_length:,}-token context, {results.preset})", fontsize=10)
