@@ -166,57 +166,38 @@ _SPEC = KernelSpec(
   // the chunk's first row (masked later), so the loads need no branches.
   uint32_t kr[UK * UW];
   uint32_t kr2[B2 > 0 ? UK2 * UW : 1];
-#define LC_DA_LOAD_K(tt)                                                                     \
-  LC_UNROLL for (int j = 0; j < UK; ++j) {                                                   \
+#define LC_DA_LOAD_ROWS(dst, src, rs, ws, N, UPR_, tt)                                       \
+  LC_UNROLL for (int j = 0; j < N; ++j) {                                                    \
     const int u = tid + j * NT;                                                              \
-    const int key = u / UPR;                                                                 \
-    const int part = u - key * UPR;                                                          \
-    const int kg = (u < TK * UPR && (tt) + key < k1) ? (tt) + key : k0;                      \
+    const int key = u / UPR_;                                                                \
+    const int part = u - key * UPR_;                                                         \
+    const int kg = (u < TK * UPR_ && (tt) + key < k1) ? (tt) + key : k0;                     \
     if (vec) {                                                                               \
-      const LC_U4 t = LC_LD_U4(kip, kg * kis + 4 * part);                            \
-      kr[j * UW] = t.x;                                                                      \
-      kr[j * UW + (UW > 1 ? 1 : 0)] = t.y;                                                   \
-      kr[j * UW + (UW > 2 ? 2 : 0)] = t.z;                                                   \
-      kr[j * UW + (UW > 3 ? 3 : 0)] = t.w;                                                   \
+      const LC_U4 t = LC_LD_U4(src, kg * rs + 4 * part);                                     \
+      dst[j * UW] = t.x;                                                                     \
+      dst[j * UW + (UW > 1 ? 1 : 0)] = t.y;                                                  \
+      dst[j * UW + (UW > 2 ? 2 : 0)] = t.z;                                                  \
+      dst[j * UW + (UW > 3 ? 3 : 0)] = t.w;                                                  \
     } else {                                                                                 \
       LC_UNROLL for (int c = 0; c < UW; ++c)                                                 \
-        kr[j * UW + c] = kip[kg * kis + (part * UW + c) * kiw];                      \
-    }                                                                                        \
-  }                                                                                          \
-  LC_UNROLL for (int j = 0; j < UK2; ++j) {                                                  \
-    const int u = tid + j * NT;                                                              \
-    const int key = u / UPR2;                                                                \
-    const int part = u - key * UPR2;                                                         \
-    const int kg = (u < TK * UPR2 && (tt) + key < k1) ? (tt) + key : k0;                     \
-    if (vec) {                                                                               \
-      const LC_U4 t = LC_LD_U4(k2p, kg * k2s + 4 * part);                           \
-      kr2[j * UW] = t.x;                                                                     \
-      kr2[j * UW + (UW > 1 ? 1 : 0)] = t.y;                                                  \
-      kr2[j * UW + (UW > 2 ? 2 : 0)] = t.z;                                                  \
-      kr2[j * UW + (UW > 3 ? 3 : 0)] = t.w;                                                  \
-    } else {                                                                                 \
-      LC_UNROLL for (int c = 0; c < UW; ++c)                                                 \
-        kr2[j * UW + c] = k2p[kg * k2s + (part * UW + c) * k2w];                    \
+        dst[j * UW + c] = src[kg * rs + (part * UW + c) * ws];                               \
     }                                                                                        \
   }
-#define LC_DA_STORE_K()                                                                      \
-  LC_UNROLL for (int j = 0; j < UK; ++j) {                                                   \
+// Each stage's buffer is named, never selected through a pointer (Metal address spaces).
+#define LC_DA_LOAD_K(tt) LC_DA_LOAD_ROWS(kr, kip, kis, kiw, UK, UPR, tt) \
+                         LC_DA_LOAD_ROWS(kr2, k2p, k2s, k2w, UK2, UPR2, tt)
+#define LC_DA_STORE_ROWS(regs, N, UPR_, base, stride)                                        \
+  LC_UNROLL for (int j = 0; j < N; ++j) {                                                    \
     const int u = tid + j * NT;                                                              \
-    const int key = u / UPR;                                                                 \
-    const int part = u - key * UPR;                                                          \
-    if (u < TK * UPR) {                                                                      \
-      LC_UNROLL for (int c = 0; c < UW; ++c) kst_s[key * WKP + part * UW + c] = kr[j * UW + c]; \
-    }                                                                                        \
-  }                                                                                          \
-  LC_UNROLL for (int j = 0; j < UK2; ++j) {                                                  \
-    const int u = tid + j * NT;                                                              \
-    const int key = u / UPR2;                                                                \
-    const int part = u - key * UPR2;                                                         \
-    if (u < TK * UPR2) {                                                                     \
+    const int key = u / UPR_;                                                                \
+    const int part = u - key * UPR_;                                                         \
+    if (u < TK * UPR_) {                                                                     \
       LC_UNROLL for (int c = 0; c < UW; ++c)                                                 \
-        kst_s[TK * WKP + key * WK2P + part * UW + c] = kr2[j * UW + c];                      \
+        kst_s[base + key * stride + part * UW + c] = regs[j * UW + c];                       \
     }                                                                                        \
   }
+#define LC_DA_STORE_K() LC_DA_STORE_ROWS(kr, UK, UPR, 0, WKP) \
+                       LC_DA_STORE_ROWS(kr2, UK2, UPR2, TK * WKP, WK2P)
 
   // The first tile's key rows, q (transposed to [d][row]), q_proj and the tables.
   LC_DA_LOAD_K(k0);
@@ -414,6 +395,8 @@ _SPEC = KernelSpec(
   }
 #undef LC_DA_LOAD_K
 #undef LC_DA_STORE_K
+#undef LC_DA_LOAD_ROWS
+#undef LC_DA_STORE_ROWS
 #undef LC_DA_LOAD_V
 
   // Sum the G key groups' accumulators and the threads' partial l; write this split's state.
