@@ -100,8 +100,10 @@ def segment_budget(context: int) -> int:
 
 
 def plan(paths: Sequence[str | Path], name: str | None = None, model: str | None = None,
-         preset: str = kvcache.DEFAULT_PRESET, password: str | None = None) -> SetPlan:
-    """Read, tokenize and segment the files, without running the model."""
+         preset: str = kvcache.DEFAULT_PRESET, password: str | None = None,
+         documents: list[Document] | None = None) -> SetPlan:
+    """Read, tokenize and segment the files, without running the model (`documents`: the files,
+    already read)."""
     from mlx_lm.utils import load_config
 
     from longctx import session
@@ -109,7 +111,7 @@ def plan(paths: Sequence[str | Path], name: str | None = None, model: str | None
     files = expand(paths)
     if not files:
         raise DocumentError("No files given; name a PDF, text or markdown file or a directory.")
-    docs = [read_document(f, password=password) for f in files]
+    docs = documents or [read_document(f, password=password) for f in files]
     names = [d.name for d in docs]
     if len(set(names)) < len(names):
         docs = [Document(**{**d.__dict__, "name": str(f)}) for d, f in zip(docs, files)]
@@ -155,15 +157,17 @@ def ingest_files(paths: Sequence[str | Path], name: str | None = None, model: st
     from longctx import session
 
     files = expand(paths)
+    read = None
     if len(files) == 1 and not name:
-        try:
-            r = session.ingest(files[0], model, preset, force, password, progress, chunk)
+        single = session.plan(files[0], model, preset, password)
+        if single.fits:
+            r = session.ingest(files[0], model, preset, force, password, progress, chunk,
+                               planned=single)
             return SetResult(r.entry, r.reused, r.stats, 0 if r.reused else 1,
                              {r.entry.name: (r.entry.pages, r.empty_pages)} if r.empty_pages else None,
-                             getattr(r, "eviction", None), getattr(r, "eviction_error", ""))
-        except ContextLengthError:
-            pass  # too long for one cache: segments
-    p = plan(files, name, model, preset, password)
+                             r.eviction, r.eviction_error)
+        read = [single.document]  # too long for one cache: segments
+    p = plan(files, name, model, preset, password, documents=read)
     empty = {d.name: (d.pages, d.empty_pages) for d in p.documents if d.empty_pages}
     kind = "collection" if len(p.documents) > 1 else "segments"
     total = sum(len(t) for t in p.tokens)
@@ -235,17 +239,16 @@ def dry_run(paths: Sequence[str | Path], name: str | None = None, model: str | N
     from longctx import session
 
     files = expand(paths)
-    single = None
-    if len(files) == 1 and not name:
-        single = session.plan(files[0], model, preset, password)
-        if len(single.tokens) + session.ANSWER_RESERVE > single.context_length:
-            single = None
+    single = session.plan(files[0], model, preset, password) if len(files) == 1 and not name else None
+    read = [single.document] if single is not None else None
+    if single is not None and not single.fits:
+        single = None
     if single is not None:
         docs, title, ref, kv = [single.document], single.document.name, single.model, single.preset
         counts, labels, eid, context = [len(single.tokens)], [], single.entry_id, single.context_length
         estimated = single.estimated_tokens
     else:
-        p = plan(files, name, model, preset, password)
+        p = plan(files, name, model, preset, password, documents=read)
         docs, title, ref, kv = p.documents, p.name, p.model, p.preset
         counts, labels, eid = [len(t) for t in p.tokens], [s.label for s in p.segments], p.group_id
         context = p.context_length

@@ -40,6 +40,11 @@ class Plan:
     entry_id: str
     question_suffix: str = ""  # the template after the question, when `ask` may skip transformers
 
+    @property
+    def fits(self) -> bool:
+        """Whether the prefix leaves `ANSWER_RESERVE` tokens of the context for questions."""
+        return len(self.tokens) + ANSWER_RESERVE <= self.context_length
+
 
 @dataclass
 class IngestResult:
@@ -72,13 +77,12 @@ def _fp16_bytes_per_token(config: dict) -> int:
     return 2 * 2 * n_kv * head_dim * cfg["num_hidden_layers"]
 
 
-def _check_fits(doc_name: str, n_tokens: int, context: int, reserve: int) -> None:
-    if n_tokens + reserve > context:
+def _check_fits(p: Plan) -> None:
+    if not p.fits:
         raise ContextLengthError(
-            f"'{doc_name}' is {n_tokens:,} tokens but the model's context is {context:,} "
-            f"(with {reserve} kept for the question and answer); use a longer-context model "
-            "(--model) or split the document."
-        )
+            f"'{p.document.name}' is {len(p.tokens):,} tokens but the model's context is "
+            f"{p.context_length:,} (with {ANSWER_RESERVE} kept for the question and answer); use a "
+            "longer-context model (--model) or split the document.")
 
 
 def plan(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAULT_PRESET,
@@ -113,7 +117,8 @@ def _light_suffix(ref: models.ModelRef, tokenizer, lay: prompt.Layout) -> str:
 
 def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAULT_PRESET,
            force: bool = False, password: str | None = None,
-           progress: Progress | None = None, chunk: int = engine.DEFAULT_CHUNK) -> IngestResult:
+           progress: Progress | None = None, chunk: int = engine.DEFAULT_CHUNK,
+           planned: Plan | None = None) -> IngestResult:
     """Prefill a document once into a cache and persist it; reuse an identical earlier entry.
     After a save, least recently used entries are evicted to keep the store within its budget
     (`LONGCTX_MAX_STORE`; the new entry is kept even if it alone is over): `result.eviction`.
@@ -126,11 +131,12 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
         password: for encrypted PDFs.
         progress: `progress(done_tokens, total_tokens)` during prefill.
         chunk: prefill chunk size in tokens.
+        planned: `plan(path, model, preset, password)` when the caller has it already.
     """
     from longctx import estimate
 
-    p = plan(path, model, preset, password)
-    _check_fits(p.document.name, len(p.tokens), p.context_length, ANSWER_RESERVE)
+    p = planned or plan(path, model, preset, password)
+    _check_fits(p)
     estimate.check(p.model, p.preset, [len(p.tokens)], p.document.name, chunk)
     empty = p.document.empty_pages
     store = Store()
