@@ -7,8 +7,11 @@ at S = 4k, 8k, 32k, 128k cached tokens. Methods, all measured in one run:
 - mlxlm_qsdpa_a8/a4: mlx-lm's quantized_scaled_dot_product_attention (affine, group 64);
 - dequant_sdpa_a8/a4: mx.dequantize of the affine cache, then SDPA;
 - dequant_sdpa_tq4/tq3: our cache decoded to fp16 (rotated frame), SDPA, rotated back;
-- fused_tq4/tq3/...: `compressed_attention` on the GPU: rotate q, the fused decode-attend kernel
-  over the packed cache, split merge, rotate back, add the value mean (the whole step);
+- fused_tq4/tq3/...: `compressed_attention` on the GPU, the whole step: for scalar presets two
+  launches (`attend_step`: the decode-attend kernel rotating q itself, then `decode_finish`:
+  split merge, rotation back, exact tokens, value mean); the others the compiled fused path;
+- compiled_tq4: the compiled fused path for tq4 (rotate q, kernel, split merge, rotate back, add
+  the value mean as separate launches under mx.compile; LONGCTX_FUSED_STEP=0);
 - kernel_tq4/tq3: the two kernels alone (decode_attend + split_combine) on a rotated query.
 
 Timing: `sync` is the median wall time of a step followed by mx.eval (what the anchors in
@@ -125,11 +128,20 @@ def methods(env: dict, s: int) -> dict:
         cache_bytes = nbytes(seg_k.values()) + nbytes(seg_v.values())
         out[f"fused_{name}"] = (lambda view=view: compressed_attention(q, view, scale),
                                 cache_bytes)
+        if name == "tq4":  # the compiled fused path the two-launch step replaced, side by side
+            out["compiled_tq4"] = (lambda view=view: _compiled(q, view, scale), cache_bytes)
         if name in ("tq4", "tq3"):
             out[f"dequant_sdpa_{name}"] = (lambda view=view: _dequant_sdpa(q, view, scale),
                                            cache_bytes)
             out[f"kernel_{name}"] = (_kernel_only(q, view, scale), cache_bytes)
     return out
+
+
+def _compiled(q, view, scale):
+    from longctx import config
+
+    with config.override(fused_step=False):
+        return compressed_attention(q, view, scale)
 
 
 def _dequant_sdpa(q, view, scale):

@@ -9,6 +9,7 @@ A kernel body uses only these names (plus plain C++ arithmetic, `uint32_t`, `int
     simd/warp   lc_simd_sum(x), lc_simd_max(x)          float, result identical in all 32 lanes
                 lc_simd_ballot(pred, lc_lane)           uint32_t, bit i = pred of lane i
     numbers     LC_INF, LC_H2F(h) / LC_F2H(f) (fp16 load/store, round to nearest even),
+                LC_TOF(x) (any float input, float32/float16/bfloat16, as float),
                 LC_EXP(x), LC_EXP2(x), LC_SQRT(x), LC_MAX(a, b), LC_MIN(a, b)
     loops       LC_UNROLL before a loop with a compile-time trip count
     vectors     LC_U4 t = LC_LD_U4(ptr, offset): four uint32 words (.x .y .z .w) in one 16-byte
@@ -60,6 +61,7 @@ CUDA_HEADER = r"""
 #define LC_BARRIER() __syncthreads()
 #define LC_INF __int_as_float(0x7f800000)
 #define LC_H2F(x) __half2float(x)
+#define LC_TOF(x) static_cast<float>(x)
 #define LC_F2H(x) __float2half_rn(x)
 #define LC_EXP(x) expf(x)
 #define LC_EXP2(x) exp2f(x)
@@ -99,6 +101,7 @@ METAL_HEADER = r"""
 #define LC_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define LC_INF INFINITY
 #define LC_H2F(x) float(x)
+#define LC_TOF(x) static_cast<float>(x)
 #define LC_F2H(x) half(x)
 #define LC_EXP(x) metal::exp(x)
 #define LC_EXP2(x) metal::exp2(x)

@@ -80,7 +80,7 @@ STAGE_WORDS = 2304  # threadgroup words for a tile's staged key rows (sets keys 
 _SPEC = KernelSpec(
     name="lc_decode_attend",
     inputs=("q", "qp", "k_idx", "k_idx2", "k_norm", "k_qjl", "k_rnorm", "v_idx", "v_norm",
-            "k_table", "v_table", "params", "scales"),
+            "k_table", "v_table", "params", "scales", "q_signs"),
     outputs=("m_out", "l_out", "acc_out"),
     row_contiguous=False,
     source=r"""
@@ -200,20 +200,51 @@ _SPEC = KernelSpec(
                        LC_DA_STORE_ROWS(kr2, UK2, UPR2, TK * WKP, WK2P)
 
   // The first tile's key rows, q (transposed to [d][row]), q_proj and the tables.
-  LC_DA_LOAD_K(k0);
-  LC_DA_STORE_K();
   const int64_t qo = bb * q_strides[0] + hh * q_strides[1];
+  if (ROTQ) {
+    // q arrives unrotated (the model's dtype): signs, then the Walsh-Hadamard butterfly over
+    // each row in threadgroup memory (pair j, j + h at stride h; a pair is one thread's).
+    for (int i = tid; i < R * P; i += NT) {
+      const int r = i / P;
+      const int d = i - r * P;
+      const int64_t qd = qo + row0 * q_strides[2] + d * q_strides[3];
+      scratch[i] = r < nr ? LC_TOF(q[qd + r * q_strides[2]]) * q_signs[d] : 0.0f;
+    }
+    LC_BARRIER();
+    LC_UNROLL for (int h = 1; h < P; h <<= 1) {
+      for (int i = tid; i < R * (P / 2); i += NT) {
+        const int r = i / (P / 2);
+        const int k = i - r * (P / 2);
+        const int j = r * P + (k / h) * (2 * h) + (k % h);
+        const float a = scratch[j];
+        const float b = scratch[j + h];
+        scratch[j] = a + b;
+        scratch[j + h] = a - b;
+      }
+      LC_BARRIER();
+    }
+  }
+  const float qs_all = ROTQ ? qscale * scales[2] : qscale;  // scales[2]: 1 / sqrt(P)
   for (int i = tid; i < P * R4; i += NT) {
     const int d = i / R4;
     const int r = 4 * (i - d * R4);
-    const int64_t qd = qo + row0 * q_strides[2] + d * q_strides[3];
     LC_F4 t;
-    t.x = r < nr ? q[qd + r * q_strides[2]] * qscale : 0.0f;
-    t.y = r + 1 < nr ? q[qd + (r + 1) * q_strides[2]] * qscale : 0.0f;
-    t.z = r + 2 < nr ? q[qd + (r + 2) * q_strides[2]] * qscale : 0.0f;
-    t.w = r + 3 < nr ? q[qd + (r + 3) * q_strides[2]] * qscale : 0.0f;
+    if (ROTQ) {
+      t.x = r < nr ? scratch[r * P + d] * qs_all : 0.0f;
+      t.y = r + 1 < nr ? scratch[(r + 1) * P + d] * qs_all : 0.0f;
+      t.z = r + 2 < nr ? scratch[(r + 2) * P + d] * qs_all : 0.0f;
+      t.w = r + 3 < nr ? scratch[(r + 3) * P + d] * qs_all : 0.0f;
+    } else {
+      const int64_t qd = qo + row0 * q_strides[2] + d * q_strides[3];
+      t.x = r < nr ? LC_TOF(q[qd + r * q_strides[2]]) * qscale : 0.0f;
+      t.y = r + 1 < nr ? LC_TOF(q[qd + (r + 1) * q_strides[2]]) * qscale : 0.0f;
+      t.z = r + 2 < nr ? LC_TOF(q[qd + (r + 2) * q_strides[2]]) * qscale : 0.0f;
+      t.w = r + 3 < nr ? LC_TOF(q[qd + (r + 3) * q_strides[2]]) * qscale : 0.0f;
+    }
     q_s[i] = t;
   }
+  LC_DA_LOAD_K(k0);
+  LC_DA_STORE_K();
   if (QJL) {
     const int64_t po = bb * qp_strides[0] + hh * qp_strides[1];
     for (int i = tid; i < R * M; i += NT) {
@@ -518,10 +549,11 @@ def max_rows(p: int, m_qjl: int = 0) -> int:
     return max(1, min(16, 1024 // max(p, m_qjl)))
 
 
-def _min_blocks(rows: int, key_bits2: int, qjl: bool) -> int:
-    """The register cap in threadgroups per SM: MIN_BLOCKS for single-stage keys without QJL
-    and up to 4 rows (32 accumulators); the others need their registers (0: uncapped)."""
-    return MIN_BLOCKS if rows <= 4 and not key_bits2 and not qjl else 0
+def _min_blocks(rows: int, key_bits2: int, qjl: bool, p: int) -> int:
+    """The register cap in threadgroups per SM: MIN_BLOCKS for single-stage keys without QJL,
+    up to 4 rows and P = 128 (where it was measured, and fits: at P = 64 the value phase's
+    8 dims per thread spill under it); the others need their registers (0: uncapped)."""
+    return MIN_BLOCKS if rows <= 4 and not key_bits2 and not qjl and p == 128 else 0
 
 
 def _splits(length: int, bh: int, tk: int = NT, min_blocks: int = 0) -> tuple[int, int]:
@@ -570,13 +602,68 @@ def decode_attend(q_rot, keys, values, key_table, value_table, *, key_bits, valu
     if backend() == "cpu" or L == 0 or not _supported(P, key_bits, key_bits2, value_bits, m_qjl):
         return decode_attend_reference(q_rot, keys, values, key_table, value_table, **kw)
     c = scale * LOG2E
-    scales = _scales((c, c * math.sqrt(math.pi / 2) / m_qjl))
+    scales = _scales((c, c * math.sqrt(math.pi / 2) / m_qjl, 1.0))
     q = _as(q_rot, mx.float32)
     qp = _as(q_proj, mx.float32) if q_proj is not None else None
     ref = dict(kw, q_rot=q_rot, keys=keys, values=values, key_table=key_table,
                value_table=value_table)
-    return _launch(q, qp, scales, keys, values, key_table, value_table, key_bits, key_bits2,
-                   value_bits, m_qjl, lq, causal_base, ref)
+    m_p, l_p, acc_p = _launch(q, qp, None, scales, keys, values, key_table, value_table, key_bits,
+                              key_bits2, value_bits, m_qjl, lq, causal_base,
+                              lambda splits: _reference_partials(splits, **ref))
+    m, l, acc = split_combine(m_p, l_p, acc_p)
+    return m.reshape(B, H, R, 1), l.reshape(B, H, R, 1), acc.reshape(B, H, R, P)
+
+
+def rotates_queries(p: int, rows: int, value_bits: int) -> bool:
+    """Whether `decode_attend_partials` can rotate the queries itself at this size (the butterfly
+    runs in the kernel's weight buffer: rows x P floats must fit in it)."""
+    if p not in (32, 64, 128, 256):
+        return False
+    per_block, _ = row_blocks(rows, p)
+    dpt = _dpt(p, per_block, value_bits)
+    return dpt is not None and p <= NT * dpt
+
+
+def _rotate_reference(q: mx.array, signs: mx.array) -> mx.array:
+    """What the kernel's in-place rotation computes: `RandomHadamard.forward` at dim = P."""
+    p = q.shape[-1]
+    return mx.hadamard_transform(q.astype(mx.float32) * signs, scale=1.0 / math.sqrt(p))
+
+
+def decode_attend_partials(queries, keys, values, key_table, value_table, signs, *, key_bits,
+                           value_bits, scale):
+    """The kernel's per-split softmax states for unrotated queries (one decode step), unmerged.
+
+    The queries are rotated in the kernel (signs, then the Walsh-Hadamard transform at 1/sqrt(P)),
+    so a decode step needs no rotation launch before it, and the splits are merged by the
+    caller's next kernel (`decode_finish`) instead of `split_combine`. Single-stage keys without
+    QJL, D = P (no padding), `rotates_queries(P, R, value_bits)`.
+
+    Args:
+        queries: (B, H, R, P) any float dtype, rows grouped per KV head (one token: R = r).
+        keys, values, key_table, value_table, key_bits, value_bits, scale: as `decode_attend`.
+        signs: (P,) float32, the key rotation's +-1 diagonal (`RandomHadamard.signs`).
+
+    Returns:
+        (m_p (B*H, S, R), l_p (B*H, S, R), acc_p (B*H, S, R, P)) float32, natural-log units, the
+        values' rotated frame; splits that saw nothing hold m = -inf, l = 0, acc = 0.
+    """
+    B, H, R, P = queries.shape
+    L = keys["norm"].shape[2]
+    kw = dict(key_bits=key_bits, value_bits=value_bits, scale=scale)
+    if backend() == "cpu" or L == 0 or not rotates_queries(P, R, value_bits):
+        m, l, acc = decode_attend_reference(_rotate_reference(queries, signs), keys, values,
+                                            key_table, value_table, **kw)
+        return m.reshape(B * H, 1, R), l.reshape(B * H, 1, R), acc.reshape(B * H, 1, R, P)
+    c = scale * LOG2E
+    scales = _scales((c, c, 1.0 / math.sqrt(P)))
+
+    def reference(splits):
+        return _reference_partials(splits, _rotate_reference(queries, signs), keys, values,
+                                   key_table, value_table, **kw)
+
+    return _launch(queries, None, signs, scales, keys, values, key_table, value_table, key_bits,
+                   0, value_bits, 32, 1, None, reference)
 
 
 def _check(q_rot, keys, values, key_table, value_table, key_bits, key_bits2, value_bits, q_proj):
@@ -612,11 +699,12 @@ _SCALES: dict = {}
 
 
 def _dummies():
-    """Stand-ins for absent inputs (idx2 / qjl / rnorm / q_proj), made once."""
+    """Stand-ins for absent inputs (idx2 / qjl / rnorm / q_proj / q_signs), made once."""
     if not _DUMMIES:
         _DUMMIES.extend([mx.zeros((1, 1, 1, 1), dtype=mx.uint32),
                          mx.zeros((1, 1, 1), dtype=mx.float16),
-                         mx.zeros((1, 1, 1, 1), dtype=mx.float32)])
+                         mx.zeros((1, 1, 1, 1), dtype=mx.float32),
+                         mx.zeros((1,), dtype=mx.float32)])
     return _DUMMIES
 
 
@@ -657,17 +745,18 @@ def _reference_partials(splits: int, q_rot, keys, values, key_table, value_table
     return m_p, l_p, acc_p
 
 
-def _launch(q, qp, scales, keys, values, key_table, value_table, key_bits, key_bits2, value_bits,
-            m_qjl, lq, causal_base, reference):
-    """One kernel launch for all rows (row blocks x KV heads x splits threadgroups), then the
-    split merge. `reference`: `decode_attend_reference`'s arguments, for the fallback."""
+def _launch(q, qp, signs, scales, keys, values, key_table, value_table, key_bits, key_bits2,
+            value_bits, m_qjl, lq, causal_base, reference):
+    """One kernel launch for all rows (row blocks x KV heads x splits threadgroups): the splits'
+    partial states. `signs`: the key rotation's, when q is unrotated (the kernel rotates it);
+    `reference(splits)`: the same partials in pure MLX, for the fallback."""
     B, H, R, P = q.shape
     L = keys["norm"].shape[2]
     per_block, nrb = row_blocks(R, P, m_qjl if qp is not None else 0)
     tk = tile_keys(P, key_bits, key_bits2)
-    min_blocks = _min_blocks(per_block, key_bits2, qp is not None)
+    min_blocks = _min_blocks(per_block, key_bits2, qp is not None, P)
     chunk, splits = _splits(L, B * H * nrb, tk, min_blocks)
-    dummy4, dummy3, dummyf = _dummies()
+    dummy4, dummy3, dummyf, _ = _dummies()
     params = _params((L, chunk, 0 if causal_base is None else causal_base, splits, R))
     u32, f16, f32 = mx.uint32, mx.float16, mx.float32  # fixed: MLX caches modules by name
     inputs = [q, qp if qp is not None else dummyf,
@@ -675,15 +764,14 @@ def _launch(q, qp, scales, keys, values, key_table, value_table, key_bits, key_b
               _as(keys["norm"], f16), _as(keys["qjl"], u32) if qp is not None else dummy4,
               _as(keys["rnorm"], f16) if qp is not None else dummy3, _as(values["idx"], u32),
               _as(values["norm"], f16), _as(key_table, f32), _as(value_table, f32), params,
-              scales]
+              scales, _as(signs, f32) if signs is not None else _dummies()[3]]
     template = [("P", P), ("R", per_block), ("LQ", lq), ("B1", key_bits), ("B2", key_bits2),
                 ("BV", value_bits), ("QJL", int(qp is not None)), ("M", m_qjl),
                 ("CAUSAL", int(causal_base is not None)), ("NT", NT),
-                ("DPT", _dpt(P, per_block, value_bits)), ("TK", tk), ("PF", int(PREFETCH))]
+                ("DPT", _dpt(P, per_block, value_bits)), ("TK", tk), ("PF", int(PREFETCH)),
+                ("ROTQ", int(signs is not None))]
     n = B * H * splits * nrb
-    m_p, l_p, acc_p = run(_spec(min_blocks), Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
-                                        [(B * H, splits, R), (B * H, splits, R),
-                                         (B * H, splits, R, P)], [mx.float32] * 3),
-                          reference=lambda: _reference_partials(splits, **reference))
-    m, l, acc = split_combine(m_p, l_p, acc_p)
-    return m.reshape(B, H, R, 1), l.reshape(B, H, R, 1), acc.reshape(B, H, R, P)
+    return run(_spec(min_blocks), Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
+                                         [(B * H, splits, R), (B * H, splits, R),
+                                          (B * H, splits, R, P)], [mx.float32] * 3),
+               reference=lambda: reference(splits))

@@ -92,6 +92,9 @@ SETTINGS: dict[str, Setting] = {
     "compile": Setting("LONGCTX_COMPILE", _choice("0", "1", "question"), "1",
                        "GPU: run the fused attention path under mx.compile: always (1), for "
                        "questions only, or never (0)"),
+    "fused_step": Setting("LONGCTX_FUSED_STEP", _flag, True,
+                          "GPU: a decode step over one scalar-coded segment runs as two kernel "
+                          "launches (0: the compiled fused path)"),
     "dense_gpu": Setting("LONGCTX_DENSE_GPU", _flag, True,
                          "GPU: prefill chunks dequantize the cache and run fp16 SDPA (0: the "
                          "blocked MLX path)"),

@@ -20,7 +20,8 @@ TOOL = Path(__file__).resolve().parents[2] / "shared" / "tools" / "metal_check" 
 
 
 def extra_launches(tool, full: bool) -> list:
-    """(origin, spec, launch) of the kernels the shared plan does not launch: lc_dequant."""
+    """(origin, spec, launch) of what the shared plan does not launch: lc_dequant, and the
+    decode step's lc_decode_finish and lc_decode_attend with the q rotation inside (ROTQ)."""
     import mlx.core as mx
 
     from longctx.kernels import _prelude
@@ -46,6 +47,30 @@ def extra_launches(tool, full: bool) -> list:
                             dq.dequant(enc, mx.zeros((1 << (b1 + b2),)), bits=b1, bits2=b2, p=p,
                                        head=rows(4) if rows else None,
                                        after=rows(640) if rows else None)
+        # The two-launch decode step (attend_step): decode_attend with the q rotation inside,
+        # then decode_finish, for the shipped and the 8B shapes, every query dtype, with and
+        # without sink and window.
+        from longctx.kvcache import attend_step
+        from longctx.kvcache.presets import get_preset
+        from longctx.kvcache.turbo import CompressedKV, codecs_for
+
+        names = [n for n, p in PRESETS.items() if p.kind == "turbo"]
+        for name in names:
+            for hkv, r, p in ((3, 3, 64), (8, 4, 128), (1, 4, 256), (2, 16, 64), (1, 1, 32)):
+                kc, vc = codecs_for(get_preset(name), p, layer=0)
+                if kc.rvq is not None or kc.spec.qjl:
+                    continue
+                seg = lambda bits: {"idx": mx.zeros((1, hkv, 4096, bits * p // 32), dtype=mx.uint32),
+                                    "norm": mx.zeros((1, hkv, 4096), dtype=mx.float16)}
+                for exact in (False, True):
+                    rows = lambda n, dt: (mx.zeros((1, hkv, n, p), dtype=dt),) * 2
+                    view = CompressedKV(kc, vc, ((seg(kc.spec.bits), seg(vc.spec.bits), 4096),),
+                                        4100, mx.zeros((1, hkv, 1, p)),
+                                        rows(9, mx.float32) if exact else None,
+                                        rows(4, mx.float16) if exact else None)
+                    for dt in (mx.float16, mx.bfloat16, mx.float32):
+                        rec.origin = f"decode step {name} P={p} H={hkv} r={r} exact={exact} {dt}"
+                        attend_step.attention(mx.zeros((1, hkv * r, 1, p), dtype=dt), view, 0.1)
     return rec.launches
 
 

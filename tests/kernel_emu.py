@@ -47,6 +47,7 @@ static thread_local uint32_t lc_e_tid, lc_e_tg, lc_e_gid;
 #define LC_BARRIER() lc_group_bar->arrive_and_wait()
 #define LC_INF INFINITY
 #define LC_H2F(x) ((float)(x))
+#define LC_TOF(x) ((float)(x))
 #define LC_F2H(x) ((lc_half_t)(x))
 #define LC_EXP(x) expf(x)
 #define LC_EXP2(x) exp2f(x)
@@ -134,7 +135,8 @@ def _emu_source(spec, launch) -> str:
     for j, (name, dt) in enumerate(zip(spec.outputs, launch.output_dtypes)):
         params.append(f"{_C_TYPES[dt]}* {name}")
         call.append(f"({_C_TYPES[dt]}*)bufs[{n_in + j}]")
-    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in launch.template)
+    consts = "".join(f"  typedef {_C_TYPES[v]} {k};\n" if isinstance(v, mx.Dtype)
+                     else f"  constexpr int {k} = {int(v)};\n" for k, v in launch.template)
     return (f"{header}\nstatic void lc_kernel({', '.join(params)}) {{\n{consts}{body}\n}}\n"
             "extern \"C\" void lc_launch(void** bufs, const int32_t* shapes, const int64_t* strides,"
             " int n_tg, int nt) {\n"
@@ -261,7 +263,8 @@ def cuda_source(spec, launch) -> str:
                 src += f"    const __grid_constant__ int {name}_ndim,\n"
     outs = [f"    {_CUDA_TYPES[d]}* {n}" for n, d in zip(spec.outputs, launch.output_dtypes)]
     src += ",\n".join(outs) + ") {\n"
-    src += "".join(f"  constexpr int {k} = {v};\n" for k, v in launch.template) + "\n"
+    src += "".join(f"  using {k} = {_CUDA_TYPES[v]};\n" if isinstance(v, mx.Dtype)
+                   else f"  constexpr int {k} = {v};\n" for k, v in launch.template) + "\n"
     return src + body + "\n}\n\n} // namespace mlx::core::cu\n"
 
 

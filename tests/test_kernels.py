@@ -422,3 +422,75 @@ def test_kernel_tables_are_codec_values():
         assert mx.array_equal(got, codec.decode_rotated(enc))
     kt, _ = tables(64, 2, 2, 3)
     assert kt.shape == (16,) and math.isfinite(float(kt.sum()))
+
+
+def _step_view(H, P, L, n_sink, n_win, name="tq4", seed=0):
+    from longctx.kvcache.presets import get_preset
+    from longctx.kvcache.turbo import CompressedKV, codecs_for
+
+    kc, vc = codecs_for(get_preset(name), P, layer=1)
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, dtype=np.float32):
+        return mx.array(rng.normal(size=shape).astype(dtype))
+
+    seg_k, seg_v = kc.encode(normal(1, H, L, P)), vc.encode(normal(1, H, L, P))
+    sink = (normal(1, H, n_sink, P, dtype=np.float16),) * 2 if n_sink else None
+    window = (normal(1, H, n_win, P), normal(1, H, n_win, P)) if n_win else None
+    return CompressedKV(kc, vc, ((seg_k, seg_v, L),), n_sink + L + n_win, normal(1, H, 1, P),
+                        window, sink)
+
+
+def _rel(got, want) -> float:
+    a, b = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("n_sink,n_win,qdt", [(4, 37, "float16"), (0, 0, "float32"),
+                                              (0, 20, "float32"), (3, 0, "float16")])
+def test_decode_step_references(n_sink, n_win, qdt):
+    """The two-launch decode step's references (the CPU path and the kernels' oracle): the
+    partials of unrotated queries and the finish (merge, rotation back, exact tokens, mean)
+    compose to the blocked path's output."""
+    from longctx.kernels import decode_attend as da
+    from longctx.kernels import decode_finish as df
+    from longctx.kvcache.attention import kernel_table
+
+    H, r, P, L = 2, 4, 64, 300
+    view = _step_view(H, P, L, n_sink, n_win, seed=n_sink + n_win)
+    kc, vc = view.key_codec, view.value_codec
+    seg_k, seg_v, _ = view.segments[0]
+    q = mx.array(np.random.default_rng(1).normal(size=(1, H * r, 1, P))).astype(getattr(mx, qdt))
+    parts = da.decode_attend_partials(q.reshape(1, H, r, P), seg_k, seg_v, kernel_table(kc),
+                                      kernel_table(vc), kc.rotation.signs, key_bits=4,
+                                      value_bits=4, scale=0.125)
+    got = df.decode_finish(*parts, q.reshape(1, H, r, P), view.sink, view.window,
+                           vc.rotation.signs, view.value_mean, 0.125).reshape(q.shape)
+    want = compressed_attention(q, view, 0.125, fused=False)
+    assert got.dtype == q.dtype
+    assert _rel(got, want) < (2e-3 if qdt == "float16" else 1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(8, 4, 128, 4096), (8, 4, 128, 32768), (3, 3, 64, 5000),
+                                   (1, 4, 256, 3000), (2, 16, 64, 700)])
+@pytest.mark.parametrize("qdt", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("name", ["tq4", "tq3", "tq4k3v"])
+def test_gpu_decode_step(shape, qdt, name):
+    """On the device, a decode step takes the two-launch path and matches the blocked path and
+    the compiled fused path (LONGCTX_FUSED_STEP=0)."""
+    from longctx import config
+    from longctx.kvcache.attention import choose_path
+
+    H, r, P, L = shape
+    view = _step_view(H, P, L, 4, 57, name, seed=L)
+    q = (mx.random.normal((1, H * r, 1, P), key=mx.random.key(L)) * 2).astype(getattr(mx, qdt))
+    assert choose_path(view, None, 1, rows=r)[0] == "fused-step"
+    got = compressed_attention(q, view, P ** -0.5)
+    want = compressed_attention(q, view, P ** -0.5, fused=False)
+    with config.override(fused_step=False):
+        assert choose_path(view, None, 1, rows=r)[0] == "fused-compiled"
+        compiled = compressed_attention(q, view, P ** -0.5)
+    assert got.dtype == q.dtype
+    tol = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 2e-5}[qdt]
+    assert _rel(got, want) < tol and _rel(got, compiled) < tol

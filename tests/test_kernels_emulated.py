@@ -149,11 +149,17 @@ def test_cuda_sources_compile_without_spills():
         hq.hadamard_quantize(mx.zeros((4, 256)), mx.ones((256,)), mx.zeros((15,)))
         qe.qjl_encode(mx.zeros((4, 128)), mx.zeros((128, 128)))
         for name in ("tq4", "tq3+qjl", "rvq2+2"):
-            for p, r in ((128, 4), (128, 8), (64, 16), (256, 4)):
+            for p, r in ((128, 4), (128, 8), (64, 16), (256, 4), (64, 3)):
                 b1, b2, qjl, bv = preset_bits(name)
                 q, qp, keys, values, kt, vt = random_segment(1, 1, r, p, 40, b1, b2, bv, qjl)
                 da.decode_attend(q, keys, values, kt, vt, key_bits=b1, key_bits2=b2,
                                  value_bits=bv, scale=0.1, q_proj=qp, causal_base=7)
+        for name, p, r, dt in (("tq4", 128, 4, mx.bfloat16), ("tq3", 64, 3, mx.float16),
+                               ("tq4", 256, 8, mx.float32)):  # the two-launch decode step
+            from longctx.kvcache import attend_step
+
+            view = _step_view(1, r, p, 40, name, 4, 9, seed=p)
+            attend_step.attention(mx.zeros((1, r, 1, p), dtype=dt), view, 0.1)
     for (name, template), (spec, launch) in cap.launches.items():
         report = kernel_emu.nvcc_check(spec, launch)
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
@@ -188,3 +194,56 @@ def test_dequant_bit_widths(emulated, b1, b2):
     table = mx.array(np.random.default_rng(b1).normal(size=(1 << (b1 + b2),)).astype(np.float32))
     kw = dict(bits=b1, bits2=b2, p=64)
     assert mx.array_equal(dq.dequant(keys, table, **kw), dq.dequant_reference(keys, table, **kw))
+
+
+STEP_CASES = [  # H, R, P, L, preset, sink, window, target_groups, q dtype
+    (2, 4, 128, 300, "tq4", 4, 37, None, "float16"),
+    (2, 4, 128, 1000, "tq3", 0, 0, 2, "float32"),  # several tiles per split, no exact tokens
+    (1, 3, 64, 200, "tq4k3v", 0, 150, None, "float16"),  # window over two tiles of 64 keys
+    (1, 1, 256, 150, "tq4", 2, 1, None, "float32"),
+    (2, 16, 64, 130, "tq3", 3, 0, None, "float16"),  # 16 rows: one row block
+    (1, 2, 32, 90, "tq4", 1, 40, None, "float32"),
+]
+
+
+def _step_view(H, R, P, L, name, n_sink, n_win, seed):
+    from longctx.kvcache.presets import get_preset
+    from longctx.kvcache.turbo import CompressedKV, codecs_for
+
+    kc, vc = codecs_for(get_preset(name), P, layer=seed % 5)
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, dtype=np.float32):
+        return mx.array(rng.normal(size=shape).astype(dtype))
+
+    # The cache's own encodings of random centered keys (one segment, a slice of a longer tail)
+    k, v = normal(1, H, L + 5, P), normal(1, H, L + 5, P)
+    seg_k = {n: a[:, :, :L] for n, a in kc.encode(k).items()}
+    seg_v = {n: a[:, :, :L] for n, a in vc.encode(v).items()}
+    sink = (normal(1, H, n_sink, P, dtype=np.float16), normal(1, H, n_sink, P, dtype=np.float16))
+    # the window: the valid prefix of larger fp32 buffers, as `TurboQuantCache` keeps it
+    wbuf = (normal(1, H, n_win + 7, P), normal(1, H, n_win + 7, P))
+    window = (wbuf[0][:, :, :n_win], wbuf[1][:, :, :n_win])
+    return CompressedKV(kc, vc, ((seg_k, seg_v, L),), n_sink + L + n_win, normal(1, H, 1, P),
+                        window if n_win else None, sink if n_sink else None)
+
+
+@pytest.mark.parametrize("case", STEP_CASES, ids=lambda c: f"{c[4]}-P{c[2]}-R{c[1]}-L{c[3]}")
+def test_decode_step(monkeypatch, case):
+    """The two-launch decode step (q rotated in the decode-attend kernel, then the finish kernel:
+    split merge, rotation back, sink and window, mean) equals the pure-MLX blocked path."""
+    from longctx.kvcache import attend_step, attention
+
+    H, R, P, L, name, n_sink, n_win, target, qdt = case
+    view = _step_view(H, R, P, L, name, n_sink, n_win, seed=L + P)
+    q = mx.array(np.random.default_rng(R).normal(size=(1, H * R, 1, P)).astype(qdt)) * 2
+    if target:
+        monkeypatch.setattr(da, "TARGET_GROUPS", target)
+    want = attention.compressed_attention(q, view, P ** -0.5, fused=False)
+    with _prelude.executor(kernel_emu.emulator()):
+        assert attention.choose_path(view, None, 1, True, rows=R)[0] == "fused-step"
+        got = attend_step.attention(q, view, P ** -0.5)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    a, b = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    tol = 2e-3 if qdt == "float16" else 2e-5
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < tol

@@ -1,6 +1,8 @@
 """Attention over a compressed cache: one decision picks the path, each path is a module.
 
     path            where                          module
+    fused-step      GPU, one query token, one      attend_step (two launches: decode-attend with
+                    scalar-coded segment, no mask  q rotation inside, then the finish kernel)
     fused-compiled  GPU, <= fused_max_lq queries   attend_fused (fused kernel under mx.compile)
     fused           GPU, a test's kernel executor  attend_blocked.attend(fused=True), uncompiled
     dense-gpu       GPU, more queries (prefill)    dense_gpu (dequantize kernel + fp16 SDPA)
@@ -10,7 +12,8 @@
 Soft-capped scores (Gemma-2, `softcap`) always take the blocked path: it is the only one that
 caps. `choose_path` makes the decision and says why (logged at debug level by the logger
 `longctx.attention`); `compressed_attention` runs it. The blocked path is the oracle the tests
-hold every other path to. Settings (`longctx.config`): `fused_max_lq`, `compile`, `dense_gpu`.
+hold every other path to. Settings (`longctx.config`): `fused_max_lq`, `compile`, `dense_gpu`,
+`fused_step`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import logging
 import mlx.core as mx
 
 from longctx import config
-from longctx.kvcache import attend_blocked, attend_cpu, attend_fused, dense_gpu
+from longctx.kvcache import attend_blocked, attend_cpu, attend_fused, attend_step, dense_gpu
 from longctx.kvcache.attend_blocked import BLOCK
 from longctx.kvcache.attend_cpu import rotation_matrices
 from longctx.kvcache.attend_fused import kernel_table
@@ -45,10 +48,11 @@ def use_fused(mask, lq: int) -> bool:
 
 
 def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
-                softcap: float | None = None) -> tuple[str, str]:
+                softcap: float | None = None, rows: int = 1) -> tuple[str, str]:
     """(path, reason) for attention of `lq` query tokens over `kv` (see the module docstring).
 
     Args:
+        rows: query heads per KV head.
         fused: None decides; True forces the fused kernel (mask None or causal), False forces
             the pure-MLX paths.
         softcap: soft-capped scores (Gemma-2) take the blocked path on every device: neither the
@@ -67,6 +71,8 @@ def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
     elif fused and not _kernel_mask(mask):
         raise ValueError("the fused kernel takes mask None or 'causal'")
     if fused:
+        if config.get("fused_step") and attend_step.applies(kv, mask, lq, rows):
+            return "fused-step", "GPU, one query token over one scalar-coded segment"
         if attend_fused.executor_installed():
             return "fused", "a kernel executor is installed: every launch must reach it"
         if attend_fused.compile_wanted(lq):
@@ -107,9 +113,12 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
         for observe in _OBSERVERS:
             observe(queries, kv, scale)
     lq = queries.shape[2]
-    path, why = choose_path(kv, mask, lq, fused, softcap)
+    path, why = choose_path(kv, mask, lq, fused, softcap,
+                            queries.shape[1] // max(1, kv.value_mean.shape[1]))
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("attention: %s (%s)", path, why)
+    if path == "fused-step":
+        return attend_step.attention(queries, kv, scale)
     if path == "dense-gpu":
         return dense_gpu.attention(queries, kv, scale, mask)
     if path == "fused-compiled":

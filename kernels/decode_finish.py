@@ -1,0 +1,271 @@
+"""The end of one decode step: split merge, rotation back, exact tokens, normalize, in one launch.
+
+After `decode_attend_partials` each split of the compressed segment holds a softmax state
+(m_s, l_s, acc_s) in the value codec's rotated frame. This kernel finishes the step:
+
+    m_c = max_s m_s,  l_c = sum_s l_s e^(m_s - m_c),  a_c = R_v^-1 (sum_s acc_s e^(m_s - m_c))
+    over the exact tokens j (sink, then window; centered, original frame):
+        s_j = scale * q . k_j,  m_e = max_j s_j,  l_e = sum_j e^(s_j - m_e),  a_e = sum_j e^(..) v_j
+    out = (a_c e^(m_c - M) + a_e e^(m_e - M)) / (l_c e^(m_c - M) + l_e e^(m_e - M)) + mean_v,
+    M = max(m_c, m_e), written in the queries' dtype.
+
+R_v^-1 y = signs * H y / sqrt(P) (`RandomHadamard.inverse` at D = P). Exactly what
+`attend_blocked.attend` does after its segments for one query token and no mask (the rotation is
+linear, so it commutes with the merge), in one launch instead of ~12.
+
+Shapes: m_p, l_p (N, S, R), acc_p (N, S, R, P) float32 (N = B * H); q (B, H, R, P) any float
+(rows grouped per KV head, as the partials); sink_k, sink_v (B, H, Ns, P) and win_k, win_v
+(B, H, W, P) any float, any strides (the window is the valid prefix of its buffers, a view);
+signs (P,) float32; mean (B, H, 1, P) float32 -> out (B, H, R, P) in `out_dtype`.
+
+Thread plan: one threadgroup of P threads per (b, h); thread d owns dim d of every row.
+  1. merge the S splits (broadcast reads of m/l, consecutive reads of acc) into threadgroup memory;
+  2. the inverse butterfly over each row (read both, barrier, write, barrier);
+  3. the exact tokens in tiles of P keys: thread t scores key t against the R rows (q staged,
+     scaled by scale * log2 e, in threadgroup memory), tile max through simdgroup max and the
+     warps' partials, weights to threadgroup memory, then thread d adds w[key][row] * v[key][d]
+     (consecutive reads across threads);
+  4. the two states merged, normalized, the mean added, written.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ._prelude import KernelSpec, Launch, backend, run
+from .split_combine import split_combine_reference
+
+LOG2E = 1.4426950408889634
+DIMS = (32, 64, 128, 256)
+MAX_ROWS = 16
+
+_SPEC = KernelSpec(
+    name="lc_decode_finish",
+    inputs=("m_p", "l_p", "acc_p", "q", "sink_k", "sink_v", "win_k", "win_v", "signs", "mean",
+            "scales"),
+    outputs=("out",),
+    row_contiguous=False,
+    source=r"""
+  constexpr int NW = P / 32;
+  LC_SHARED float buf[R * P];   // the compressed part's acc (rotated, then original frame)
+  LC_SHARED float qs[R * P];    // q * scale * log2(e)
+  LC_SHARED float wts[P * R];   // a tile's weights [key][row]
+  LC_SHARED float red[NW * R];
+  LC_SHARED float mlc[2 * R];   // m_c (base 2), l_c
+
+  const int n = (int)lc_tg;  // b * H + h
+  const int d = (int)lc_tid;
+  const int H = q_shape[1];
+  const int hh = n % H;
+  const int bb = n / H;
+  const int S = m_p_shape[1];
+  const float qscale = scales[0];
+  const float hs = scales[1];
+
+  // 1. The splits of the compressed segment (m in natural-log units), merged.
+  const int64_t mo = m_p_strides[0] * n;
+  const int64_t ao = acc_p_strides[0] * n;
+  LC_UNROLL for (int r = 0; r < R; ++r) {
+    float M = -LC_INF;
+    for (int s = 0; s < S; ++s) M = LC_MAX(M, m_p[mo + s * m_p_strides[1] + r * m_p_strides[2]]);
+    const float Mu = M == -LC_INF ? 0.0f : M;
+    float lt = 0.0f;
+    float a = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      const float w = LC_EXP(m_p[mo + s * m_p_strides[1] + r * m_p_strides[2]] - Mu);
+      lt += l_p[mo + s * l_p_strides[1] + r * l_p_strides[2]] * w;
+      a += acc_p[ao + s * acc_p_strides[1] + r * acc_p_strides[2] + d * acc_p_strides[3]] * w;
+    }
+    buf[r * P + d] = a;
+    if (d == 0) {
+      mlc[r] = M * 1.4426950408889634f;  // -inf stays -inf
+      mlc[R + r] = lt;
+    }
+    const int64_t qo = bb * q_strides[0] + hh * q_strides[1] + r * q_strides[2] + d * q_strides[3];
+    qs[r * P + d] = LC_TOF(q[qo]) * qscale;
+  }
+  LC_BARRIER();
+
+  // 2. Back from the value codec's rotated frame: H (symmetric) then the signs.
+  LC_UNROLL for (int h = 1; h < P; h <<= 1) {
+    float nv[R];
+    const bool upper = (d & h) != 0;
+    LC_UNROLL for (int r = 0; r < R; ++r) {
+      const float a = buf[r * P + d];
+      const float b = buf[r * P + (d ^ h)];
+      nv[r] = upper ? (b - a) : (a + b);
+    }
+    LC_BARRIER();
+    LC_UNROLL for (int r = 0; r < R; ++r) buf[r * P + d] = nv[r];
+    LC_BARRIER();
+  }
+  const float sg = signs[d] * hs;
+  float acc_c[R];
+  LC_UNROLL for (int r = 0; r < R; ++r) acc_c[r] = buf[r * P + d] * sg;
+
+  // 3. The exact tokens (sink, then window), base-2 online softmax over tiles of P keys.
+  const int ns = HAS_SINK ? sink_k_shape[2] : 0;
+  const int nw = HAS_WIN ? win_k_shape[2] : 0;
+  const int E = ns + nw;
+  const int64_t sko = bb * sink_k_strides[0] + hh * sink_k_strides[1];
+  const int64_t svo = bb * sink_v_strides[0] + hh * sink_v_strides[1];
+  const int64_t wko = bb * win_k_strides[0] + hh * win_k_strides[1];
+  const int64_t wvo = bb * win_v_strides[0] + hh * win_v_strides[1];
+  float m_e[R];
+  float l_e[R];
+  float acc_e[R];
+  LC_UNROLL for (int r = 0; r < R; ++r) {
+    m_e[r] = -LC_INF;
+    l_e[r] = 0.0f;
+    acc_e[r] = 0.0f;
+  }
+  for (int t0 = 0; t0 < E; t0 += P) {
+    const int key = t0 + d;
+    float s[R];
+    LC_UNROLL for (int r = 0; r < R; ++r) s[r] = 0.0f;
+    if (key < ns) {
+      for (int i = 0; i < P; ++i) {
+        const float kv = LC_TOF(sink_k[sko + key * sink_k_strides[2] + i * sink_k_strides[3]]);
+        LC_UNROLL for (int r = 0; r < R; ++r) s[r] += qs[r * P + i] * kv;
+      }
+    } else if (key < E) {
+      const int w = key - ns;
+      for (int i = 0; i < P; ++i) {
+        const float kv = LC_TOF(win_k[wko + w * win_k_strides[2] + i * win_k_strides[3]]);
+        LC_UNROLL for (int r = 0; r < R; ++r) s[r] += qs[r * P + i] * kv;
+      }
+    }
+    if (key >= E) {
+      LC_UNROLL for (int r = 0; r < R; ++r) s[r] = -LC_INF;
+    }
+    LC_UNROLL for (int r = 0; r < R; ++r) {
+      const float tm = lc_simd_max(s[r]);
+      if (lc_lane == 0u) red[(int)lc_warp * R + r] = tm;
+    }
+    LC_BARRIER();
+    LC_UNROLL for (int r = 0; r < R; ++r) {
+      float tm = red[r];
+      for (int w = 1; w < NW; ++w) tm = LC_MAX(tm, red[w * R + r]);
+      const float mn = LC_MAX(m_e[r], tm);  // finite: the tile has a key
+      const float alpha = LC_EXP2(m_e[r] - mn);
+      const float p = key < E ? LC_EXP2(s[r] - mn) : 0.0f;
+      wts[d * R + r] = p;
+      l_e[r] = l_e[r] * alpha + p;
+      acc_e[r] *= alpha;
+      m_e[r] = mn;
+    }
+    LC_BARRIER();
+    const int nk = E - t0 < P ? E - t0 : P;
+    for (int k = 0; k < nk; ++k) {
+      const int kk = t0 + k;
+      const float vv = kk < ns
+          ? LC_TOF(sink_v[svo + kk * sink_v_strides[2] + d * sink_v_strides[3]])
+          : LC_TOF(win_v[wvo + (kk - ns) * win_v_strides[2] + d * win_v_strides[3]]);
+      LC_UNROLL for (int r = 0; r < R; ++r) acc_e[r] += wts[k * R + r] * vv;
+    }
+    LC_BARRIER();  // wts and red are rewritten by the next tile
+  }
+
+  // 4. Both states merged (each thread's l_e covers its own keys: summed over the threadgroup).
+  LC_UNROLL for (int r = 0; r < R; ++r) {
+    const float ls = lc_simd_sum(l_e[r]);
+    if (lc_lane == 0u) red[(int)lc_warp * R + r] = ls;
+  }
+  LC_BARRIER();
+  const float mean_d = mean[bb * mean_strides[0] + hh * mean_strides[1] + d * mean_strides[3]];
+  LC_UNROLL for (int r = 0; r < R; ++r) {
+    float le = 0.0f;
+    for (int w = 0; w < NW; ++w) le += red[w * R + r];
+    const float mc = mlc[r];
+    const float M = LC_MAX(mc, m_e[r]);
+    const float Mu = M == -LC_INF ? 0.0f : M;
+    const float c1 = LC_EXP2(mc - Mu);
+    const float c2 = LC_EXP2(m_e[r] - Mu);
+    const float den = mlc[R + r] * c1 + le * c2;
+    out[((int64_t)n * R + r) * P + d] =
+        static_cast<OT>((acc_c[r] * c1 + acc_e[r] * c2) / LC_MAX(den, 1e-30f) + mean_d);
+  }
+""",
+)
+
+
+def decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtype):
+    """Pure-MLX oracle (and CPU path): the same steps as `attend_blocked.attend` after its
+    compressed segments, for one query token, no mask. Arguments as `decode_finish`."""
+    B, H, R, P = q.shape
+    m, l, acc = split_combine_reference(m_p, l_p, acc_p)  # (N, R), (N, R), (N, R, P)
+    m, l = m.reshape(B, H, R, 1), l.reshape(B, H, R, 1)
+    acc = mx.hadamard_transform(acc.reshape(B, H, R, P), scale=1.0 / math.sqrt(P)) * signs
+    exact = [part for part in (sink, window) if part is not None and part[0].shape[2]]
+    if exact:
+        keys = mx.concatenate([e[0].astype(mx.float32) for e in exact], axis=2)
+        values = mx.concatenate([e[1].astype(mx.float32) for e in exact], axis=2)
+        s = (q.astype(mx.float32) @ keys.swapaxes(-1, -2)) * scale  # (B, H, R, E)
+        m_e = s.max(axis=-1, keepdims=True)
+        p = mx.exp(s - m_e)
+        big = mx.maximum(m, m_e)
+        safe = mx.where(big == -mx.inf, 0.0, big)
+        c1, c2 = mx.exp(m - safe), mx.exp(m_e - safe)
+        l = l * c1 + p.sum(axis=-1, keepdims=True) * c2
+        acc = acc * c1 + (p @ values) * c2
+    out = acc / mx.maximum(l, 1e-30) + mean
+    return out.astype(out_dtype)
+
+
+def supported(p: int, rows: int) -> bool:
+    return p in DIMS and 1 <= rows <= MAX_ROWS
+
+
+_DUMMY: list = []
+_SCALES: dict = {}
+
+
+def _dummy() -> mx.array:
+    if not _DUMMY:
+        _DUMMY.append(mx.zeros((1, 1, 1, 1), dtype=mx.float32))
+    return _DUMMY[0]
+
+
+def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtype=None):
+    """Finish one decode step: merge the compressed segment's splits, rotate its values back,
+    attend the exact tokens, normalize and add the value mean.
+
+    Args:
+        m_p, l_p, acc_p: `decode_attend_partials`' outputs (N = B * H splits states).
+        q: (B, H, R, P) the unrotated queries (any float dtype), rows as the partials'.
+        sink, window: (keys, values) (B, H, n, P) exact centered tokens in the original frame,
+            or None; any float dtype, any strides.
+        signs: (P,) float32, the value rotation's +-1 diagonal.
+        mean: (B, H, 1, P) float32, the values' centering mean.
+        scale: the score scale.
+        out_dtype: of the result (default q's).
+
+    Returns:
+        (B, H, R, P) attention output in `out_dtype`.
+    """
+    B, H, R, P = q.shape
+    out_dtype = out_dtype or q.dtype
+    sink = sink if sink is not None and sink[0].shape[2] else None
+    window = window if window is not None and window[0].shape[2] else None
+
+    def reference():
+        return [decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale,
+                                        out_dtype)]
+
+    if backend() == "cpu" or not supported(P, R):
+        return reference()[0]
+    key = (float(scale), P)
+    if key not in _SCALES:
+        if len(_SCALES) > 256:
+            _SCALES.clear()
+        _SCALES[key] = mx.array([scale * LOG2E, 1.0 / math.sqrt(P)], dtype=mx.float32)
+    dummy = _dummy()
+    sk, sv = sink if sink is not None else (dummy, dummy)
+    wk, wv = window if window is not None else (dummy, dummy)
+    inputs = [m_p, l_p, acc_p, q, sk, sv, wk, wv, signs, mean, _SCALES[key]]
+    template = [("P", P), ("R", R), ("HAS_SINK", int(sink is not None)),
+                ("HAS_WIN", int(window is not None)), ("OT", out_dtype)]
+    return run(_SPEC, Launch(inputs, template, (B * H * P, 1, 1), (P, 1, 1), [(B, H, R, P)],
+                             [out_dtype]), reference=reference)[0]
