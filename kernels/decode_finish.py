@@ -16,7 +16,9 @@ linear, so it commutes with the merge), in one launch instead of ~12.
 Shapes: m_p, l_p (N, S, R), acc_p (N, S, R, P) float32 (N = B * H); q (B, H, R, P) any float
 (rows grouped per KV head, as the partials); sink_k, sink_v (B, H, Ns, P) and win_k, win_v
 (B, H, W, P) any float, any strides (the window is the valid prefix of its buffers, a view);
-signs (P,) float32; mean (B, H, 1, P) float32 -> out (B, H, R, P) in `out_dtype`.
+win_n (1,) int32: the window's valid slots (the first win_n of its buffers, so that a compiled
+step's input shapes stay the same while the window fills); signs (P,) float32;
+mean (B, H, 1, P) float32 -> out (B, H, R, P) in `out_dtype`.
 
 Thread plan: one threadgroup of P threads per (b, h); thread d owns dim d of every row.
   1. merge the S splits (broadcast reads of m/l, consecutive reads of acc) into threadgroup memory;
@@ -43,8 +45,8 @@ MAX_ROWS = 16
 
 _SPEC = KernelSpec(
     name="lc_decode_finish",
-    inputs=("m_p", "l_p", "acc_p", "q", "sink_k", "sink_v", "win_k", "win_v", "signs", "mean",
-            "scales"),
+    inputs=("m_p", "l_p", "acc_p", "q", "sink_k", "sink_v", "win_k", "win_v", "win_n", "signs",
+            "mean", "scales"),
     outputs=("out",),
     row_contiguous=False,
     source=r"""
@@ -107,7 +109,7 @@ _SPEC = KernelSpec(
 
   // 3. The exact tokens (sink, then window), base-2 online softmax over tiles of P keys.
   const int ns = HAS_SINK ? sink_k_shape[2] : 0;
-  const int nw = HAS_WIN ? win_k_shape[2] : 0;
+  const int nw = HAS_WIN ? win_n[0] : 0;  // the window's valid slots (its buffers may be longer)
   const int E = ns + nw;
   const int64_t sko = bb * sink_k_strides[0] + hh * sink_k_strides[1];
   const int64_t svo = bb * sink_v_strides[0] + hh * sink_v_strides[1];
@@ -191,10 +193,13 @@ _SPEC = KernelSpec(
 )
 
 
-def decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtype):
+def decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtype,
+                            valid=None):
     """Pure-MLX oracle (and CPU path): the same steps as `attend_blocked.attend` after its
     compressed segments, for one query token, no mask. Arguments as `decode_finish`."""
     B, H, R, P = q.shape
+    if window is not None and valid is not None:
+        window = (window[0][:, :, :valid], window[1][:, :, :valid])
     m, l, acc = split_combine_reference(m_p, l_p, acc_p)  # (N, R), (N, R), (N, R, P)
     m, l = m.reshape(B, H, R, 1), l.reshape(B, H, R, 1)
     acc = mx.hadamard_transform(acc.reshape(B, H, R, P), scale=1.0 / math.sqrt(P)) * signs
@@ -228,7 +233,20 @@ def _dummy() -> mx.array:
     return _DUMMY[0]
 
 
-def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtype=None):
+_COUNTS: dict = {}
+
+
+def _count(n: int) -> mx.array:
+    """The (1,) int32 array holding n, one per value (shared by every layer of a step)."""
+    if n not in _COUNTS:
+        if len(_COUNTS) > 4096:
+            _COUNTS.clear()
+        _COUNTS[n] = mx.array([n], dtype=mx.int32)
+    return _COUNTS[n]
+
+
+def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtype=None,
+                  valid=None, valid_array=None):
     """Finish one decode step: merge the compressed segment's splits, rotate its values back,
     attend the exact tokens, normalize and add the value mean.
 
@@ -241,6 +259,10 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
         mean: (B, H, 1, P) float32, the values' centering mean.
         scale: the score scale.
         out_dtype: of the result (default q's).
+        valid: the window's valid slots, when `window` holds preallocated buffers (default all).
+        valid_array: `valid` as a (1,) int32 array (a compiled step's input: the kernel reads
+            the count from it, so the trace does not depend on it); then `valid` must be given
+            too, for the reference.
 
     Returns:
         (B, H, R, P) attention output in `out_dtype`.
@@ -249,10 +271,12 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
     out_dtype = out_dtype or q.dtype
     sink = sink if sink is not None and sink[0].shape[2] else None
     window = window if window is not None and window[0].shape[2] else None
+    if valid is None:
+        valid = window[0].shape[2] if window is not None else 0
 
     def reference():
         return [decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale,
-                                        out_dtype)]
+                                        out_dtype, valid)]
 
     if backend() == "cpu" or not supported(P, R):
         return reference()[0]
@@ -264,7 +288,8 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
     dummy = _dummy()
     sk, sv = sink if sink is not None else (dummy, dummy)
     wk, wv = window if window is not None else (dummy, dummy)
-    inputs = [m_p, l_p, acc_p, q, sk, sv, wk, wv, signs, mean, _SCALES[key]]
+    count = valid_array if valid_array is not None else _count(valid)
+    inputs = [m_p, l_p, acc_p, q, sk, sv, wk, wv, count, signs, mean, _SCALES[key]]
     template = [("P", P), ("R", R), ("HAS_SINK", int(sink is not None)),
                 ("HAS_WIN", int(window is not None)), ("OT", out_dtype)]
     return run(_SPEC, Launch(inputs, template, (B * H * P, 1, 1), (P, 1, 1), [(B, H, R, P)],

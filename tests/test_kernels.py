@@ -494,3 +494,31 @@ def test_gpu_decode_step(shape, qdt, name):
     assert got.dtype == q.dtype
     tol = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 2e-5}[qdt]
     assert _rel(got, want) < tol and _rel(got, compiled) < tol
+
+
+@gpu
+@pytest.mark.parametrize("name", ["tq4", "tq3"])
+def test_gpu_decode_steps_through_a_fork(name):
+    """The product's flow: a restored prefix, an answering fork, a question, then decode steps
+    (the window fills its buffers; the compiled two-launch step replays with a new count each
+    step): every step matches the blocked path, and steps share one trace."""
+    from longctx.kvcache import attend_step
+
+    preset = kvcache.get_preset(name)
+    parent = TurboQuantCache(preset, 0)
+    kv = mx.random.normal((2, 1, 8, 3000, 128), key=mx.random.key(3)).astype(mx.bfloat16)
+    parent.update_and_fetch(kv[0], kv[1])
+    parent.seal()
+    restored = TurboQuantCache.from_arrays(preset, 0, parent.arrays(), 128)
+    fork = restored.fork(exact_new=64)
+    question = mx.random.normal((2, 1, 8, 12, 128), key=mx.random.key(4)).astype(mx.bfloat16)
+    fork.update_and_fetch(question[0], question[1])
+    attend_step._COMPILED.clear()
+    for step in range(5):
+        new = mx.random.normal((2, 1, 8, 1, 128), key=mx.random.key(10 + step)).astype(mx.bfloat16)
+        view, _ = fork.update_and_fetch(new[0], new[1])
+        q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(20 + step)).astype(mx.bfloat16)
+        got = compressed_attention(q, view, 128 ** -0.5)
+        want = compressed_attention(q, view, 128 ** -0.5, fused=False)
+        assert _rel(got, want) < 1e-2, step
+    assert len(attend_step._COMPILED) == 1

@@ -247,3 +247,12 @@ def test_decode_step(monkeypatch, case):
     a, b = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     tol = 2e-3 if qdt == "float16" else 2e-5
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < tol
+    if n_win:  # the window as the valid prefix of longer buffers (a decode step's view)
+        import dataclasses
+
+        wk, wv = view.window
+        bufs = [mx.concatenate([w, mx.full((1, H, 9, P), 1e4)], axis=2) for w in (wk, wv)]
+        buffered = dataclasses.replace(view, window_buffer=(*bufs, mx.arange(n_win + 9) < n_win))
+        with _prelude.executor(kernel_emu.emulator()):
+            got2 = attend_step.attention(q, buffered, P ** -0.5)
+        assert np.array_equal(np.array(got2), np.array(got))
