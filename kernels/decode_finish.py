@@ -42,6 +42,7 @@ from .split_combine import split_combine_reference
 LOG2E = 1.4426950408889634
 DIMS = (32, 64, 128, 256)
 MAX_ROWS = 16
+MAX_ROW_DIMS = 2048  # rows x P: 3 x 2048 floats = 24 KiB of threadgroup memory
 
 _SPEC = KernelSpec(
     name="lc_decode_finish",
@@ -220,7 +221,9 @@ def decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale
 
 
 def supported(p: int, rows: int) -> bool:
-    return p in DIMS and 1 <= rows <= MAX_ROWS
+    """Whether the kernel takes rows x P: its three rows x P float buffers stay within 24 KiB
+    of threadgroup memory (Metal allows 32 KiB, CUDA 48 KiB of static shared memory)."""
+    return p in DIMS and 1 <= rows <= MAX_ROWS and rows * p <= MAX_ROW_DIMS
 
 
 _DUMMY: list = []

@@ -522,3 +522,12 @@ def test_gpu_decode_steps_through_a_fork(name):
         want = compressed_attention(q, view, 128 ** -0.5, fused=False)
         assert _rel(got, want) < 1e-2, step
     assert len(attend_step._COMPILED) == 1
+
+
+def test_decode_finish_bounds_its_threadgroup_memory():
+    """Shapes whose buffers would pass Metal's 32 KiB (16 rows of 256 dims: 48 KiB) are not
+    taken; they stay on the compiled fused path."""
+    from longctx.kernels import decode_finish as df
+
+    assert df.supported(128, 4) and df.supported(256, 8) and df.supported(64, 16)
+    assert not df.supported(256, 16) and not df.supported(128, 17) and not df.supported(96, 4)
