@@ -95,6 +95,10 @@ SETTINGS: dict[str, Setting] = {
     "fused_step": Setting("LONGCTX_FUSED_STEP", _flag, True,
                           "GPU: a decode step over one scalar-coded segment runs as two kernel "
                           "launches (0: the compiled fused path)"),
+    "prefill_pairs": Setting("LONGCTX_PREFILL_PAIRS", _count, 0,
+                             "query-key pairs one prefill chunk may score per head; past it "
+                             "chunks shrink (20971520: 128 tokens at 128k; bounds one "
+                             "evaluation for the Metal watchdog; 0: fixed 512-token chunks)"),
     "dense_gpu": Setting("LONGCTX_DENSE_GPU", _flag, True,
                          "GPU: prefill chunks dequantize the cache and run fp16 SDPA (0: the "
                          "blocked MLX path)"),

@@ -86,8 +86,11 @@ def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: 
         cache = full * tokens * bits_per_channel(preset, dims[0], tokens) / (8 * elem)
         cache += window_token * min(tokens, max(s.windows or [0]))
         cache += full * (preset.window + chunk) if preset.kind == "turbo" else 0
-    scores = s.q_heads * min(chunk, tokens) * tokens * 4
-    activations = min(chunk, tokens) * (8 * s.hidden + 4 * s.intermediate) * 4
+    from longctx.engine import chunk_at
+
+    last = min(chunk_at(max(0, tokens - chunk), chunk), tokens)  # the chunks shrink at length
+    scores = s.q_heads * last * tokens * 4
+    activations = last * (8 * s.hidden + 4 * s.intermediate) * 4
     return int(weights_bytes + cache + scores + activations)
 
 

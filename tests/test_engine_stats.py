@@ -67,3 +67,55 @@ def test_max_eval_seconds_of_a_real_prefill(tiny_model):
     stats = engine.prefill(lm.model, list(range(3, 200)), cache, chunk=64)
     assert 0 < stats.max_eval_seconds <= stats.seconds
     assert cache[0].offset == 197
+
+
+def test_chunks_shrink_past_the_pair_bound():
+    """With a query-key pair bound, chunks shrink as the cache grows (in steps of MIN_CHUNK,
+    never below it); without one (the default) they stay whole."""
+    assert [engine.chunk_at(d, 512, 0) for d in (0, 10**6)] == [512, 512]
+    assert engine.chunk_at(131000, 512) == 512  # the default setting: fixed chunks
+    pairs = 5 * 2**22
+    assert [engine.chunk_at(d, 512, pairs) for d in (0, 32768, 65536, 131000, 10**6)] == [
+        512, 512, 256, 128, 64]
+    for done in range(0, 300000, 7919):
+        n = engine.chunk_at(done, 512, pairs)
+        assert n % engine.MIN_CHUNK == 0 and (n == 64 or n * (done + n) <= pairs)
+
+
+class _Offset:
+    def __init__(self, offset=0):
+        self.offset, self.state = offset, mx.zeros((1,))
+
+
+def test_prefill_walks_the_shrinking_chunks_from_the_cached_offset():
+    """The bound counts the tokens already cached (a segment or a question after a prefix)."""
+    sizes = []
+
+    def model(ids, cache):
+        sizes.append(ids.shape[1])
+        for layer in cache:
+            layer.offset += ids.shape[1]
+        return ids
+
+    cache = [_Offset(1000)]
+    stats = engine.prefill(model, list(range(3000)), cache, chunk=512, pairs=512 * 1536)
+    assert sum(sizes) == 3000 and stats.tokens == 3000 and len(stats.chunk_seconds) == len(sizes)
+    done = 1000
+    for n in sizes[:-1]:
+        assert n == engine.chunk_at(done, 512, 512 * 1536)
+        done += n
+    assert sizes[0] == 512 and sizes[-2] < 512
+
+
+def test_a_pair_bound_prefill_fills_the_same_cache(tiny_model):
+    """Shrinking chunks change only how the prompt is cut: the cached keys are the same."""
+    lm = models.load(models.resolve(str(tiny_model)))
+    ids = list(range(3, 400))
+    caches = []
+    for pairs in (0, 64 * 128):
+        cache = kvcache.make(lm.model, kvcache.get_preset("fp16"))
+        engine.prefill(lm.model, ids, cache, chunk=128, pairs=pairs)
+        caches.append(cache)
+    for a, b in zip(*caches):
+        assert a.offset == b.offset == len(ids)
+        assert mx.allclose(a.state[0], b.state[0], atol=1e-4, rtol=1e-4).item()
