@@ -248,10 +248,10 @@ def measure(model_dir: Path, doc: Path, kv: str, answer_tokens: int) -> dict:
     try:
         ask, ask_wall = child("_ask", ing.pop("entry_id"), str(answer_tokens))
     finally:
-        from longctx import session
+        from longctx import manage
 
-        for e in session.list_entries():  # a 128k fp16 file is 16 GiB: one at a time on disk
-            session.remove_entry(e.id)
+        for e in manage.list_entries():  # a 128k fp16 file is 16 GiB: one at a time on disk
+            manage.remove_entry(e.id)
     return {"ingest": ing | {"process_s": ing_wall}, "ask": ask | {"process_s": ask_wall}}
 
 

@@ -253,10 +253,10 @@ def ask(question: str = typer.Argument(..., help="The question."),
 @app.command("list")
 def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     """List ingested documents, newest first."""
-    from longctx import session
+    from longctx import manage
 
     with _boundary():
-        usage = session.store_usage()
+        usage = manage.store_usage()
         if as_json:
             out.print_json(json.dumps([{**e.to_json(), "last_used": usage.last_used[e.id]}
                                        for e in usage.entries]))
@@ -273,10 +273,10 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
 def info(doc: Optional[str] = typer.Argument(None, help="Document name or id (default: latest)."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     """Show one ingested document's cache."""
-    from longctx import session
+    from longctx import manage
 
     with _boundary():
-        e = session.find_entry(doc)
+        e = manage.find_entry(doc)
         data = {**e.to_json(), "bytes_per_token": round(e.bytes_per_token, 1)}
         if as_json:
             out.print_json(json.dumps(data))
@@ -298,13 +298,13 @@ def export(doc: Optional[str] = typer.Argument(None, help="Document name or id (
            fmt: str = typer.Option("mlx-lm", "--format", help="Only 'mlx-lm' for now."),
            kv: str = typer.Option("fp16", "--kv", help="Stock cache type: fp16, affine8 or affine4.")):
     """Write a stock mlx-lm prompt cache (`mlx_lm.generate --prompt-cache-file FILE`)."""
-    from longctx import session
+    from longctx import manage
     from longctx.errors import ConfigError
 
     with _boundary():
         if fmt != "mlx-lm":
             raise ConfigError(f"Unknown export format '{fmt}'; only 'mlx-lm' is supported.")
-        path = session.export(doc, out, kv)
+        path = manage.export(doc, out, kv)
         err.print(f"wrote {escape(str(path))} ({human_bytes(path.stat().st_size)}); answer from it with "
                   f"`mlx_lm.generate --prompt-cache-file {escape(str(path))} --prompt \"...\"`", highlight=False)
 
@@ -312,10 +312,10 @@ def export(doc: Optional[str] = typer.Argument(None, help="Document name or id (
 @app.command()
 def rm(doc: str = typer.Argument(..., help="Document name or id.")):
     """Remove an ingested document's cache and index entry."""
-    from longctx import session
+    from longctx import manage
 
     with _boundary():
-        e = session.remove_entry(doc)
+        e = manage.remove_entry(doc)
         err.print(f"removed {escape(e.name)} ({e.id}, {human_bytes(e.bytes)})")
 
 
@@ -324,10 +324,10 @@ def gc(max_size: Optional[str] = typer.Option(None, "--max-size", help="Evict do
        dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be removed; remove nothing."),
        as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout.")):
     """Evict least recently used documents down to the store's budget; clean crash leftovers."""
-    from longctx import session
+    from longctx import manage
 
     with _boundary():
-        cleaned, ev = session.gc(max_size, dry_run)
+        cleaned, ev = manage.gc(max_size, dry_run)
         if as_json:
             out.print_json(json.dumps({"dry_run": dry_run, "budget": ev.budget,
                                        "bytes_before": ev.bytes_before, "bytes_after": ev.bytes_after,

@@ -8,7 +8,7 @@ it restores both entries as `ask` would (checksums, CPU decode-once), then measu
 - `gaps`: at each answer position, fp16's top logit minus its logit of tq4's greedy token;
 - `kl_no_document`: KL(fp16 || no cache) at the same positions: what the document changes;
 - `greedy`: each cache's greedy answer tokens, and `text`, the answer `ask` would print;
-- `export`: each entry exported to a stock mlx-lm prompt cache (`session.export`), loaded with
+- `export`: each entry exported to a stock mlx-lm prompt cache (`manage.export`), loaded with
   `mlx_lm.models.cache.load_prompt_cache` and continued by the plain mlx-lm model: its layer
   types and offsets, KL(fp16 restore || export) on the fp16 answer, KL(same entry restored ||
   export) on that entry's own answer, its greedy answer and its `gaps` against the restore.
@@ -47,13 +47,13 @@ def _family(job: dict, fam: dict) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache
 
-    from longctx import engine, kvcache, prompt, session
+    from longctx import engine, kvcache, manage, prompt, session
     from longctx.runtime import models
     from longctx.store import Store
 
     os.environ["LONGCTX_HOME"] = fam["home"]
     n = job["tokens"]
-    entries = {p: session.find_entry(fam[p]) for p in ("tq4", "fp16")}
+    entries = {p: manage.find_entry(fam[p]) for p in ("tq4", "fp16")}
     lm = models.load(models.resolve(entries["fp16"].model_spec))
     store = Store(cleanup=False)
     try:
@@ -79,7 +79,7 @@ def _family(job: dict, fam: dict) -> dict:
     out["positions"] = int(forced.shape[1])
     out["export"] = {}
     for p, e in entries.items():
-        path = str(session.export(e.id, os.path.join(fam["export_dir"], f"{p}.safetensors")))
+        path = str(manage.export(e.id, os.path.join(fam["export_dir"], f"{p}.safetensors")))
         stock, meta = load_prompt_cache(path, return_metadata=True)
         exported = {"types": [type(c).__name__ for c in stock], "offsets": [c.offset for c in stock],
                     "entry": meta.get("longctx_entry")}

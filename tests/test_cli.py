@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 import longctx
-from longctx import session
+from longctx import manage, session
 from longctx.cli import app
 
 
@@ -87,7 +87,7 @@ def test_soft_capped_attention_without_a_shim_is_refused(gemma2_model, text_doc,
     monkeypatch.setattr(softcap, "serves", lambda cls: False)
     line = _one_error_line(_invoke("ingest", text_doc, "--model", gemma2_model), "error: ")
     assert "soft-capped attention scores" in line and "--kv fp16" in line and "tq4" in line
-    assert session.list_entries() == []
+    assert manage.list_entries() == []
     fp16 = _invoke("ingest", text_doc, "--model", gemma2_model, "--kv", "fp16")
     assert fp16.exit_code == 0, fp16.output
     answer = _invoke("ask", "Who keeps the lighthouse?", "--max-tokens", "4")
@@ -119,7 +119,7 @@ def test_list_fits_the_terminal(width, tiny_model, text_doc):
     from longctx.cli import _entries_table
 
     assert _invoke("ingest", text_doc, "--model", tiny_model).exit_code == 0
-    entries = session.list_entries()
+    entries = manage.list_entries()
     console = Console(width=width, record=True, file=open("/dev/null", "w"))
     console.print(_entries_table(entries, width))
     lines = console.export_text().splitlines()

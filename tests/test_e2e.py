@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from longctx import engine, kvcache, prompt, session
+from longctx import engine, kvcache, manage, prompt, session
 from longctx.documents import read_document
 from longctx.runtime import models
 from longctx.store import Store
@@ -64,7 +64,7 @@ def test_reingest_reuses_the_entry(ingested):
 def test_restored_answer_matches_a_fresh_full_prompt_run(ingested, monkeypatch):
     home, entry = ingested
     monkeypatch.setenv("LONGCTX_HOME", str(home))
-    stored = session.find_entry(entry["id"])
+    stored = manage.find_entry(entry["id"])
     lm = models.load(models.resolve(None))
     restored = session.restore(stored, lm, Store())
     lay = prompt.layout(lm.tokenizer, REPORT.name, read_document(REPORT).text)

@@ -110,7 +110,7 @@ def test_prefill_walks_the_shrinking_chunks_from_the_cached_offset():
 def test_a_pair_bound_prefill_fills_the_same_cache(tiny_model):
     """Shrinking chunks change only how the prompt is cut: the cached keys are the same."""
     lm = models.load(models.resolve(str(tiny_model)))
-    ids = list(range(3, 400))
+    ids = [3 + i % 200 for i in range(397)]  # ids within the tiny model's vocabulary
     caches = []
     for pairs in (0, 64 * 128):
         cache = kvcache.make(lm.model, kvcache.get_preset("fp16"))
@@ -118,4 +118,7 @@ def test_a_pair_bound_prefill_fills_the_same_cache(tiny_model):
         caches.append(cache)
     for a, b in zip(*caches):
         assert a.offset == b.offset == len(ids)
-        assert mx.allclose(a.state[0], b.state[0], atol=1e-4, rtol=1e-4).item()
+        for x, y in zip(a.state[:2], b.state[:2]):  # keys, values: their first `offset` rows
+            x, y = x[:, :, :a.offset], y[:, :, :b.offset]
+            err = (mx.linalg.norm((x - y).flatten()) / mx.linalg.norm(y.flatten())).item()
+            assert err < 1e-5, err

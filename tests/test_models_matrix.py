@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from conftest import make_tiny_model
 from families import COMPRESSED, REFUSED
-from longctx import session
+from longctx import manage, session
 from longctx.cli import app
 
 pytestmark = pytest.mark.matrix
@@ -203,10 +203,10 @@ def test_refused_family_is_one_line_at_ingest(name, tmp_path, text_doc):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and feature in lines[0], result.stderr
     assert ("--kv fp16" in lines[0]) == fp16_serves
-    assert session.list_entries() == []
+    assert manage.list_entries() == []
     fp16 = _invoke("ingest", text_doc, "--model", model, "--kv", "fp16")
     if not fp16_serves:
-        assert fp16.exit_code == 1 and feature in fp16.stderr and session.list_entries() == []
+        assert fp16.exit_code == 1 and feature in fp16.stderr and manage.list_entries() == []
         return
     assert fp16.exit_code == 0, fp16.output
     answer = _invoke("ask", "Who keeps the lighthouse?", "--max-tokens", "4")

@@ -179,7 +179,7 @@ def test_cli_bench_niah_parses_options_and_writes_results(tmp_path, monkeypatch)
 
 @pytest.mark.slow
 def test_tiny_grid_on_the_default_model_through_ingest_and_ask(tmp_path):
-    from longctx import session
+    from longctx import manage
 
     cells = []
     res = niah.run(None, "single", lengths=[640], depths=[0.2, 0.8], presets=["tq4"], samples=1,
@@ -193,14 +193,14 @@ def test_tiny_grid_on_the_default_model_through_ingest_and_ask(tmp_path):
     s = data["summary"]
     assert s["tq4"]["bits_per_channel"] < 5 < s["fp16"]["bits_per_channel"] == 16
     assert s["tq4"]["cache_bytes_per_token"] < s["fp16"]["cache_bytes_per_token"] / 3
-    assert session.list_entries() == []  # the run cleans up its entries
+    assert manage.list_entries() == []  # the run cleans up its entries
 
 
 def test_rope_scaled_model_runs_past_its_trained_context_and_is_labelled(tmp_path):
     from conftest import make_tiny_model
     from typer.testing import CliRunner
 
-    from longctx import session
+    from longctx import manage
     from longctx.cli import app
     from longctx.runtime import models
 
@@ -211,7 +211,7 @@ def test_rope_scaled_model_runs_past_its_trained_context_and_is_labelled(tmp_pat
     assert res.context_length == 1024 and res.lengths == [768] and res.skipped_lengths == [4096]
     assert res.model_id.endswith("+linearx2") and res.rope_scaling["factor"] == 2.0
     assert res.cells and all(600 <= c.tokens <= 768 - 72 and 0.0 <= c.score <= 1.0 for c in res.cells)
-    assert {e.model_id for e in session.list_entries()} == {"tiny+linearx2"}
+    assert {e.model_id for e in manage.list_entries()} == {"tiny+linearx2"}
     base, scaled = models.resolve(str(tiny)), models.resolve(spec)
     assert base.weights_sha256 != scaled.weights_sha256  # its caches never mix with the base's
 

@@ -121,7 +121,7 @@ def tiny_1k(tmp_path_factory):
 
 
 def test_harness_end_to_end_on_segments(tiny_1k, tmp_path):
-    from longctx import session
+    from longctx import manage
     from longctx.store import Store, groups
 
     seen = []
@@ -165,7 +165,7 @@ def test_harness_end_to_end_on_segments(tiny_1k, tmp_path):
     assert summary["literal"]["bm25"]["3072"]["recall_at_1"] == 1.0
     data = json.loads(json.dumps(res.to_json()))
     assert data["environment"]["backend"] and set(data["grids"]) == set(ns.RANKERS)
-    assert len(session.list_entries()) == 3  # kept groups only; segments are listed through them
+    assert len(manage.list_entries()) == 3  # kept groups only; segments are listed through them
 
 
 def test_lengths_that_fit_are_refused(tiny_1k, tmp_path):
@@ -178,7 +178,7 @@ def test_lengths_that_fit_are_refused(tiny_1k, tmp_path):
 def test_cli_runs_lengths_past_the_context_as_segments(tiny_1k, tmp_path):
     from typer.testing import CliRunner
 
-    from longctx import session
+    from longctx import manage
     from longctx.cli import app
 
     out = tmp_path / "res"
@@ -193,4 +193,4 @@ def test_cli_runs_lengths_past_the_context_as_segments(tiny_1k, tmp_path):
     assert fit["lengths"] == [512] and fit["skipped_lengths"] == []
     for line in ("recall@1", "literal bm25", "paraphrase model"):
         assert line in run.output
-    assert session.list_entries() == []  # the run removes its groups and entries
+    assert manage.list_entries() == []  # the run removes its groups and entries

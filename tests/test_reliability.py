@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from longctx import session
+from longctx import manage, session
 from longctx.runtime import models
 from longctx.store import Store
 
@@ -105,7 +105,7 @@ def test_sigkill_at_any_point_leaves_a_consistent_store(warm_home, tiny_model, t
         assert caches == [f"{e.id}.safetensors" for e in entries], point
         assert all(store.verify(e) for e in entries), point
         store.close()
-        assert [e.name for e in session.list_entries()] == (["facts.txt"] if point in INDEXED else [])
+        assert [e.name for e in manage.list_entries()] == (["facts.txt"] if point in INDEXED else [])
 
         again = session.ingest(text_doc, model=str(tiny_model))  # the document ingests again
         assert again.reused == (point in INDEXED), point
@@ -152,7 +152,7 @@ def test_ask_while_another_document_is_mid_write(warm_home, tiny_model, text_doc
         os.kill(writer.pid, signal.SIGCONT)
     _, err = writer.communicate(timeout=120)
     assert writer.returncode == 0, err[-2000:]
-    names = sorted(e.name for e in session.list_entries())
+    names = sorted(e.name for e in manage.list_entries())
     assert names == ["facts.txt", "other.txt"]
     store = Store()
     assert _files(store)[0] == [] and all(store.verify(e) for e in store.entries())

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from longctx import engine, kvcache, prompt, session
+from longctx import engine, kvcache, manage, prompt, session
 from longctx.errors import CacheMismatch, ContextLengthError, EntryNotFound
 from longctx.runtime import models
 from longctx.store import Store
@@ -23,7 +23,7 @@ def test_ingest_then_reuse(tiny_model, text_doc):
     assert again.reused and again.entry.id == first.entry.id
     forced = session.ingest(text_doc, model=str(tiny_model), force=True)
     assert not forced.reused and forced.entry.id == first.entry.id
-    assert [e.id for e in session.list_entries()] == [first.entry.id]
+    assert [e.id for e in manage.list_entries()] == [first.entry.id]
 
 
 def test_ask_is_repeatable_and_never_changes_the_file(tiny_model, text_doc):
@@ -70,7 +70,7 @@ def test_document_longer_than_context_is_refused(tmp_path, text_doc):
     small = make_tiny_model(tmp_path / "small", context=300)
     with pytest.raises(ContextLengthError, match="context is 300"):
         session.ingest(text_doc, model=str(small))
-    assert session.list_entries() == []
+    assert manage.list_entries() == []
 
 
 def test_question_longer_than_remaining_context(tmp_path, text_doc):
@@ -84,10 +84,10 @@ def test_question_longer_than_remaining_context(tmp_path, text_doc):
 
 def test_unknown_document(tiny_model, text_doc):
     with pytest.raises(EntryNotFound, match="No documents ingested"):
-        session.find_entry(None)
+        manage.find_entry(None)
     session.ingest(text_doc, model=str(tiny_model))
     with pytest.raises(EntryNotFound, match="facts.txt"):
-        session.find_entry("nope")
+        manage.find_entry("nope")
 
 
 def test_plan_writes_nothing(tiny_model, text_doc, longctx_home):
@@ -102,5 +102,5 @@ def test_remove(tiny_model, text_doc):
     entry = session.ingest(text_doc, model=str(tiny_model)).entry
     path = Store().caches / entry.file
     assert path.exists()
-    session.remove_entry(entry.id[:6])
-    assert not path.exists() and session.list_entries() == []
+    manage.remove_entry(entry.id[:6])
+    assert not path.exists() and manage.list_entries() == []

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from longctx import kvcache, session
+from longctx import kvcache, manage, session
 from longctx.errors import (CacheCorrupt, CacheFormatUnsupported, CacheMismatch, EntryNotFound,
                             StoreError)
 from longctx.runtime import models
@@ -501,10 +501,10 @@ def test_directories_are_private(tiny_model, text_doc, longctx_home):
 def test_names_never_become_paths(tiny_model, text_doc, ref, tmp_path):
     entry = _ingest(text_doc, tiny_model)
     with pytest.raises(EntryNotFound):
-        session.find_entry(ref)
+        manage.find_entry(ref)
     with pytest.raises(EntryNotFound):
-        session.remove_entry(ref)
-    assert [e.id for e in session.list_entries()] == [entry.id]
+        manage.remove_entry(ref)
+    assert [e.id for e in manage.list_entries()] == [entry.id]
     with pytest.raises(StoreError):
         Store().cache_path("../" + entry.id)
 
@@ -517,7 +517,7 @@ def test_index_entry_naming_another_file_is_dropped(tiny_model, text_doc, tmp_pa
     store.index.set(f"entry:{entry.id}", {**entry.to_json(), "file": "../../../victim.txt"})
     assert Entry.from_json(store.index.get(f"entry:{entry.id}")) is None
     assert store.cleanup()["invalid"] == 1
-    assert session.list_entries() == [] and victim.read_text() == "keep me"
+    assert manage.list_entries() == [] and victim.read_text() == "keep me"
 
 
 def test_remove_deletes_file_and_entry_and_orphans_are_cleaned(tiny_model, text_doc, monkeypatch):
@@ -532,15 +532,15 @@ def test_remove_deletes_file_and_entry_and_orphans_are_cleaned(tiny_model, text_
     assert Store(cleanup=False).cleanup()["orphans"] == 1
     assert not path.exists()
     entry = _ingest(text_doc, tiny_model)
-    session.remove_entry(entry.name)
-    assert not path.exists() and session.list_entries() == []
+    manage.remove_entry(entry.name)
+    assert not path.exists() and manage.list_entries() == []
 
 
 def test_entry_whose_file_vanished_is_dropped(tiny_model, text_doc):
     entry = _ingest(text_doc, tiny_model)
     Store().cache_path(entry.id).unlink()
     assert Store(cleanup=False).cleanup()["dangling"] == 1
-    assert session.list_entries() == []
+    assert manage.list_entries() == []
     assert not session.ingest(text_doc, model=str(tiny_model)).reused
 
 
@@ -614,7 +614,7 @@ def test_planted_pickle_rows_never_execute(tiny_model, text_doc, tmp_path, raw_k
     _plant_pickle_row(store, marker, raw_key)
     store.close()
     try:
-        entries = session.list_entries()  # a pickled value: dropped unread
+        entries = manage.list_entries()  # a pickled value: dropped unread
         assert len(entries) == 1 and raw_key
     except StoreError as err:  # a pickled key: the index is reported damaged
         assert not raw_key and "damaged" in str(err)

@@ -18,7 +18,7 @@ import mlx.core as mx
 import pytest
 from typer.testing import CliRunner
 
-from longctx import config, session
+from longctx import config, manage, session
 from longctx.cli import app
 from longctx.cli_render import ago, entries_table
 from longctx.errors import ConfigError, EntryNotFound
@@ -210,10 +210,10 @@ def test_ingest_evicts_after_saving_and_ask_counts_as_use(tiny_model, tmp_path, 
     monkeypatch.setenv("LONGCTX_MAX_STORE", str(a.bytes + b.bytes + a.bytes // 2))
     c = session.ingest(docs[2], model=str(tiny_model))
     assert [u.key for u in c.eviction.removed] == [b.id] and not c.eviction.over_budget
-    assert sorted(e.id for e in session.list_entries()) == sorted([a.id, c.entry.id])
+    assert sorted(e.id for e in manage.list_entries()) == sorted([a.id, c.entry.id])
     store = Store(cleanup=False)
     before = store.last_used()[a.id]
-    session.export(a.id, tmp_path / "a.safetensors")  # an export is a use
+    manage.export(a.id, tmp_path / "a.safetensors")  # an export is a use
     assert store.last_used()[a.id] > before
     store.close()
     monkeypatch.setenv("LONGCTX_MAX_STORE", "1")  # the new entry alone is over: kept, and said
@@ -221,7 +221,7 @@ def test_ingest_evicts_after_saving_and_ask_counts_as_use(tiny_model, tmp_path, 
     assert result.exit_code == 0, result.output
     warned = [ln for ln in result.stderr.splitlines() if ln.startswith("warning:")]
     assert len(warned) == 1 and "ferry.txt alone" in warned[0] and "kept it" in warned[0]
-    assert [e.name for e in session.list_entries()] == ["ferry.txt"]
+    assert [e.name for e in manage.list_entries()] == ["ferry.txt"]
 
 
 # -- gc and list ---------------------------------------------------------------------------------

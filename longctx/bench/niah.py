@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from longctx import kvcache, prompt, session
+from longctx import kvcache, manage, prompt, session
 from longctx.bench import haystack as hay
 from longctx.errors import ConfigError
 from longctx.runtime import models
@@ -351,7 +351,7 @@ def run(model: str | None = None, task: str = "single", lengths=DEFAULT_LENGTHS,
                         if on_cell:
                             on_cell(cell)
                     if not keep:
-                        session.remove_entry(e.id)
+                        manage.remove_entry(e.id)
                     done += 1
                     if progress:
                         progress(done, total)
@@ -363,7 +363,7 @@ def run(model: str | None = None, task: str = "single", lengths=DEFAULT_LENGTHS,
 
 def _latest() -> str | None:
     try:
-        return session.find_entry(None).id
+        return manage.find_entry(None).id
     except Exception:  # no latest entry (or an empty store): nothing to put back
         return None
 

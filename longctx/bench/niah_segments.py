@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from longctx import kvcache, multidoc, retrieval, session
+from longctx import kvcache, manage, multidoc, retrieval, session
 from longctx.bench import haystack as hay
 from longctx.bench import env, niah
 from longctx.errors import ConfigError
@@ -341,7 +341,7 @@ def _run_case(case: Case, spec: str, preset: str, rankers: list[str], tasks: lis
     ing = multidoc.ingest_files([doc], model=spec, preset=preset, force=True)
     group = ing.target
     if not isinstance(group, groups.Group):
-        session.remove_entry(group.id)
+        manage.remove_entry(group.id)
         raise ConfigError(f"A {case.length:,}-token haystack fits one cache; segmented NIAH needs "
                           "lengths past the model's context.")
     store = Store(cleanup=False)
@@ -368,7 +368,7 @@ def _run_case(case: Case, spec: str, preset: str, rankers: list[str], tasks: lis
                     ingest_seconds, group.id))
     finally:
         if not keep:
-            session.remove_entry(group.id)
+            manage.remove_entry(group.id)
     return cells
 
 
