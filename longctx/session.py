@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from longctx import engine, kvcache, prompt
 from longctx.documents import Document, read_document
@@ -20,6 +20,9 @@ from longctx.errors import (CacheCorrupt, CacheMismatch, ConfigError, ContextLen
 from longctx.runtime import models
 from longctx.store import Entry, Store, budget, entry_id, layout, rebuild_hint
 from longctx.store.failpoints import failpoint
+
+if TYPE_CHECKING:
+    from longctx.store.format import PendingChecksums
 
 Progress = Callable[[int, int], None]
 ANSWER_RESERVE = 256  # tokens kept free after the prefix for a question and its answer
