@@ -769,7 +769,7 @@ def _launch(q, qp, signs, scales, keys, values, key_table, value_table, key_bits
                 ("BV", value_bits), ("QJL", int(qp is not None)), ("M", m_qjl),
                 ("CAUSAL", int(causal_base is not None)), ("NT", NT),
                 ("DPT", _dpt(P, per_block, value_bits)), ("TK", tk), ("PF", int(PREFETCH)),
-                ("ROTQ", int(signs is not None))]
+                ("ROTQ", int(signs is not None)), ("QT", q.dtype)]
     n = B * H * splits * nrb
     return run(_spec(min_blocks), Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
                                          [(B * H, splits, R), (B * H, splits, R),

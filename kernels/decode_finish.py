@@ -69,6 +69,7 @@ _SPEC = KernelSpec(
 
   // 1. The splits of the compressed segment (m in natural-log units), merged.
   const int64_t mo = m_p_strides[0] * n;
+  const int64_t lpo = l_p_strides[0] * n;
   const int64_t ao = acc_p_strides[0] * n;
   LC_UNROLL for (int r = 0; r < R; ++r) {
     float M = -LC_INF;
@@ -78,7 +79,7 @@ _SPEC = KernelSpec(
     float a = 0.0f;
     for (int s = 0; s < S; ++s) {
       const float w = LC_EXP(m_p[mo + s * m_p_strides[1] + r * m_p_strides[2]] - Mu);
-      lt += l_p[mo + s * l_p_strides[1] + r * l_p_strides[2]] * w;
+      lt += l_p[lpo + s * l_p_strides[1] + r * l_p_strides[2]] * w;
       a += acc_p[ao + s * acc_p_strides[1] + r * acc_p_strides[2] + d * acc_p_strides[3]] * w;
     }
     buf[r * P + d] = a;
@@ -195,12 +196,12 @@ _SPEC = KernelSpec(
 
 
 def decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtype,
-                            valid=None):
+                            count=None):
     """Pure-MLX oracle (and CPU path): the same steps as `attend_blocked.attend` after its
-    compressed segments, for one query token, no mask. Arguments as `decode_finish`."""
+    compressed segments, for one query token, no mask. Arguments as `decode_finish`; `count`:
+    the window's valid slots as a (1,) int32 array (None: all), read as an array, so that a
+    compiled step's trace serves every count."""
     B, H, R, P = q.shape
-    if window is not None and valid is not None:
-        window = (window[0][:, :, :valid], window[1][:, :, :valid])
     m, l, acc = split_combine_reference(m_p, l_p, acc_p)  # (N, R), (N, R), (N, R, P)
     m, l = m.reshape(B, H, R, 1), l.reshape(B, H, R, 1)
     acc = mx.hadamard_transform(acc.reshape(B, H, R, P), scale=1.0 / math.sqrt(P)) * signs
@@ -209,7 +210,12 @@ def decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale
         keys = mx.concatenate([e[0].astype(mx.float32) for e in exact], axis=2)
         values = mx.concatenate([e[1].astype(mx.float32) for e in exact], axis=2)
         s = (q.astype(mx.float32) @ keys.swapaxes(-1, -2)) * scale  # (B, H, R, E)
+        if window is not None and window[0].shape[2] and count is not None:
+            ns = keys.shape[2] - window[0].shape[2]
+            slot = mx.arange(keys.shape[2]) - ns  # window slot of each key (sink: negative)
+            s = mx.where(slot < count, s, -mx.inf)
         m_e = s.max(axis=-1, keepdims=True)
+        m_e = mx.where(m_e == -mx.inf, 0.0, m_e)  # no valid exact token: p = 0
         p = mx.exp(s - m_e)
         big = mx.maximum(m, m_e)
         safe = mx.where(big == -mx.inf, 0.0, big)
@@ -263,9 +269,8 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
         scale: the score scale.
         out_dtype: of the result (default q's).
         valid: the window's valid slots, when `window` holds preallocated buffers (default all).
-        valid_array: `valid` as a (1,) int32 array (a compiled step's input: the kernel reads
-            the count from it, so the trace does not depend on it); then `valid` must be given
-            too, for the reference.
+        valid_array: `valid` as a (1,) int32 array (a compiled step's input: the kernel and the
+            reference read the count from it, so the trace does not depend on it).
 
     Returns:
         (B, H, R, P) attention output in `out_dtype`.
@@ -276,10 +281,11 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
     window = window if window is not None and window[0].shape[2] else None
     if valid is None:
         valid = window[0].shape[2] if window is not None else 0
+    count = valid_array if valid_array is not None else _count(valid)
 
     def reference():
         return [decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale,
-                                        out_dtype, valid)]
+                                        out_dtype, count)]
 
     if backend() == "cpu" or not supported(P, R):
         return reference()[0]
@@ -291,9 +297,11 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
     dummy = _dummy()
     sk, sv = sink if sink is not None else (dummy, dummy)
     wk, wv = window if window is not None else (dummy, dummy)
-    count = valid_array if valid_array is not None else _count(valid)
     inputs = [m_p, l_p, acc_p, q, sk, sv, wk, wv, count, signs, mean, _SCALES[key]]
     template = [("P", P), ("R", R), ("HAS_SINK", int(sink is not None)),
-                ("HAS_WIN", int(window is not None)), ("OT", out_dtype)]
+                ("HAS_WIN", int(window is not None)), ("OT", out_dtype),
+                # input dtypes: MLX versions that key compiled modules by name and template
+                # values only must not share one module between dtypes
+                ("QT", q.dtype), ("ST", sk.dtype), ("WT", wk.dtype)]
     return run(_SPEC, Launch(inputs, template, (B * H * P, 1, 1), (P, 1, 1), [(B, H, R, P)],
                              [out_dtype]), reference=reference)[0]

@@ -86,6 +86,8 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
     """
     import mlx.core as mx
 
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1 token, got {chunk}")
     mx.reset_peak_memory()
     start = time.perf_counter()
     total = len(tokens)

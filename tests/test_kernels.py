@@ -531,3 +531,28 @@ def test_decode_finish_bounds_its_threadgroup_memory():
 
     assert df.supported(128, 4) and df.supported(256, 8) and df.supported(64, 16)
     assert not df.supported(256, 16) and not df.supported(128, 17) and not df.supported(96, 4)
+
+
+def test_decode_finish_reference_reads_the_count_inside_a_trace():
+    """The finish's reference (the fallback of a compiled step) takes the window's count as an
+    array: one trace serves every count, each step seeing exactly its valid slots."""
+    from longctx.kernels import decode_attend as da
+    from longctx.kernels import decode_finish as df
+    from longctx.kvcache.attention import kernel_table
+
+    H, r, P, L = 2, 4, 64, 200
+    view = _step_view(H, P, L, 3, 40, seed=5)
+    kc, vc = view.key_codec, view.value_codec
+    seg_k, seg_v, _ = view.segments[0]
+    q = mx.array(np.random.default_rng(2).normal(size=(1, H, r, P)).astype(np.float32))
+    parts = da.decode_attend_partials(q, seg_k, seg_v, kernel_table(kc), kernel_table(vc),
+                                      kc.rotation.signs, key_bits=4, value_bits=4, scale=0.125)
+    fn = mx.compile(lambda count: df.decode_finish_reference(
+        *parts, q, view.sink, view.window, vc.rotation.signs, view.value_mean, 0.125,
+        mx.float32, count))
+    for n in (40, 7, 23, 1):
+        want = df.decode_finish(*parts, q, view.sink, (view.window[0][:, :, :n],
+                                                       view.window[1][:, :, :n]),
+                                vc.rotation.signs, view.value_mean, 0.125)
+        got = fn(mx.array([n], dtype=mx.int32))
+        assert _rel(got, want) < 1e-5, n

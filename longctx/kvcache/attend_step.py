@@ -40,8 +40,9 @@ def applies(kv: CompressedKV, mask, lq: int, rows: int) -> bool:
     p = kc.padded_dim
     if kc.dim != p or vc.dim != p or vc.padded_dim != p:
         return False
-    return (df.supported(p, rows) and da.rotates_queries(p, rows, vc.spec.bits)
-            and kv.segments[0][2] > 0 and not _prelude.failed("lc_decode_finish"))
+    return (_prelude.backend() != "cpu" and df.supported(p, rows)
+            and da.rotates_queries(p, rows, vc.spec.bits) and kv.segments[0][2] > 0
+            and not _prelude.failed("lc_decode_finish"))
 
 
 _COMPILED: OrderedDict = OrderedDict()  # key -> compiled step, least recently used first
@@ -49,13 +50,13 @@ _COMPILED_MAX = 8
 
 
 def _step(kc, vc, scale, dtype, q, seg_k, seg_v, k_arrays, v_arrays, sink, window, count,
-          valid, mean):
+          mean):
     partials = da.decode_attend_partials(q, seg_k, seg_v, k_arrays[0], v_arrays[0], k_arrays[1],
                                          key_bits=kc.spec.bits, value_bits=vc.spec.bits,
                                          scale=scale)
     return df.decode_finish(*partials, q, tuple(sink) if sink else None,
                             tuple(window) if window else None, v_arrays[1], mean, scale, dtype,
-                            valid=valid, valid_array=count)
+                            valid_array=count)
 
 
 def attention(queries, kv: CompressedKV, scale: float):
@@ -85,18 +86,19 @@ def attention(queries, kv: CompressedKV, scale: float):
            tuple(a.shape for a in sink), tuple(a.shape for a in window), kv.sink is not None and
            kv.sink[0].dtype, da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS,
            da.SM_COUNT)
+    dtype = queries.dtype  # the closure below must not keep this call's arrays alive
+    # An executor sees every launch, and `LONGCTX_COMPILE=0` / `question` ask for eager steps
+    eager = attend_fused.executor_installed() or not attend_fused.compile_wanted(1)
     fn = _COMPILED.get(key)
-    if fn is None or attend_fused.executor_installed():  # an executor sees every launch: eager
-        out = _step(kc, vc, scale, queries.dtype, *args[:7], args[7], valid, args[8])
-        if attend_fused.executor_installed():
+    if fn is None or eager:
+        out = _step(kc, vc, scale, dtype, *args)
+        if eager:
             return out.reshape(B, Hq, 1, D)
         mx.eval(out)
-        # `valid` is fixed in the trace only for the references (a kernel that failed); the
-        # kernel reads the count array
+        # the kernels and the references read the window's count from its array input
         fn = _COMPILED[key] = mx.compile(
             lambda q, sk, sv, ka, va, sink, window, count, mean:
-            _step(kc, vc, scale, queries.dtype, q, sk, sv, ka, va, sink, window, count, valid,
-                  mean))
+            _step(kc, vc, scale, dtype, q, sk, sv, ka, va, sink, window, count, mean))
         while len(_COMPILED) > _COMPILED_MAX:
             _COMPILED.popitem(last=False)
         return out.reshape(B, Hq, 1, D)
