@@ -332,6 +332,21 @@ def force_backend(which: str):
         _FORCED = saved
 
 
+_CONSTANTS: dict = {}
+
+
+def constant(values: tuple, dtype) -> mx.array:
+    """A small array of `values` (a kernel's parameters, scales or a count), made once per
+    (values, dtype) and reused: every layer of a decode step, and every step, passes the same
+    ones (a new array per call is a host-to-device copy each time). Up to 4096 are kept."""
+    key = (values, dtype)
+    if key not in _CONSTANTS:
+        if len(_CONSTANTS) > 4096:
+            _CONSTANTS.clear()
+        _CONSTANTS[key] = mx.array(values, dtype=dtype)
+    return _CONSTANTS[key]
+
+
 def groups(n: int, size: int) -> int:
     """ceil(n / size)."""
     return -(-n // size)

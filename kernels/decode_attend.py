@@ -63,7 +63,7 @@ import math
 
 import mlx.core as mx
 
-from ._prelude import KernelSpec, Launch, backend, groups, run
+from ._prelude import KernelSpec, Launch, backend, constant, groups, run
 from .pack import unpack_reference
 from .split_combine import split_combine
 
@@ -602,7 +602,7 @@ def decode_attend(q_rot, keys, values, key_table, value_table, *, key_bits, valu
     if backend() == "cpu" or L == 0 or not _supported(P, key_bits, key_bits2, value_bits, m_qjl):
         return decode_attend_reference(q_rot, keys, values, key_table, value_table, **kw)
     c = scale * LOG2E
-    scales = _scales((c, c * math.sqrt(math.pi / 2) / m_qjl, 1.0))
+    scales = constant((c, c * math.sqrt(math.pi / 2) / m_qjl, 1.0), mx.float32)
     q = _as(q_rot, mx.float32)
     qp = _as(q_proj, mx.float32) if q_proj is not None else None
     ref = dict(kw, q_rot=q_rot, keys=keys, values=values, key_table=key_table,
@@ -656,7 +656,7 @@ def decode_attend_partials(queries, keys, values, key_table, value_table, signs,
                                             key_table, value_table, **kw)
         return m.reshape(B * H, 1, R), l.reshape(B * H, 1, R), acc.reshape(B * H, 1, R, P)
     c = scale * LOG2E
-    scales = _scales((c, c, 1.0 / math.sqrt(P)))
+    scales = constant((c, c, 1.0 / math.sqrt(P)), mx.float32)
 
     def reference(splits):
         return _reference_partials(splits, _rotate_reference(queries, signs), keys, values,
@@ -694,8 +694,6 @@ def _as(a: mx.array, dtype) -> mx.array:
 
 
 _DUMMIES: list = []
-_PARAMS: dict = {}
-_SCALES: dict = {}
 
 
 def _dummies():
@@ -706,24 +704,6 @@ def _dummies():
                          mx.zeros((1, 1, 1, 1), dtype=mx.float32),
                          mx.zeros((1,), dtype=mx.float32)])
     return _DUMMIES
-
-
-def _params(values: tuple) -> mx.array:
-    """The int32 parameter array, reused across decode steps with the same values."""
-    if values not in _PARAMS:
-        if len(_PARAMS) > 4096:
-            _PARAMS.clear()
-        _PARAMS[values] = mx.array(values, dtype=mx.int32)
-    return _PARAMS[values]
-
-
-def _scales(values: tuple) -> mx.array:
-    """The float32 scale array (q, q_proj), reused across decode steps with the same values."""
-    if values not in _SCALES:
-        if len(_SCALES) > 256:
-            _SCALES.clear()
-        _SCALES[values] = mx.array(values, dtype=mx.float32)
-    return _SCALES[values]
 
 
 def row_blocks(rows: int, p: int, m_qjl: int = 0) -> tuple[int, int]:
@@ -757,7 +737,7 @@ def _launch(q, qp, signs, scales, keys, values, key_table, value_table, key_bits
     min_blocks = _min_blocks(per_block, key_bits2, qp is not None, P)
     chunk, splits = _splits(L, B * H * nrb, tk, min_blocks)
     dummy4, dummy3, dummyf, _ = _dummies()
-    params = _params((L, chunk, 0 if causal_base is None else causal_base, splits, R))
+    params = constant((L, chunk, 0 if causal_base is None else causal_base, splits, R), mx.int32)
     u32, f16, f32 = mx.uint32, mx.float16, mx.float32  # fixed: MLX caches modules by name
     inputs = [q, qp if qp is not None else dummyf,
               _as(keys["idx"], u32), _as(keys["idx2"], u32) if key_bits2 else dummy4,

@@ -36,7 +36,7 @@ import math
 
 import mlx.core as mx
 
-from ._prelude import KernelSpec, Launch, backend, run
+from ._prelude import KernelSpec, Launch, backend, constant, run
 from .split_combine import split_combine_reference
 
 LOG2E = 1.4426950408889634
@@ -233,7 +233,6 @@ def supported(p: int, rows: int) -> bool:
 
 
 _DUMMY: list = []
-_SCALES: dict = {}
 
 
 def _dummy() -> mx.array:
@@ -242,20 +241,13 @@ def _dummy() -> mx.array:
     return _DUMMY[0]
 
 
-_COUNTS: dict = {}
-
-
-def _count(n: int) -> mx.array:
-    """The (1,) int32 array holding n, one per value (shared by every layer of a step)."""
-    if n not in _COUNTS:
-        if len(_COUNTS) > 4096:
-            _COUNTS.clear()
-        _COUNTS[n] = mx.array([n], dtype=mx.int32)
-    return _COUNTS[n]
+def count(n: int) -> mx.array:
+    """The (1,) int32 array holding n (the window's valid slots), shared by every layer."""
+    return constant((n,), mx.int32)
 
 
 def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtype=None,
-                  valid=None, valid_array=None):
+                  valid_array=None):
     """Finish one decode step: merge the compressed segment's splits, rotate its values back,
     attend the exact tokens, normalize and add the value mean.
 
@@ -268,9 +260,9 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
         mean: (B, H, 1, P) float32, the values' centering mean.
         scale: the score scale.
         out_dtype: of the result (default q's).
-        valid: the window's valid slots, when `window` holds preallocated buffers (default all).
-        valid_array: `valid` as a (1,) int32 array (a compiled step's input: the kernel and the
-            reference read the count from it, so the trace does not depend on it).
+        valid_array: the window's valid slots as a (1,) int32 array, when `window` holds
+            preallocated buffers (a compiled step's input: the kernel and the reference read the
+            count from it, so the trace does not depend on it); default: all of `window`.
 
     Returns:
         (B, H, R, P) attention output in `out_dtype`.
@@ -279,25 +271,20 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
     out_dtype = out_dtype or q.dtype
     sink = sink if sink is not None and sink[0].shape[2] else None
     window = window if window is not None and window[0].shape[2] else None
-    if valid is None:
-        valid = window[0].shape[2] if window is not None else 0
-    count = valid_array if valid_array is not None else _count(valid)
+    window_count = valid_array if valid_array is not None else count(
+        window[0].shape[2] if window is not None else 0)
 
     def reference():
         return [decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale,
-                                        out_dtype, count)]
+                                        out_dtype, window_count)]
 
     if backend() == "cpu" or not supported(P, R):
         return reference()[0]
-    key = (float(scale), P)
-    if key not in _SCALES:
-        if len(_SCALES) > 256:
-            _SCALES.clear()
-        _SCALES[key] = mx.array([scale * LOG2E, 1.0 / math.sqrt(P)], dtype=mx.float32)
     dummy = _dummy()
     sk, sv = sink if sink is not None else (dummy, dummy)
     wk, wv = window if window is not None else (dummy, dummy)
-    inputs = [m_p, l_p, acc_p, q, sk, sv, wk, wv, count, signs, mean, _SCALES[key]]
+    scales = constant((scale * LOG2E, 1.0 / math.sqrt(P)), mx.float32)
+    inputs = [m_p, l_p, acc_p, q, sk, sv, wk, wv, window_count, signs, mean, scales]
     template = [("P", P), ("R", R), ("HAS_SINK", int(sink is not None)),
                 ("HAS_WIN", int(window is not None)), ("OT", out_dtype),
                 # input dtypes: MLX versions that key compiled modules by name and template

@@ -23,7 +23,6 @@ MIN_CHUNK = 64
 # 16k tokens, pairs scaled to 1/8 of that to stand for 128k): the chunk working set 428 -> 202 MiB
 # (fp16) and 401 -> 196 MiB (tq4), the longest evaluation 4.97 -> 1.64 s and 3.16 -> 1.53 s, at
 # -4% (fp16) and -28% (tq4: every chunk reads the whole compressed prefix) prefill tokens/s.
-SUGGESTED_PAIRS = 5 * 2**22
 
 
 def chunk_at(done: int, chunk: int = DEFAULT_CHUNK, pairs: int | None = None) -> int:

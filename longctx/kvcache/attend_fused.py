@@ -26,6 +26,22 @@ _COMPILED: OrderedDict = OrderedDict()  # key -> compiled function, least recent
 _COMPILED_MAX = 8
 
 
+def lookup(cache: OrderedDict, key):
+    """The compiled function cached under `key` (now the most recently used), or None."""
+    fn = cache.get(key)
+    if fn is not None:
+        cache.move_to_end(key)
+    return fn
+
+
+def remember(cache: OrderedDict, key, fn):
+    """Cache `fn` under `key`, dropping the least recently used past _COMPILED_MAX; returns fn."""
+    cache[key] = fn
+    while len(cache) > _COMPILED_MAX:
+        cache.popitem(last=False)
+    return fn
+
+
 @functools.lru_cache(maxsize=256)
 def kernel_table(codec) -> mx.array:
     """The fused kernel's centroid table of a codec: c1, or c1[i1] + c2[i1, i2] at (i1 << b2) | i2.
@@ -100,7 +116,7 @@ def compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask) 
     key = (kc.dim, kc.spec, vc.dim, vc.spec, float(scale), mask, lq, lengths, has_sink,
            has_window, buffered, offset if mask is not None else None, queries.dtype, backend(),
            da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS, da.SM_COUNT)
-    fn = _COMPILED.get(key)
+    fn = lookup(_COMPILED, key)
     if fn is None:
         # Before the first trace of a key, one eager call (its result unused, so every result
         # comes from the compiled function): a kernel variant is checked on its first launch
@@ -118,11 +134,7 @@ def compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask) 
             return attend(q, view, tk, tv, (k_arrays["table"], v_arrays["table"]), scale, mask,
                            BLOCK, True, False)
 
-        fn = _COMPILED[key] = mx.compile(traced)
-        while len(_COMPILED) > _COMPILED_MAX:
-            _COMPILED.popitem(last=False)
-    else:
-        _COMPILED.move_to_end(key)
+        fn = remember(_COMPILED, key, mx.compile(traced))
     return fn(queries, _codec_arrays(kc), _codec_arrays(vc), [(k, v) for k, v, _ in kv.segments],
               list(kv.sink) if has_sink else [], list(window) if has_window else [],
               kv.value_mean, [kv.window_buffer[2]] if buffered else [])

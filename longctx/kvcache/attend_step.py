@@ -45,8 +45,7 @@ def applies(kv: CompressedKV, mask, lq: int, rows: int) -> bool:
             and not _prelude.failed("lc_decode_finish"))
 
 
-_COMPILED: OrderedDict = OrderedDict()  # key -> compiled step, least recently used first
-_COMPILED_MAX = 8
+_COMPILED: OrderedDict = OrderedDict()  # key -> compiled step (attend_fused.lookup / remember)
 
 
 def _step(kc, vc, scale, dtype, q, seg_k, seg_v, k_arrays, v_arrays, sink, window, count,
@@ -81,7 +80,7 @@ def attention(queries, kv: CompressedKV, scale: float):
     sink = list(kv.sink) if kv.sink is not None and kv.sink[0].shape[2] else []
     window = list(window) if window is not None and valid else []
     args = (q, seg_k, seg_v, (kernel_table(kc), kc.rotation.signs),
-            (kernel_table(vc), vc.rotation.signs), sink, window, df._count(valid), kv.value_mean)
+            (kernel_table(vc), vc.rotation.signs), sink, window, df.count(valid), kv.value_mean)
     key = (kc.dim, kc.spec, vc.spec, float(scale), queries.dtype, q.shape, length,
            tuple(a.shape for a in sink), tuple(a.shape for a in window), kv.sink is not None and
            kv.sink[0].dtype, da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS,
@@ -89,18 +88,15 @@ def attention(queries, kv: CompressedKV, scale: float):
     dtype = queries.dtype  # the closure below must not keep this call's arrays alive
     # An executor sees every launch, and `LONGCTX_COMPILE=0` / `question` ask for eager steps
     eager = attend_fused.executor_installed() or not attend_fused.compile_wanted(1)
-    fn = _COMPILED.get(key)
-    if fn is None or eager:
+    fn = None if eager else attend_fused.lookup(_COMPILED, key)
+    if fn is None:
         out = _step(kc, vc, scale, dtype, *args)
         if eager:
             return out.reshape(B, Hq, 1, D)
         mx.eval(out)
         # the kernels and the references read the window's count from its array input
-        fn = _COMPILED[key] = mx.compile(
+        attend_fused.remember(_COMPILED, key, mx.compile(
             lambda q, sk, sv, ka, va, sink, window, count, mean:
-            _step(kc, vc, scale, dtype, q, sk, sv, ka, va, sink, window, count, mean))
-        while len(_COMPILED) > _COMPILED_MAX:
-            _COMPILED.popitem(last=False)
+            _step(kc, vc, scale, dtype, q, sk, sv, ka, va, sink, window, count, mean)))
         return out.reshape(B, Hq, 1, D)
-    _COMPILED.move_to_end(key)
     return fn(*args).reshape(B, Hq, 1, D)
