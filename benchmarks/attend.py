@@ -173,6 +173,29 @@ def check(env) -> float:
     return float(mx.abs(a - b).max() / mx.abs(b).max())
 
 
+def split_rows(env, s: int, scale=D ** -0.5) -> list:
+    """The whole tq4 step with fewer, longer splits (decode_attend.MIN_SPLIT_TILES: fewest tiles
+    per split; 1 is the default launch), side by side with the rows above."""
+    rows = []
+    seg_k, seg_v, _ = env["tq4"].segments[0]
+    cache_bytes = nbytes(seg_k.values()) + nbytes(seg_v.values())
+    saved = da.MIN_SPLIT_TILES
+    try:
+        for tiles in (2, 4, 8):
+            da.MIN_SPLIT_TILES = tiles
+            fn = (lambda view=env["tq4"]: compressed_attention(env["q"], view, scale))
+            t_sync, t_pipe = sync_ms(fn), pipelined_ms(fn)
+            rows.append({"S": s, "method": f"fused_tq4_split{tiles}", "sync_ms": t_sync,
+                         "pipelined_ms": t_pipe, "cache_bytes": cache_bytes,
+                         "gbs_sync": cache_bytes / t_sync / 1e6,
+                         "gbs_pipelined": cache_bytes / t_pipe / 1e6, "min_split_tiles": tiles})
+            print(f"S={s:>6} {rows[-1]['method']:<20} sync {rows[-1]['sync_ms']:7.3f} ms  "
+                  f"pipelined {rows[-1]['pipelined_ms']:7.3f} ms", flush=True)
+    finally:
+        da.MIN_SPLIT_TILES = saved
+    return rows
+
+
 def sweep(env, scale=D ** -0.5) -> list:
     """Kernel-only time at this length for a few launch shapes (tq4): prefetch on/off, register
     cap (threadgroups per SM, CUDA), threadgroups per launch."""
@@ -222,6 +245,8 @@ def main() -> None:
             print(f"S={s:>6} {name:<20} sync {t_sync:7.3f} ms  pipelined {t_pipe:7.3f} ms  "
                   f"{r['gbs_pipelined']:7.0f} GB/s ({100 * r['gbs_pipelined'] / PEAK_GBS:4.1f}% "
                   f"of {PEAK_GBS:.0f})", flush=True)
+        if backend != "cpu":
+            rows += split_rows(env, s)
         if backend == "cuda":
             rows += torch_rows(s)
         if s == max(args.lengths) and not args.no_sweep and backend != "cpu":
@@ -234,7 +259,7 @@ def main() -> None:
         "kernel_backend": backend, "peak_gbs": PEAK_GBS, "rows": rows, "ratios": ratios,
         "fused_vs_mlx_path_max_rel_diff": checks, "sweep": sweeps,
         "knobs": {"TARGET_GROUPS": da.TARGET_GROUPS or "auto", "SM_COUNT": da.SM_COUNT,
-                  "NT": da.NT, "PREFETCH": da.PREFETCH, "MIN_BLOCKS": da.MIN_BLOCKS,
+                  "NT": da.NT, "PREFETCH": da.PREFETCH, "MIN_SPLIT_TILES": da.MIN_SPLIT_TILES, "MIN_BLOCKS": da.MIN_BLOCKS,
                   "STAGE_WORDS": da.STAGE_WORDS}})
     print(f"wrote {path}")
 

@@ -4,10 +4,11 @@ For each shape (benchmarks/shapes.py) and length: `engine.prefill` into the fp16
 each compressed preset, tokens/s and MLX peak memory, plus the longest single evaluation (one
 chunk; the Metal watchdog kills command buffers that run too long). `--blocked` also times the
 compressed preset with the dense GPU prefill path switched off (the blocked MLX path: what ran
-before `kvcache.dense_gpu`).
+before `kvcache.dense_gpu`); `--sync-ab` with the per-layer sync off (`prefill_sync` 0: every
+layer of a chunk queued at once, as before it).
 
 Usage: python benchmarks/prefill_shapes.py [--shapes smollm2-135m llama-3.1-8b] [--tokens 8192 32768]
-       [--kv fp16 tq4] [--bits 0] [--blocked] [--name prefill_gpu]
+       [--kv fp16 tq4] [--bits 0] [--blocked] [--sync-ab] [--name prefill_gpu]
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=0, help="quantize the weights (0: bf16)")
     ap.add_argument("--chunk", type=int, default=engine.DEFAULT_CHUNK)
     ap.add_argument("--blocked", action="store_true")
+    ap.add_argument("--sync-ab", action="store_true",
+                    help="also each compressed preset with the per-layer sync off (prefill_sync 0)")
     ap.add_argument("--name", default="prefill_gpu")
     args = ap.parse_args()
 
@@ -67,12 +70,14 @@ def main() -> None:
         for n in args.tokens:
             ids = mx.random.randint(0, 32000, (n,)).tolist()
             prefill_once(model, ids[:1024], kvcache.get_preset("fp16"), args.chunk)  # warm-up
-            variants = [(kv, True) for kv in args.kv]
+            variants = [(kv, True, "gpu") for kv in args.kv]
             if args.blocked:
-                variants += [(kv + ":blocked", False) for kv in args.kv if kv != "fp16"]
-            for label, dense in variants:
+                variants += [(kv + ":blocked", False, "gpu") for kv in args.kv if kv != "fp16"]
+            if args.sync_ab:
+                variants += [(kv + ":nosync", True, "0") for kv in args.kv if kv != "fp16"]
+            for label, dense, sync in variants:
                 preset = kvcache.get_preset(label.split(":")[0])
-                with config.override(dense_gpu=dense):
+                with config.override(dense_gpu=dense, prefill_sync=sync):
                     if preset.kind != "fp16":  # first-use compilation outside the timing
                         prefill_once(model, ids[:1024], preset, args.chunk)
                     s, peak, longest = prefill_once(model, ids, preset, args.chunk)

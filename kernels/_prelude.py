@@ -11,7 +11,8 @@ A kernel body uses only these names (plus plain C++ arithmetic, `uint32_t`, `int
     numbers     LC_INF, LC_H2F(h) / LC_F2H(f) (fp16 load/store, round to nearest even),
                 LC_TOF(x) (any float input, float32/float16/bfloat16, as float),
                 LC_EXP(x), LC_EXP2(x), LC_SQRT(x), LC_MAX(a, b), LC_MIN(a, b)
-    loops       LC_UNROLL before a loop with a compile-time trip count
+    loops       LC_UNROLL before a loop with a compile-time trip count; LC_UNROLL_N(n) before
+                a runtime-bound loop, unrolled n times (loads of n iterations in flight)
     vectors     LC_U4 t = LC_LD_U4(ptr, offset): four uint32 words (.x .y .z .w) in one 16-byte
                 load; ptr + offset must be 16-byte aligned; ptr may be an input in either Metal
                 address space (MLX puts inputs of < 8 elements in `constant`, others in `device`);
@@ -70,6 +71,8 @@ CUDA_HEADER = r"""
 #define LC_MIN(a, b) fminf((a), (b))
 #define LC_FN __device__ __forceinline__
 #define LC_UNROLL _Pragma("unroll")
+#define LC_PRAGMA(x) _Pragma(#x)
+#define LC_UNROLL_N(n) LC_PRAGMA(unroll n)
 #define LC_U4 uint4
 #define LC_F4 float4
 #define LC_LD_U4(p, off) (*reinterpret_cast<const uint4*>((p) + (off)))
@@ -110,6 +113,8 @@ METAL_HEADER = r"""
 #define LC_MIN(a, b) metal::fmin((a), (b))
 #define LC_FN inline
 #define LC_UNROLL _Pragma("clang loop unroll(full)")
+#define LC_PRAGMA(x) _Pragma(#x)
+#define LC_UNROLL_N(n) LC_PRAGMA(clang loop unroll_count(n))
 #define LC_U4 uint4
 #define LC_F4 float4
 // MLX declares an input `const constant T*` when it has fewer than 8 elements and `const device

@@ -74,6 +74,7 @@ SM_COUNT = 132  # multiprocessors to fill (MLX exposes no count; an H200 has 132
 MIN_BLOCKS = 5  # CUDA, single-stage keys, <= 4 rows per threadgroup: threadgroups per SM to
 #                 fit (__launch_bounds__ caps registers: 5 -> 96); 0: the compiler's (128)
 TARGET_GROUPS = 0  # threadgroups per launch to aim for; 0: SM_COUNT x resident threadgroups
+MIN_SPLIT_TILES = 1  # fewest tiles one split walks (more: fewer splits where the cache is short)
 PREFETCH = True  # issue the next tile's key rows and this tile's value words before the scores
 STAGE_WORDS = 2304  # threadgroup words for a tile's staged key rows (sets keys per tile)
 
@@ -557,11 +558,12 @@ def _min_blocks(rows: int, key_bits2: int, qjl: bool, p: int) -> int:
 
 
 def _splits(length: int, bh: int, tk: int = NT, min_blocks: int = 0) -> tuple[int, int]:
-    """(chunk, splits): chunks are whole tiles; about TARGET_GROUPS threadgroups in all, by
-    default one wave: SM_COUNT x the threadgroups an SM holds (min_blocks, else 4)."""
+    """(chunk, splits): chunks are whole tiles, at least MIN_SPLIT_TILES of them; about
+    TARGET_GROUPS threadgroups in all, by default one wave: SM_COUNT x the threadgroups an SM
+    holds (min_blocks, else 4)."""
     tiles = groups(length, tk)
     target = TARGET_GROUPS or SM_COUNT * (min_blocks or 4)
-    want = max(1, min(tiles, groups(target, bh)))
+    want = max(1, min(tiles // max(1, MIN_SPLIT_TILES), groups(target, bh)))
     chunk = groups(tiles, want) * tk
     return chunk, groups(length, chunk)
 

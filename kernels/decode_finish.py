@@ -21,7 +21,9 @@ step's input shapes stay the same while the window fills); signs (P,) float32;
 mean (B, H, 1, P) float32 -> out (B, H, R, P) in `out_dtype`.
 
 Thread plan: one threadgroup of P threads per (b, h); thread d owns dim d of every row.
-  1. merge the S splits (broadcast reads of m/l, consecutive reads of acc) into threadgroup memory;
+  1. merge the S splits into threadgroup memory: the row maxima and the weights e^(m_s - m_c)
+     computed with the splits spread over the threads, then each thread sums the weighted acc
+     of its dim over blocks of P splits (consecutive reads across threads, independent loads);
   2. the inverse butterfly over each row (read both, barrier, write, barrier);
   3. the exact tokens in tiles of P keys: thread t scores key t against the R rows (q staged,
      scaled by scale * log2 e, in threadgroup memory), tile max through simdgroup max and the
@@ -67,25 +69,67 @@ _SPEC = KernelSpec(
   const float qscale = scales[0];
   const float hs = scales[1];
 
-  // 1. The splits of the compressed segment (m in natural-log units), merged.
+  // 1. The splits of the compressed segment (m in natural-log units), merged. The S splits are
+  // spread over the threads: thread t reads the states of splits t, t + P, ... (per-row maxima,
+  // then weights and l), and every thread then sums the weighted acc of a block of P splits at a
+  // time, all rows per split: loads that do not wait on each other, not a chain of S per row.
   const int64_t mo = m_p_strides[0] * n;
   const int64_t lpo = l_p_strides[0] * n;
   const int64_t ao = acc_p_strides[0] * n;
+  float mx_r[R];
+  LC_UNROLL for (int r = 0; r < R; ++r) mx_r[r] = -LC_INF;
+  for (int s = d; s < S; s += P) {
+    LC_UNROLL for (int r = 0; r < R; ++r)
+      mx_r[r] = LC_MAX(mx_r[r], m_p[mo + s * m_p_strides[1] + r * m_p_strides[2]]);
+  }
   LC_UNROLL for (int r = 0; r < R; ++r) {
-    float M = -LC_INF;
-    for (int s = 0; s < S; ++s) M = LC_MAX(M, m_p[mo + s * m_p_strides[1] + r * m_p_strides[2]]);
-    const float Mu = M == -LC_INF ? 0.0f : M;
-    float lt = 0.0f;
-    float a = 0.0f;
-    for (int s = 0; s < S; ++s) {
-      const float w = LC_EXP(m_p[mo + s * m_p_strides[1] + r * m_p_strides[2]] - Mu);
-      lt += l_p[lpo + s * l_p_strides[1] + r * l_p_strides[2]] * w;
-      a += acc_p[ao + s * acc_p_strides[1] + r * acc_p_strides[2] + d * acc_p_strides[3]] * w;
+    const float tm = lc_simd_max(mx_r[r]);
+    if (lc_lane == 0u) red[(int)lc_warp * R + r] = tm;
+  }
+  LC_BARRIER();
+  LC_UNROLL for (int r = 0; r < R; ++r) {
+    float M = red[r];
+    for (int w = 1; w < NW; ++w) M = LC_MAX(M, red[w * R + r]);
+    mx_r[r] = M;  // -inf: no split saw a key
+  }
+  LC_BARRIER();  // red is rewritten below
+  float a[R];
+  float lt[R];
+  LC_UNROLL for (int r = 0; r < R; ++r) {
+    a[r] = 0.0f;
+    lt[r] = 0.0f;
+  }
+  for (int s0 = 0; s0 < S; s0 += P) {
+    const int s = s0 + d;
+    if (s < S) {
+      LC_UNROLL for (int r = 0; r < R; ++r) {
+        const float Mu = mx_r[r] == -LC_INF ? 0.0f : mx_r[r];
+        const float w = LC_EXP(m_p[mo + s * m_p_strides[1] + r * m_p_strides[2]] - Mu);
+        wts[d * R + r] = w;
+        lt[r] += l_p[lpo + s * l_p_strides[1] + r * l_p_strides[2]] * w;
+      }
     }
-    buf[r * P + d] = a;
+    LC_BARRIER();
+    const int ns_ = S - s0 < P ? S - s0 : P;
+    LC_UNROLL_N(4) for (int k = 0; k < ns_; ++k) {
+      const int64_t so = ao + (int64_t)(s0 + k) * acc_p_strides[1] + d * acc_p_strides[3];
+      LC_UNROLL for (int r = 0; r < R; ++r)
+        a[r] += acc_p[so + r * acc_p_strides[2]] * wts[k * R + r];
+    }
+    LC_BARRIER();  // wts is rewritten by the next block (and by the exact tokens' tiles)
+  }
+  LC_UNROLL for (int r = 0; r < R; ++r) {
+    const float ls = lc_simd_sum(lt[r]);
+    if (lc_lane == 0u) red[(int)lc_warp * R + r] = ls;
+  }
+  LC_BARRIER();
+  LC_UNROLL for (int r = 0; r < R; ++r) {
+    buf[r * P + d] = a[r];
     if (d == 0) {
-      mlc[r] = M * 1.4426950408889634f;  // -inf stays -inf
-      mlc[R + r] = lt;
+      float l_sum = 0.0f;
+      for (int w = 0; w < NW; ++w) l_sum += red[w * R + r];
+      mlc[r] = mx_r[r] * 1.4426950408889634f;  // -inf stays -inf
+      mlc[R + r] = l_sum;
     }
     const int64_t qo = bb * q_strides[0] + hh * q_strides[1] + r * q_strides[2] + d * q_strides[3];
     qs[r * P + d] = LC_TOF(q[qo]) * qscale;

@@ -99,6 +99,10 @@ SETTINGS: dict[str, Setting] = {
                              "query-key pairs one prefill chunk may score per head; past it "
                              "chunks shrink (20971520: 128 tokens at 128k; bounds one "
                              "evaluation for the Metal watchdog; 0: fixed 512-token chunks)"),
+    "prefill_sync": Setting("LONGCTX_PREFILL_SYNC", _choice("gpu", "1", "0"), "gpu",
+                            "compressed prefill: at most about two layers of a chunk in flight, "
+                            "so few layers' dequantized rows are alive at once (gpu: on "
+                            "Metal/CUDA, 1: everywhere, 0: never)"),
     "dense_gpu": Setting("LONGCTX_DENSE_GPU", _flag, True,
                          "GPU: prefill chunks dequantize the cache and run fp16 SDPA (0: the "
                          "blocked MLX path)"),

@@ -56,6 +56,7 @@ static thread_local uint32_t lc_e_tid, lc_e_tg, lc_e_gid;
 #define LC_MIN(a, b) fminf((a), (b))
 #define LC_FN static inline
 #define LC_UNROLL
+#define LC_UNROLL_N(n)
 #include <cstring>
 struct lc_u4 { uint32_t x, y, z, w; };
 static inline lc_u4 lc_ld_u4(const uint32_t* p) {

@@ -122,3 +122,35 @@ def test_a_pair_bound_prefill_fills_the_same_cache(tiny_model):
             x, y = x[:, :, :a.offset], y[:, :, :b.offset]
             err = (mx.linalg.norm((x - y).flatten()) / mx.linalg.norm(y.flatten())).item()
             assert err < 1e-5, err
+
+
+def test_the_layer_sync_finishes_each_layer_and_changes_nothing(tiny_model, monkeypatch):
+    """`prefill_sync`: a compressed prefill evaluates each layer's incoming keys once the cache
+    holds compressed tokens (every chunk but the first, every layer), and fills the same cache."""
+    from longctx import config
+    from longctx.kvcache import turbo
+
+    lm = models.load(models.resolve(str(tiny_model)))
+    ids = [3 + i % 200 for i in range(397)]
+    calls = []
+    real = turbo.sync
+    monkeypatch.setattr(turbo, "sync", lambda *a: (calls.append(len(a)), real(*a)))
+    caches = []
+    for mode in ("0", "1"):
+        calls.clear()
+        cache = kvcache.make(lm.model, kvcache.get_preset("tq4"))
+        with config.override(prefill_sync=mode):
+            engine.prefill(lm.model, ids, cache, chunk=128)
+        caches.append(cache)
+        if mode == "0":
+            assert calls == []
+        else:  # at most once per layer and chunk, two arrays (keys, values) each
+            assert calls and len(calls) % len(cache) == 0 and set(calls) == {2}
+            assert len(calls) < -(-len(ids) // 128) * len(cache)
+    for a, b in zip(*caches):
+        assert a.offset == b.offset == len(ids)
+        sa, sb = a.view(), b.view()
+        for (ka, va, la), (kb, vb, lb) in zip(sa.segments, sb.segments):
+            assert la == lb
+            for name in ka:
+                assert mx.array_equal(ka[name], kb[name]) and mx.array_equal(va[name], vb[name])

@@ -256,3 +256,34 @@ def test_decode_step(monkeypatch, case):
         with _prelude.executor(kernel_emu.emulator()):
             got2 = attend_step.attention(q, buffered, P ** -0.5)
         assert np.array_equal(np.array(got2), np.array(got))
+
+
+@pytest.mark.parametrize("S,R,P,n_sink,n_win", [(1, 4, 128, 0, 0), (200, 4, 64, 2, 9),
+                                                (300, 3, 32, 0, 40), (129, 1, 128, 1, 0)])
+def test_decode_finish_merges_many_splits(emulated, S, R, P, n_sink, n_win):
+    """The finish kernel's split merge over more splits than threads (blocks of P splits), with
+    empty splits (m = -inf, l = 0, acc = 0) among them, equals its MLX reference."""
+    from longctx.kernels import decode_finish as dfin
+
+    rng = np.random.default_rng(S + R + P)
+    N, H = 2, 2
+
+    def normal(*shape, dtype=np.float32):
+        return mx.array(rng.normal(size=shape).astype(dtype))
+
+    m = rng.normal(size=(N, S, R)).astype(np.float32) * 3
+    empty = rng.random(size=(N, S, R)) < 0.3
+    m[empty] = -np.inf
+    m_p = mx.array(m)
+    l_p = mx.where(mx.array(empty), 0.0, mx.abs(normal(N, S, R)) + 0.5)
+    acc_p = mx.where(mx.array(empty)[..., None], 0.0, normal(N, S, R, P))
+    q = normal(1, H, R, P, dtype=np.float16)
+    sink = (normal(1, H, n_sink, P), normal(1, H, n_sink, P)) if n_sink else None
+    window = (normal(1, H, n_win, P), normal(1, H, n_win, P)) if n_win else None
+    signs = mx.array(np.where(rng.random(P) < 0.5, -1.0, 1.0).astype(np.float32))
+    mean = normal(1, H, 1, P)
+    args = (m_p, l_p, acc_p, q, sink, window, signs, mean, P ** -0.5)
+    got = dfin.decode_finish(*args, out_dtype=mx.float32)
+    want = dfin.decode_finish_reference(*args, mx.float32,
+                                        dfin.count(n_win) if window is not None else None)
+    assert np.allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)

@@ -115,7 +115,8 @@ def compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask) 
 
     key = (kc.dim, kc.spec, vc.dim, vc.spec, float(scale), mask, lq, lengths, has_sink,
            has_window, buffered, offset if mask is not None else None, queries.dtype, backend(),
-           da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS, da.SM_COUNT)
+           da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS, da.SM_COUNT,
+           da.MIN_SPLIT_TILES)
     fn = lookup(_COMPILED, key)
     if fn is None:
         # Before the first trace of a key, one eager call (its result unused, so every result

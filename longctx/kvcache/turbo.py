@@ -32,6 +32,36 @@ from longctx.kvcache.presets import Preset
 from longctx.quant.codec import QuantSpec, VectorCodec
 
 
+def _layer_sync() -> bool:
+    """Whether a prefill chunk finishes the previous layers before this one is queued (the
+    `prefill_sync` setting)."""
+    from longctx import config
+    from longctx.kernels import backend
+
+    mode = config.get("prefill_sync")
+    return mode == "1" or (mode == "gpu" and backend() != "cpu")
+
+
+_PENDING: list = []  # the arrays the previous layer's `sync` queued
+
+
+def sync(*arrays: mx.array) -> None:
+    """Queue `arrays` (the graph before this layer) and wait for the previous layer's.
+
+    On a GPU, MLX holds every buffer an operation reads until its command buffer completes, and
+    graph building runs ahead of the GPU. A prefill chunk's graph is all layers deep, so without
+    this every layer's transients are alive at once: for the compressed cache, each layer's
+    dequantized prefix (`dense_gpu`, fp16 keys and values: 0.5 GiB per layer at 128k tokens of
+    an 8B model), so a chunk's working set grows to the size of an fp16 cache. A layer's incoming
+    keys are made by the previous layer's attention: queueing them (`mx.async_eval`) and waiting
+    for the previous layer's keys keeps about two layers in flight, while Python builds the next
+    layer's graph as the GPU runs the last one."""
+    if _PENDING:
+        mx.eval(*_PENDING)
+    _PENDING[:] = arrays
+    mx.async_eval(*arrays)
+
+
 @dataclass(frozen=True)
 class CompressedKV:
     """What attention reads: the codecs and the key/value segments (each a dict of arrays)."""
@@ -209,6 +239,8 @@ class TurboQuantCache:
             self._window_write(k, v)
             view = self.view()
             return view, view
+        if self.prefix_len + self.tail_len and _layer_sync():
+            sync(keys, values)
         if self.window is not None:
             k = mx.concatenate([self.window[0], k], axis=2)
             v = mx.concatenate([self.window[1], v], axis=2)
