@@ -4,8 +4,9 @@ For each shape (benchmarks/shapes.py) and length: `engine.prefill` into the fp16
 each compressed preset, tokens/s and MLX peak memory, plus the longest single evaluation (one
 chunk; the Metal watchdog kills command buffers that run too long). `--blocked` also times the
 compressed preset with the dense GPU prefill path switched off (the blocked MLX path: what ran
-before `kvcache.dense_gpu`); `--sync-ab` with the per-layer sync off (`prefill_sync` 0: every
-layer of a chunk queued at once, as before it).
+before `kvcache.dense_gpu`); `--sync-ab` with no bound on the layers a chunk keeps in flight
+(`prefill_inflight` 0, as before the bound: every layer queued at once) and with a wait at every
+layer (a 1-byte budget).
 
 Usage: python benchmarks/prefill_shapes.py [--shapes smollm2-135m llama-3.1-8b] [--tokens 8192 32768]
        [--kv fp16 tq4] [--bits 0] [--blocked] [--sync-ab] [--name prefill_gpu]
@@ -58,7 +59,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=engine.DEFAULT_CHUNK)
     ap.add_argument("--blocked", action="store_true")
     ap.add_argument("--sync-ab", action="store_true",
-                    help="also each compressed preset with the per-layer sync off (prefill_sync 0)")
+                    help="also each compressed preset with no bound on the layers in flight "
+                         "(prefill_inflight 0) and with a wait at every layer (1 byte)")
     ap.add_argument("--name", default="prefill_gpu")
     args = ap.parse_args()
 
@@ -70,14 +72,16 @@ def main() -> None:
         for n in args.tokens:
             ids = mx.random.randint(0, 32000, (n,)).tolist()
             prefill_once(model, ids[:1024], kvcache.get_preset("fp16"), args.chunk)  # warm-up
-            variants = [(kv, True, "gpu") for kv in args.kv]
+            inflight = config.get("prefill_inflight")
+            variants = [(kv, True, inflight) for kv in args.kv]
             if args.blocked:
-                variants += [(kv + ":blocked", False, "gpu") for kv in args.kv if kv != "fp16"]
+                variants += [(kv + ":blocked", False, inflight) for kv in args.kv if kv != "fp16"]
             if args.sync_ab:
-                variants += [(kv + ":nosync", True, "0") for kv in args.kv if kv != "fp16"]
-            for label, dense, sync in variants:
+                variants += [(kv + suffix, True, budget) for kv in args.kv if kv != "fp16"
+                             for suffix, budget in ((":unbounded", 0), (":everylayer", 1))]
+            for label, dense, budget in variants:
                 preset = kvcache.get_preset(label.split(":")[0])
-                with config.override(dense_gpu=dense, prefill_sync=sync):
+                with config.override(dense_gpu=dense, prefill_inflight=budget):
                     if preset.kind != "fp16":  # first-use compilation outside the timing
                         prefill_once(model, ids[:1024], preset, args.chunk)
                     s, peak, longest = prefill_once(model, ids, preset, args.chunk)

@@ -99,10 +99,10 @@ SETTINGS: dict[str, Setting] = {
                              "query-key pairs one prefill chunk may score per head; past it "
                              "chunks shrink (20971520: 128 tokens at 128k; bounds one "
                              "evaluation for the Metal watchdog; 0: fixed 512-token chunks)"),
-    "prefill_sync": Setting("LONGCTX_PREFILL_SYNC", _choice("gpu", "1", "0"), "gpu",
-                            "compressed prefill: at most about two layers of a chunk in flight, "
-                            "so few layers' dequantized rows are alive at once (gpu: on "
-                            "Metal/CUDA, 1: everywhere, 0: never)"),
+    "prefill_inflight": Setting("LONGCTX_PREFILL_INFLIGHT_MB", _megabytes, 2**30,
+                                "GPU: most MiB of dequantized cache rows a compressed prefill "
+                                "chunk keeps queued (past it, each layer waits for older ones; "
+                                "0: no bound)"),
     "dense_gpu": Setting("LONGCTX_DENSE_GPU", _flag, True,
                          "GPU: prefill chunks dequantize the cache and run fp16 SDPA (0: the "
                          "blocked MLX path)"),
@@ -176,7 +176,7 @@ def table() -> str:
     for s in SETTINGS.values():
         default = {None: "-", True: "1", False: "0"}.get(s.default, s.default) \
             if not isinstance(s.default, int) or isinstance(s.default, bool) else s.default
-        if s.env == "LONGCTX_DECODE_ONCE_MAX_MB":
+        if s.env.endswith("_MB"):
             default = s.default // 2**20
         rows.append(f"| `{s.env}` | {default} | {s.doc} |")
     return "\n".join(rows)

@@ -124,33 +124,40 @@ def test_a_pair_bound_prefill_fills_the_same_cache(tiny_model):
             assert err < 1e-5, err
 
 
-def test_the_layer_sync_finishes_each_layer_and_changes_nothing(tiny_model, monkeypatch):
-    """`prefill_sync`: a compressed prefill evaluates each layer's incoming keys once the cache
-    holds compressed tokens (every chunk but the first, every layer), and fills the same cache."""
+def test_the_inflight_bound_waits_for_older_layers_and_changes_nothing(tiny_model, monkeypatch):
+    """`prefill_inflight`: on a GPU a compressed prefill queues each layer's incoming keys once
+    the cache holds compressed tokens and waits for older layers past the byte budget (1 byte:
+    every layer but the newest; a huge one: none); no budget, no queueing; the same cache."""
     from longctx import config
     from longctx.kvcache import turbo
 
     lm = models.load(models.resolve(str(tiny_model)))
     ids = [3 + i % 200 for i in range(397)]
-    calls = []
-    real = turbo.sync
-    monkeypatch.setattr(turbo, "sync", lambda *a: (calls.append(len(a)), real(*a)))
+    queued, waited = [], []
+    monkeypatch.setattr(turbo, "_on_gpu", lambda: True)
+    monkeypatch.setattr(turbo, "_queue", lambda *a: (queued.append(len(a)), mx.async_eval(*a)))
+    monkeypatch.setattr(turbo, "_wait", lambda *a: (waited.append(len(a)), mx.eval(*a)))
     caches = []
-    for mode in ("0", "1"):
-        calls.clear()
+    for budget in (0, 1, 2**40):
+        queued.clear()
+        waited.clear()
+        turbo._PENDING.clear()
         cache = kvcache.make(lm.model, kvcache.get_preset("tq4"))
-        with config.override(prefill_sync=mode):
+        with config.override(prefill_inflight=budget):
             engine.prefill(lm.model, ids, cache, chunk=128)
         caches.append(cache)
-        if mode == "0":
-            assert calls == []
-        else:  # at most once per layer and chunk, two arrays (keys, values) each
-            assert calls and len(calls) % len(cache) == 0 and set(calls) == {2}
-            assert len(calls) < -(-len(ids) // 128) * len(cache)
-    for a, b in zip(*caches):
-        assert a.offset == b.offset == len(ids)
-        sa, sb = a.view(), b.view()
-        for (ka, va, la), (kb, vb, lb) in zip(sa.segments, sb.segments):
-            assert la == lb
-            for name in ka:
-                assert mx.array_equal(ka[name], kb[name]) and mx.array_equal(va[name], vb[name])
+        if budget == 0:
+            assert queued == [] and waited == []
+            continue
+        # at most once per layer and chunk, two arrays (keys, values) each
+        assert queued and len(queued) % len(cache) == 0 and set(queued) == {2}
+        assert len(queued) < -(-len(ids) // 128) * len(cache)
+        assert len(waited) == (len(queued) - 1 if budget == 1 else 0)
+    turbo._PENDING.clear()
+    for other in caches[1:]:
+        for a, b in zip(caches[0], other):
+            assert a.offset == b.offset == len(ids)
+            for (ka, va, la), (kb, vb, lb) in zip(a.view().segments, b.view().segments):
+                assert la == lb
+                for name in ka:
+                    assert mx.array_equal(ka[name], kb[name]) and mx.array_equal(va[name], vb[name])

@@ -24,6 +24,7 @@ no `bits` attribute: mlx-lm treats any cache with one as its own affine-quantize
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -32,34 +33,45 @@ from longctx.kvcache.presets import Preset
 from longctx.quant.codec import QuantSpec, VectorCodec
 
 
-def _layer_sync() -> bool:
-    """Whether a prefill chunk finishes the previous layers before this one is queued (the
-    `prefill_sync` setting)."""
-    from longctx import config
+def _on_gpu() -> bool:
     from longctx.kernels import backend
 
-    mode = config.get("prefill_sync")
-    return mode == "1" or (mode == "gpu" and backend() != "cpu")
+    return backend() != "cpu"
 
 
-_PENDING: list = []  # the arrays the previous layer's `sync` queued
+# (arrays, bytes) queued by earlier layers' `sync` and not yet waited for, oldest first
+_PENDING: deque = deque()
 
 
-def sync(*arrays: mx.array) -> None:
-    """Queue `arrays` (the graph before this layer) and wait for the previous layer's.
+def sync(arrays: tuple, nbytes: int, budget: int) -> None:
+    """Queue `arrays` (the graph before this layer, `mx.async_eval`); then wait for the oldest
+    queued layers until at most `budget` bytes of dequantized rows stay in flight.
 
     On a GPU, MLX holds every buffer an operation reads until its command buffer completes, and
     graph building runs ahead of the GPU. A prefill chunk's graph is all layers deep, so without
-    this every layer's transients are alive at once: for the compressed cache, each layer's
+    a bound every layer's transients are alive at once: for the compressed cache, each layer's
     dequantized prefix (`dense_gpu`, fp16 keys and values: 0.5 GiB per layer at 128k tokens of
     an 8B model), so a chunk's working set grows to the size of an fp16 cache. A layer's incoming
-    keys are made by the previous layer's attention: queueing them (`mx.async_eval`) and waiting
-    for the previous layer's keys keeps about two layers in flight, while Python builds the next
-    layer's graph as the GPU runs the last one."""
-    if _PENDING:
-        mx.eval(*_PENDING)
-    _PENDING[:] = arrays
-    mx.async_eval(*arrays)
+    keys are made by the previous layers' attention: waiting for an older layer's keys frees the
+    rows of the layers before it. Waiting costs the overlap of graph building and GPU work (at
+    8k tokens on an H200, one wait per layer halved the prefill rate), so the bound is in bytes:
+    short prefixes, whose rows are small, keep every layer in flight.
+
+    Args:
+        arrays: this layer's incoming keys and values.
+        nbytes: the fp16 rows this layer's attention will dequantize.
+        budget: most bytes in flight (`prefill_inflight`).
+    """
+    _queue(*arrays)
+    _PENDING.append((arrays, nbytes))
+    total = sum(n for _, n in _PENDING)
+    while len(_PENDING) > 1 and total > budget:
+        old, n = _PENDING.popleft()
+        total -= n
+        _wait(*old)
+
+
+_queue, _wait = mx.async_eval, mx.eval  # (tests count them)
 
 
 @dataclass(frozen=True)
@@ -239,8 +251,8 @@ class TurboQuantCache:
             self._window_write(k, v)
             view = self.view()
             return view, view
-        if self.prefix_len + self.tail_len and _layer_sync():
-            sync(keys, values)
+        if self.prefix_len + self.tail_len:
+            self._bound_inflight(keys, values)
         if self.window is not None:
             k = mx.concatenate([self.window[0], k], axis=2)
             v = mx.concatenate([self.window[1], v], axis=2)
@@ -252,6 +264,19 @@ class TurboQuantCache:
         # The newest tokens stay as slices (a prefill's next chunk concatenates them anyway)
         self.window = (k[:, :, old:], v[:, :, old:]) if self.window_cap else None
         return view, view
+
+    def _bound_inflight(self, keys: mx.array, values: mx.array) -> None:
+        """A prefill chunk's layer over a compressed prefix, on a GPU: bound the layers queued
+        (`sync`, the `prefill_inflight` setting)."""
+        from longctx import config
+
+        budget = config.get("prefill_inflight")
+        if not budget or not _on_gpu():
+            return
+        kc, vc = self.codecs()
+        b, h, n, _ = keys.shape
+        tokens = self.sink_len + self.prefix_len + self.tail_len + self.window_len + n
+        sync((keys, values), 2 * b * h * tokens * (kc.padded_dim + vc.padded_dim), budget)
 
     def _window_write(self, k: mx.array, v: mx.array) -> None:
         """Append centered fp32 (B, H_kv, n, D) tokens to the window, in its own buffers (grown
