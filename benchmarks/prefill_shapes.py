@@ -28,6 +28,7 @@ from shapes import random_model  # noqa: E402
 
 from longctx import engine, kvcache  # noqa: E402
 from longctx import config  # noqa: E402
+from longctx.kvcache import turbo  # noqa: E402
 
 
 def prefill_once(model, ids, preset, chunk):
@@ -40,6 +41,7 @@ def prefill_once(model, ids, preset, chunk):
         t = time.perf_counter()
         model(mx.array(ids[lo:lo + chunk], dtype=mx.int32)[None], cache=cache)
         mx.eval([c.state for c in cache])
+        turbo.drain()  # as engine.prefill does after each chunk
         longest = max(longest, time.perf_counter() - t)
     mx.synchronize()
     seconds = time.perf_counter() - start

@@ -85,6 +85,8 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
     """
     import mlx.core as mx
 
+    from longctx.kvcache import turbo
+
     if chunk < 1:
         raise ValueError(f"chunk must be at least 1 token, got {chunk}")
     mx.reset_peak_memory()
@@ -103,6 +105,7 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
         piece = mx.array(tokens[lo:hi], dtype=mx.int32)[None]  # (1, T)
         model(piece, cache=cache)  # logits stay an unevaluated graph node
         mx.eval(_cache_arrays(cache))
+        turbo.drain()  # the chunk's queued layers are done
         times.append(time.perf_counter() - t)
         lo = hi
         if progress:

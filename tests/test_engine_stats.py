@@ -131,9 +131,12 @@ def test_the_inflight_bound_waits_for_older_layers_and_changes_nothing(tiny_mode
     from longctx import config
     from longctx.kvcache import turbo
 
+    from collections import deque
+
     lm = models.load(models.resolve(str(tiny_model)))
     ids = [3 + i % 200 for i in range(397)]
     queued, waited = [], []
+    monkeypatch.setattr(turbo, "_PENDING", deque())
     monkeypatch.setattr(turbo, "_on_gpu", lambda: True)
     monkeypatch.setattr(turbo, "_queue", lambda *a: (queued.append(len(a)), mx.async_eval(*a)))
     monkeypatch.setattr(turbo, "_wait", lambda *a: (waited.append(len(a)), mx.eval(*a)))
@@ -141,19 +144,20 @@ def test_the_inflight_bound_waits_for_older_layers_and_changes_nothing(tiny_mode
     for budget in (0, 1, 2**40):
         queued.clear()
         waited.clear()
-        turbo._PENDING.clear()
         cache = kvcache.make(lm.model, kvcache.get_preset("tq4"))
-        with config.override(prefill_inflight=budget):
+        with config.override(prefill_inflight=budget, fused_max_lq=64):
             engine.prefill(lm.model, ids, cache, chunk=128)
         caches.append(cache)
+        assert not turbo._PENDING  # drained after every chunk
         if budget == 0:
             assert queued == [] and waited == []
             continue
         # at most once per layer and chunk, two arrays (keys, values) each
         assert queued and len(queued) % len(cache) == 0 and set(queued) == {2}
         assert len(queued) < -(-len(ids) // 128) * len(cache)
-        assert len(waited) == (len(queued) - 1 if budget == 1 else 0)
-    turbo._PENDING.clear()
+        # 1 byte: each chunk waits for all its queued layers but the newest
+        chunks = len(queued) // len(cache)
+        assert len(waited) == (len(queued) - chunks if budget == 1 else 0)
     for other in caches[1:]:
         for a, b in zip(caches[0], other):
             assert a.offset == b.offset == len(ids)
@@ -161,3 +165,11 @@ def test_the_inflight_bound_waits_for_older_layers_and_changes_nothing(tiny_mode
                 assert la == lb
                 for name in ka:
                     assert mx.array_equal(ka[name], kb[name]) and mx.array_equal(va[name], vb[name])
+    # decode steps past the window's cap (its 128 slots are full) take the fused kernel: they
+    # never queue nor wait
+    assert caches[1][0].window_len == caches[1][0].window_cap
+    queued.clear()
+    with config.override(prefill_inflight=1):
+        for t in range(3):
+            lm.model(mx.array([[5 + t]]), cache=caches[1])
+            assert queued == []

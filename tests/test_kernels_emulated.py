@@ -262,7 +262,8 @@ def test_decode_step(monkeypatch, case):
                                                 (300, 3, 32, 0, 40), (129, 1, 128, 1, 0)])
 def test_decode_finish_merges_many_splits(emulated, S, R, P, n_sink, n_win):
     """The finish kernel's split merge over more splits than threads (blocks of P splits), with
-    empty splits (m = -inf, l = 0, acc = 0) among them, equals its MLX reference."""
+    empty splits (m = -inf, l = 0, acc = 0) among them and a row whose splits are all empty,
+    equals its MLX reference."""
     from longctx.kernels import decode_finish as dfin
 
     rng = np.random.default_rng(S + R + P)
@@ -273,6 +274,7 @@ def test_decode_finish_merges_many_splits(emulated, S, R, P, n_sink, n_win):
 
     m = rng.normal(size=(N, S, R)).astype(np.float32) * 3
     empty = rng.random(size=(N, S, R)) < 0.3
+    empty[0, :, 0] = True  # a row no split saw a key of: only the exact tokens (if any) count
     m[empty] = -np.inf
     m_p = mx.array(m)
     l_p = mx.where(mx.array(empty), 0.0, mx.abs(normal(N, S, R)) + 0.5)

@@ -59,7 +59,8 @@ def sync(arrays: tuple, nbytes: int, budget: int) -> None:
 
     Args:
         arrays: this layer's incoming keys and values.
-        nbytes: the fp16 rows this layer's attention will dequantize.
+        nbytes: the fp16 rows this layer's attention will dequantize (an estimate: one
+            segment's keys and values; several segments or QJL corrections hold more).
         budget: most bytes in flight (`prefill_inflight`).
     """
     _queue(*arrays)
@@ -69,6 +70,12 @@ def sync(arrays: tuple, nbytes: int, budget: int) -> None:
         old, n = _PENDING.popleft()
         total -= n
         _wait(*old)
+
+
+def drain() -> None:
+    """Forget the queued layers (call once their work is evaluated: after a prefill chunk), so
+    that their arrays are not kept alive and their byte counts do not carry over."""
+    _PENDING.clear()
 
 
 _queue, _wait = mx.async_eval, mx.eval  # (tests count them)
@@ -271,7 +278,10 @@ class TurboQuantCache:
         from longctx import config
 
         budget = config.get("prefill_inflight")
-        if not budget or not _on_gpu():
+        # only chunks whose attention dequantizes the prefix (`dense_gpu`): a decode step past
+        # the window's cap takes the fused kernel and must not wait
+        if (not budget or keys.shape[2] <= config.get("fused_max_lq")
+                or not config.get("dense_gpu") or not _on_gpu()):
             return
         kc, vc = self.codecs()
         b, h, n, _ = keys.shape
