@@ -7,9 +7,11 @@ writes it. The model's shapes come from its mlx-lm class built without loading w
 allocates parameters lazily, so nothing of the model's size is materialized).
 
 Peak memory is an estimate: weights as they are held (fp32 on the CPU), plus the cache being
-built (the preset's bits per channel, plus the exact window), plus a chunk's working set, dominated
-by attention scores when the backend materializes them (chunk x query heads x tokens, fp32).
-Against measured peaks (benchmarks/results/prefill_*.json) it is within about 25%.
+built (the preset's bits per channel, plus the exact window), plus a chunk's working set: on the
+CPU the attention scores (chunk x query heads x tokens, fp32), on a GPU what the layers queued
+ahead of it hold (`peak_bytes`). Against the measured CPU peaks (benchmarks/results/prefill_cpu.json)
+it is within 25%, against the H200's ingest peaks at 32k and 128k (product_path_h200.json)
+within 25% (tests/test_multidoc.py).
 """
 
 from __future__ import annotations
@@ -72,9 +74,26 @@ def cache_file_bytes(s: Shapes, preset: Preset, tokens: int, metadata: dict[str,
     return fmt.predicted_size(specs, {k: v for k, v in meta.items() if k != "format_version"})
 
 
+FUSED_SDPA_DIMS = (64, 80, 128)  # head dims whose prefill SDPA is fused on the GPUs (no scores)
+
+
 def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: bool,
                chunk: int) -> int:
-    """Estimated peak memory of prefilling `tokens` tokens with `chunk`-token passes."""
+    """Estimated peak memory of prefilling `tokens` tokens with `chunk`-token passes.
+
+    Weights, the cache being built and one chunk's working set. The working set depends on the
+    backend:
+    - CPU: attention scores are materialized (chunk x query heads x tokens, fp32).
+    - GPU (Metal, CUDA): the fused SDPA keeps no scores at the usual head dims. Instead a
+      chunk's graph runs ahead of the GPU, and MLX keeps what each layer's operations read until
+      their command buffer completes. For the fp16 cache that is mlx-lm's reallocation of every
+      layer's buffer (measured on the H200: about one more cache). For a compressed cache it is
+      the dequantized rows of the layers in flight, which `prefill_inflight` bounds, plus the
+      layer being run.
+    """
+    from longctx import config
+    from longctx.engine import chunk_at
+
     elem = 4 if cpu else 2  # the CPU computes in fp32
     dims = s.head_dims
     fp16_token = sum(2 * h * d for h, d in zip(s.kv_heads, dims)) * elem
@@ -86,12 +105,21 @@ def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: 
         cache = full * tokens * bits_per_channel(preset, dims[0], tokens) / (8 * elem)
         cache += window_token * min(tokens, max(s.windows or [0]))
         cache += full * (preset.window + chunk) if preset.kind == "turbo" else 0
-    from longctx.engine import chunk_at
-
     last = min(chunk_at(max(0, tokens - chunk), chunk), tokens)  # the chunks shrink at length
-    scores = s.q_heads * last * tokens * 4
     activations = last * (8 * s.hidden + 4 * s.intermediate) * 4
-    return int(weights_bytes + cache + scores + activations)
+    scores = s.q_heads * last * tokens * 4
+    if cpu:
+        return int(weights_bytes + cache + scores + activations)
+    if any(d not in FUSED_SDPA_DIMS for d in dims):
+        transient = scores
+    elif preset.kind == "fp16":
+        transient = fp16_token * tokens
+    else:
+        layers = max(1, len(dims))
+        rows = 2 * tokens * sum(2 * h * d for h, d in zip(s.kv_heads, dims)) / layers  # fp16
+        budget = config.get("prefill_inflight") or rows * layers
+        transient = min(budget, rows * layers) + rows
+    return int(weights_bytes + cache + transient + activations)
 
 
 def weights_bytes(path, s: Shapes, cpu: bool) -> int:
