@@ -21,7 +21,10 @@ GB/s counts the bytes of the cache representation the method reads (fp16 K/V, pa
 norms, affine words + scales + biases), not what a method writes in between. A knob sweep
 (prefetch, register cap, threadgroups per launch) runs at 128k for tq4.
 
-Usage: python benchmarks/attend.py [--lengths 4096 8192 32768 131072] [--name attend_h200]
+Other shapes: `--heads 28 4` (Qwen2.5-7B: 7 query rows per KV head; results under another
+`--name`, e.g. attend_h200_qwen2.5-7b).
+
+Usage: python benchmarks/attend.py [--lengths 4096 8192 32768 131072] [--heads 32 8] [--name attend_h200]
 """
 
 from __future__ import annotations
@@ -216,13 +219,19 @@ def sweep(env, scale=D ** -0.5) -> list:
 
 
 def main() -> None:
+    global HQ, HKV
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 32768, 131072])
     ap.add_argument("--name", default=None, help="results file name (default attend_<backend>)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--heads", nargs=2, type=int, default=[HQ, HKV], metavar=("Q", "KV"),
+                    help="query and KV heads (default Llama-3.1-8B's 32 8; Qwen2.5-7B: 28 4)")
     ap.add_argument("--profile", action="store_true",
                     help="only run the tq4 kernels at the largest length (for ncu), no output")
     args = ap.parse_args()
+    HQ, HKV = args.heads
+    if HQ % HKV:
+        ap.error("query heads must be a multiple of KV heads")
     backend = _prelude.backend()
     if args.profile:
         env = setup(max(args.lengths), presets=("tq4",), affine=False)

@@ -53,8 +53,9 @@ for phase in "${phases[@]}"; do
         tests/test_kernels.py tests/test_kvcache.py tests/test_dense_gpu.py \
         tests/test_kernel_fallback.py ;;
     attend)
-      run attend 300 python3 benchmarks/attend.py --no-sweep --name attend_h200
-      keep benchmarks/results/attend_h200.json ;;
+      # ATTEND_ARGS="--heads 28 4 --name attend_h200_qwen2.5-7b": another shape, its own file
+      run attend 300 python3 benchmarks/attend.py --no-sweep --name attend_h200 ${ATTEND_ARGS:-}
+      keep benchmarks/results/attend_h200*.json ;;
     ncu)
       run ncu 200 ncu --clock-control none --kernel-name regex:lc_decode_attend --launch-skip 3 \
         --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
