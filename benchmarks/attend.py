@@ -268,8 +268,8 @@ def main() -> None:
         "kernel_backend": backend, "peak_gbs": PEAK_GBS, "rows": rows, "ratios": ratios,
         "fused_vs_mlx_path_max_rel_diff": checks, "sweep": sweeps,
         "knobs": {"TARGET_GROUPS": da.TARGET_GROUPS or "auto", "SM_COUNT": da.SM_COUNT,
-                  "NT": da.NT, "PREFETCH": da.PREFETCH, "MIN_SPLIT_TILES": da.MIN_SPLIT_TILES, "MIN_BLOCKS": da.MIN_BLOCKS,
-                  "STAGE_WORDS": da.STAGE_WORDS}})
+                  "NT": da.NT, "PREFETCH": da.PREFETCH, "MIN_SPLIT_TILES": da.MIN_SPLIT_TILES,
+                  "MIN_BLOCKS": da.MIN_BLOCKS, "STAGE_WORDS": da.STAGE_WORDS}})
     print(f"wrote {path}")
 
 

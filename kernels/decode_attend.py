@@ -738,7 +738,7 @@ def _launch(q, qp, signs, scales, keys, values, key_table, value_table, key_bits
     tk = tile_keys(P, key_bits, key_bits2)
     min_blocks = _min_blocks(per_block, key_bits2, qp is not None, P)
     chunk, splits = _splits(L, B * H * nrb, tk, min_blocks)
-    dummy4, dummy3, dummyf, _ = _dummies()
+    dummy4, dummy3, dummyf, dummy1 = _dummies()
     params = constant((L, chunk, 0 if causal_base is None else causal_base, splits, R), mx.int32)
     u32, f16, f32 = mx.uint32, mx.float16, mx.float32  # fixed: MLX caches modules by name
     inputs = [q, qp if qp is not None else dummyf,
@@ -746,7 +746,7 @@ def _launch(q, qp, signs, scales, keys, values, key_table, value_table, key_bits
               _as(keys["norm"], f16), _as(keys["qjl"], u32) if qp is not None else dummy4,
               _as(keys["rnorm"], f16) if qp is not None else dummy3, _as(values["idx"], u32),
               _as(values["norm"], f16), _as(key_table, f32), _as(value_table, f32), params,
-              scales, _as(signs, f32) if signs is not None else _dummies()[3]]
+              scales, _as(signs, f32) if signs is not None else dummy1]
     template = [("P", P), ("R", per_block), ("LQ", lq), ("B1", key_bits), ("B2", key_bits2),
                 ("BV", value_bits), ("QJL", int(qp is not None)), ("M", m_qjl),
                 ("CAUSAL", int(causal_base is not None)), ("NT", NT),

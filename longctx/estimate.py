@@ -9,9 +9,10 @@ allocates parameters lazily, so nothing of the model's size is materialized).
 Peak memory is an estimate: weights as they are held (fp32 on the CPU), plus the cache being
 built (the preset's bits per channel, plus the exact window), plus a chunk's working set: on the
 CPU the attention scores (chunk x query heads x tokens, fp32), on a GPU what the layers queued
-ahead of it hold (`peak_bytes`). Against the measured CPU peaks (benchmarks/results/prefill_cpu.json)
-it is within 25%, against the H200's ingest peaks at 32k and 128k (product_path_h200.json)
-within 25% (tests/test_multidoc.py).
+ahead of it hold (`peak_bytes`). Against the measured peaks (tests/test_multidoc.py) it is within
+25% on the CPU (benchmarks/results/prefill_cpu.json) and within 10% for 8B shapes on the H200
+(prefill_gpu.json, product_path_h200.json at 128k), never more than 20% under; it over-estimates
+small models there (SmolLM2: up to 2.2x).
 """
 
 from __future__ import annotations
@@ -114,11 +115,9 @@ def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: 
         transient = scores
     elif preset.kind == "fp16":
         transient = fp16_token * tokens
-    else:
-        layers = max(1, len(dims))
-        rows = 2 * tokens * sum(2 * h * d for h, d in zip(s.kv_heads, dims)) / layers  # fp16
-        budget = config.get("prefill_inflight") or rows * layers
-        transient = min(budget, rows * layers) + rows
+    else:  # the dequantized fp16 rows of every layer are fp16_token x tokens in all
+        rows = fp16_token * tokens
+        transient = min(config.get("prefill_inflight") or rows, rows) + rows / max(1, len(dims))
     return int(weights_bytes + cache + transient + activations)
 
 

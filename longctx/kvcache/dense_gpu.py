@@ -7,10 +7,11 @@ matmul, online softmax: ~50 launches per block with fp32 intermediates) both los
 decodes each compressed segment once per call into dense fp16 rows in the codecs' rotated frames
 (`kernels/dequant.py`; the exact sink and window rows, rotated, written into the same array) and
 hands them to the fused SDPA with queries rotated into the key frame; the output, in the value
-frame, is rotated back once and the value mean added. The dense rows of a layer live while its attention runs; on a GPU, MLX holds them until the
-command buffer that read them completes, so a prefill chunk bounds the layers it keeps queued by
-their rows' bytes (`turbo.sync`, the `prefill_inflight` setting) and the working set stays a few
-layers' fp16 keys and values, not the fp16 cache.
+frame, is rotated back once and the value mean added. The dense rows of a layer live while its
+attention runs; on a GPU, MLX holds them until the command buffer that read them completes, so
+a prefill chunk bounds the layers it keeps queued by their rows' bytes (`turbo.sync`, the
+`prefill_inflight` setting) and the working set stays a few layers' fp16 keys and values, not the
+fp16 cache.
 
 Keys are stored centered: a key mean shifts every score of a query equally, which softmax
 ignores; values are centered too, and their mean is added back. QJL-sketched keys fold their

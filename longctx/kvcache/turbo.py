@@ -285,8 +285,8 @@ class TurboQuantCache:
             return
         kc, vc = self.codecs()
         b, h, n, _ = keys.shape
-        tokens = self.sink_len + self.prefix_len + self.tail_len + self.window_len + n
-        sync((keys, values), 2 * b * h * tokens * (kc.padded_dim + vc.padded_dim), budget)
+        rows = 2 * b * h * (self.offset + n) * (kc.padded_dim + vc.padded_dim)  # fp16 K and V
+        sync((keys, values), rows, budget)
 
     def _window_write(self, k: mx.array, v: mx.array) -> None:
         """Append centered fp32 (B, H_kv, n, D) tokens to the window, in its own buffers (grown
