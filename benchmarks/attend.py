@@ -10,6 +10,8 @@ at S = 4k, 8k, 32k, 128k cached tokens. Methods, all measured in one run:
 - fused_tq4/tq3/...: `compressed_attention` on the GPU, the whole step: for scalar presets two
   launches (`attend_step`: the decode-attend kernel rotating q itself, then `decode_finish`:
   split merge, rotation back, exact tokens, value mean); the others the compiled fused path;
+- fused_tq4_portable: the same two-launch step with the portable decode-attend kernel instead of
+  the tensor-core one (`decode_attend_mma`, CUDA, 4-bit keys and values, <= 8 rows);
 - compiled_tq4: the compiled fused path for tq4 (rotate q, kernel, split merge, rotate back, add
   the value mean as separate launches under mx.compile; LONGCTX_FUSED_STEP=0);
 - kernel_tq4/tq3: the two kernels alone (decode_attend + split_combine) on a rotated query.
@@ -42,6 +44,7 @@ import mlx.core as mx  # noqa: E402
 
 from longctx.kernels import _prelude  # noqa: E402
 from longctx.kernels import decode_attend as da  # noqa: E402
+from longctx.kernels import decode_attend_mma as dm  # noqa: E402
 from longctx.kvcache.attention import compressed_attention, kernel_table  # noqa: E402
 from longctx.kvcache.presets import get_preset  # noqa: E402
 from longctx.kvcache.turbo import CompressedKV, codecs_for  # noqa: E402
@@ -132,6 +135,7 @@ def methods(env: dict, s: int) -> dict:
         out[f"fused_{name}"] = (lambda view=view: compressed_attention(q, view, scale),
                                 cache_bytes)
         if name == "tq4":  # the compiled fused path the two-launch step replaced, side by side
+            out["fused_tq4_portable"] = (lambda view=view: _portable(q, view, scale), cache_bytes)
             out["compiled_tq4"] = (lambda view=view: _compiled(q, view, scale), cache_bytes)
         if name in ("tq4", "tq3"):
             out[f"dequant_sdpa_{name}"] = (lambda view=view: _dequant_sdpa(q, view, scale),
@@ -145,6 +149,15 @@ def _compiled(q, view, scale):
 
     with config.override(fused_step=False):
         return compressed_attention(q, view, scale)
+
+
+def _portable(q, view, scale):
+    """The two-launch step with the portable decode-attend kernel (the tensor-core one off)."""
+    saved, dm.ENABLED = dm.ENABLED, False
+    try:
+        return compressed_attention(q, view, scale)
+    finally:
+        dm.ENABLED = saved
 
 
 def _dequant_sdpa(q, view, scale):
@@ -233,11 +246,13 @@ def main() -> None:
     if HQ % HKV:
         ap.error("query heads must be a multiple of KV heads")
     backend = _prelude.backend()
-    if args.profile:
+    if args.profile:  # the whole tq4 step, tensor-core kernel then portable (8 steps each)
         env = setup(max(args.lengths), presets=("tq4",), affine=False)
-        fn = _kernel_only(env["q"], env["tq4"], D ** -0.5)
-        for _ in range(8):
-            mx.eval(fn())
+        view, q = env["tq4"], env["q"]
+        for fn in (lambda: compressed_attention(q, view, D ** -0.5),
+                   lambda: _portable(q, view, D ** -0.5)):
+            for _ in range(8):
+                mx.eval(fn())
         return
     rows, sweeps, checks = [], {}, {}
     for s in args.lengths:
@@ -269,7 +284,8 @@ def main() -> None:
         "fused_vs_mlx_path_max_rel_diff": checks, "sweep": sweeps,
         "knobs": {"TARGET_GROUPS": da.TARGET_GROUPS or "auto", "SM_COUNT": da.SM_COUNT,
                   "NT": da.NT, "PREFETCH": da.PREFETCH, "MIN_SPLIT_TILES": da.MIN_SPLIT_TILES,
-                  "MIN_BLOCKS": da.MIN_BLOCKS, "STAGE_WORDS": da.STAGE_WORDS}})
+                  "MIN_BLOCKS": da.MIN_BLOCKS, "STAGE_WORDS": da.STAGE_WORDS,
+                  "MMA_ENABLED": dm.ENABLED, "MMA_TG_PER_SM": dm.TG_PER_SM}})
     print(f"wrote {path}")
 
 

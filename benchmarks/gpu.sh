@@ -4,7 +4,7 @@
 # Phases (any number, in order):
 #   tests    the GPU tests (kernels vs references, fused / dense attention paths) in parallel workers
 #   attend   benchmarks/attend.py: one decode step, fp16 SDPA vs the fused kernel (+ torch anchors)
-#   ncu      Nsight Compute profile of the fused decode kernel at 128k
+#   ncu      Nsight Compute profile of the decode step's tensor-core kernel at 128k
 #   prefill  benchmarks/prefill_shapes.py: random-weight models of real shapes, fp16 vs tq4
 #   profile  benchmarks/prefill_profile.py: one layer's prefill chunk, part by part
 #   answer   benchmarks/answer_shapes.py: Llama-3.1-8B shape, 32k / 128k cached tokens, fp16 vs tq4
@@ -57,8 +57,10 @@ for phase in "${phases[@]}"; do
       run attend 300 python3 benchmarks/attend.py --no-sweep --name attend_h200 ${ATTEND_ARGS:-}
       keep benchmarks/results/attend_h200*.json ;;
     ncu)
-      run ncu 200 ncu --clock-control none --kernel-name regex:lc_decode_attend --launch-skip 3 \
-        --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      # the tensor-core kernel's 4th launch (NCU_KERNEL=regex:lc_decode_attend_[0-9a-f]: the
+      # portable one's)
+      run ncu 200 ncu --clock-control none --kernel-name ${NCU_KERNEL:-regex:lc_decode_attend_mma} \
+        --launch-skip ${NCU_SKIP:-3} --launch-count ${NCU_COUNT:-1} --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
         --section WarpStateStats --section InstructionStats \
         python3 benchmarks/attend.py --profile --lengths 131072 ;;

@@ -5,11 +5,16 @@
     hadamard_quant   normalize + randomized Hadamard + quantize + pack (VectorCodec.encode, scalar)
     qjl_encode       QJL sign sketch + residual norm
     decode_attend    fused decode + attention over a compressed segment (flash-decoding)
+    decode_attend_mma  the same for one decode step on CUDA tensor cores (4-bit keys and values)
+    decode_finish    a decode step's split merge, rotation back, exact tokens and value mean
+    dequant          compressed rows to fp16 (prefill chunks' attention)
     split_combine    merge of flash-decoding partials
 
 Each module holds a kernel body written once for Metal and CUDA (see `_prelude`), a pure-MLX
 `*_reference` (the CPU path and the test oracle) and one public function that checks shapes and
-dispatches to Metal, CUDA or the reference; import it from its module
+dispatches to Metal, CUDA or the reference; `decode_attend_mma` is the one CUDA-only body (MMA
+and `cp.async`), a faster variant of `decode_attend`, which stays the path on Metal and its
+reference. Import a function from its module
 (`from longctx.kernels.decode_attend import decode_attend`). This package imports only mlx.
 """
 

@@ -143,6 +143,22 @@ METAL_IDS = r"""
 
 # Helpers shared by kernels, written with the macros above (after a backend header).
 COMMON = r"""
+// In-place Walsh-Hadamard butterfly (unnormalized) over `rows` rows of p floats, row-major, in
+// threadgroup memory `buf`; all nt threads of the group take part (tid: this one's index), and
+// each of the log2(p) stages ends at a barrier (pair j, j + h at stride h: one thread's).
+#define LC_WHT_ROWS(buf, rows, p, nt, tid)                                         \
+  LC_UNROLL for (int lc_h = 1; lc_h < (p); lc_h <<= 1) {                           \
+    for (int lc_i = (tid); lc_i < (rows) * ((p) / 2); lc_i += (nt)) {              \
+      const int lc_r = lc_i / ((p) / 2);                                           \
+      const int lc_k = lc_i - lc_r * ((p) / 2);                                    \
+      const int lc_j = lc_r * (p) + (lc_k / lc_h) * (2 * lc_h) + (lc_k % lc_h);    \
+      const float lc_a = buf[lc_j];                                                \
+      const float lc_b = buf[lc_j + lc_h];                                         \
+      buf[lc_j] = lc_a + lc_b;                                                     \
+      buf[lc_j + lc_h] = lc_a - lc_b;                                              \
+    }                                                                              \
+    LC_BARRIER();                                                                  \
+  }
 // Word k (0..bits-1) of one packed group, from the group's 32 values codes[0..31] (any
 // indexable: LC_SHARED array, registers). The group's values form a little-endian bit stream;
 // value i occupies stream bits [bits*i, bits*i + bits), and a value may straddle two words.
@@ -189,6 +205,7 @@ class KernelSpec:
     source: str
     header: str = ""
     row_contiguous: bool = True  # False: the body reads `<input>_strides` itself
+    shared_memory: int = 0  # bytes of dynamic shared memory (CUDA only: `LC_DYN_SHARED`)
 
 
 @dataclass
@@ -224,12 +241,13 @@ class KernelFallbackWarning(RuntimeWarning):
 def _mlx_kernel(spec: KernelSpec, which: str):
     header, body = assemble(spec, which)
     digest = hashlib.sha1((header + "\0" + body).encode()).hexdigest()[:10]
-    key = (which, spec.name, digest)
+    key = (which, spec.name, digest, spec.shared_memory)
     if key not in _KERNELS:
+        extra = {"shared_memory": spec.shared_memory} if spec.shared_memory else {}
         make = mx.fast.metal_kernel if which == "metal" else mx.fast.cuda_kernel
         _KERNELS[key] = make(name=f"{spec.name}_{digest}", input_names=list(spec.inputs),
                              output_names=list(spec.outputs), source=body, header=header,
-                             ensure_row_contiguous=spec.row_contiguous)
+                             ensure_row_contiguous=spec.row_contiguous, **extra)
     return _KERNELS[key]
 
 
@@ -240,7 +258,7 @@ def failed(name: str) -> bool:
 
 def _variant(spec: KernelSpec, which: str, launch: Launch) -> tuple:
     """What MLX compiles one module per: template values, dtypes, address-space classes."""
-    return (which, spec.name, spec.header, tuple(launch.template),
+    return (which, spec.name, spec.header, spec.shared_memory, tuple(launch.template),
             tuple([(a.dtype, a.size < 8) for a in launch.inputs]),
             tuple(launch.output_dtypes), id(_EXECUTOR))
 

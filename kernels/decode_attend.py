@@ -212,18 +212,7 @@ _SPEC = KernelSpec(
       scratch[i] = r < nr ? LC_TOF(q[qd + r * q_strides[2]]) * q_signs[d] : 0.0f;
     }
     LC_BARRIER();
-    LC_UNROLL for (int h = 1; h < P; h <<= 1) {
-      for (int i = tid; i < R * (P / 2); i += NT) {
-        const int r = i / (P / 2);
-        const int k = i - r * (P / 2);
-        const int j = r * P + (k / h) * (2 * h) + (k % h);
-        const float a = scratch[j];
-        const float b = scratch[j + h];
-        scratch[j] = a + b;
-        scratch[j + h] = a - b;
-      }
-      LC_BARRIER();
-    }
+    LC_WHT_ROWS(scratch, R, P, NT, tid)
   }
   const float qs_all = ROTQ ? qscale * scales[2] : qscale;  // scales[2]: 1 / sqrt(P)
   for (int i = tid; i < P * R4; i += NT) {

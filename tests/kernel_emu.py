@@ -101,6 +101,58 @@ static inline uint32_t lc_simd_ballot(bool p, uint32_t lane) {
   w.bar->arrive_and_wait();
   return r;
 }
+// CUDA-only helpers (decode_attend_mma): dynamic shared memory, mma.sync m16n8k16 (fp16 in,
+// fp32 accumulate; the PTX fragment layouts), cp.async (a plain copy here), prmt, half2 packing.
+#define LC_DYN_SHARED(name) static uint32_t name[65536] __attribute__((aligned(16)))
+#define LC_HALF lc_half_t
+struct LcMma { uint32_t a[32][4]; uint32_t b[32][2]; };
+static LcMma lc_mma_x[32];
+static inline float lc_h2f_bits(uint32_t bits) {
+  const uint16_t b = (uint16_t)(bits & 0xffffu); lc_half_t h; std::memcpy(&h, &b, 2); return (float)h;
+}
+static inline void lc_mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
+  const uint32_t w = lc_e_tid >> 5, lane = lc_e_tid & 31u;
+  LcMma& x = lc_mma_x[w];
+  for (int i = 0; i < 4; ++i) x.a[lane][i] = a[i];
+  x.b[lane][0] = b[0];
+  x.b[lane][1] = b[1];
+  lc_warps[w].bar->arrive_and_wait();
+  const int g = (int)(lane >> 2), t = (int)(lane & 3u);
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int r = g + 8 * (i >> 1), n = 2 * t + (i & 1);
+    float s = 0.0f;
+    for (int k = 0; k < 16; ++k) {
+      const uint32_t av = x.a[(r & 7) * 4 + ((k & 7) >> 1)][(r >> 3) + 2 * (k >> 3)];
+      const uint32_t bv = x.b[n * 4 + ((k & 7) >> 1)][k >> 3];
+      s += lc_h2f_bits(av >> (16 * (k & 1))) * lc_h2f_bits(bv >> (16 * (k & 1)));
+    }
+    out[i] = d[i] + s;
+  }
+  lc_warps[w].bar->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+static inline void lc_cp_async16(uint32_t* s, const uint32_t* g) {
+  if (reinterpret_cast<uintptr_t>(s) % 16 || reinterpret_cast<uintptr_t>(g) % 16) __builtin_trap();
+  std::memcpy(s, g, 16);
+}
+#define LC_CP_COMMIT()
+#define LC_CP_WAIT1()
+#define LC_CP_WAIT0()
+#define LC_SYNCWARP() lc_warps[lc_e_tid >> 5].bar->arrive_and_wait()
+#define LC_BYTE(w, i) ((((uint32_t)(w)) >> (8u * (uint32_t)(i))) & 255u)
+struct lc_u2 { uint32_t x, y; };
+#define LC_U2 lc_u2
+static inline lc_u2 lc_ld_u2(const uint32_t* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 8) __builtin_trap();  // the GPU would fault
+  lc_u2 t; std::memcpy(&t, p, 8); return t;
+}
+#define LC_LD_U2(p) lc_ld_u2(p)
+static inline uint32_t lc_pack_h2(float lo, float hi) {
+  return lc_f2h_bits(lo) | (lc_f2h_bits(hi) << 16);
+}
+static inline float lc_shfl_xor(float x, int m) { return lc_xchg(x, (lc_e_tid & 31u) ^ (uint32_t)m); }
+static inline bool lc_any(bool p) { return lc_simd_ballot(p, lc_e_tid & 31u) != 0u; }
 """
 
 EMU_IDS = r"""

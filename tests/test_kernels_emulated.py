@@ -19,6 +19,7 @@ from kernel_cases import preset_bits, random_segment, state_errors
 
 from longctx.kernels import _prelude
 from longctx.kernels import decode_attend as da
+from longctx.kernels import decode_attend_mma as dm
 from longctx.kernels import hadamard_quant as hq
 from longctx.kernels import pack as kp
 from longctx.kernels import qjl_encode as qe
@@ -130,6 +131,17 @@ def test_decode_attend_row_layouts(name, strided, odd_rows):
     assert errs["finite"] and errs["out_rel"] < 1e-5 and errs["l_rel"] < 1e-5, errs
 
 
+class _Recording:
+    """An executor that runs `inner` and records the kernel names it launched."""
+
+    def __init__(self, inner, names: list):
+        self.inner, self.names = inner, names
+
+    def __call__(self, spec, launch):
+        self.names.append(spec.name)
+        return self.inner(spec, launch)
+
+
 class _Capture:
     def __init__(self):
         self.launches = {}
@@ -230,10 +242,12 @@ def _step_view(H, R, P, L, name, n_sink, n_win, seed):
                         window if n_win else None, sink if n_sink else None)
 
 
+@pytest.mark.parametrize("mma", [True, False], ids=["mma", "portable"])
 @pytest.mark.parametrize("case", STEP_CASES, ids=lambda c: f"{c[4]}-P{c[2]}-R{c[1]}-L{c[3]}")
-def test_decode_step(monkeypatch, case):
-    """The two-launch decode step (q rotated in the decode-attend kernel, then the finish kernel:
-    split merge, rotation back, sink and window, mean) equals the pure-MLX blocked path."""
+def test_decode_step(monkeypatch, case, mma):
+    """The two-launch decode step (q rotated in the decode-attend kernel, or the tensor-core
+    kernel where it applies, then the finish kernel: split merge, rotation back, sink and window,
+    mean) equals the pure-MLX blocked path."""
     from longctx.kvcache import attend_step, attention
 
     H, R, P, L, name, n_sink, n_win, target, qdt = case
@@ -241,13 +255,17 @@ def test_decode_step(monkeypatch, case):
     q = mx.array(np.random.default_rng(R).normal(size=(1, H * R, 1, P)).astype(qdt)) * 2
     if target:
         monkeypatch.setattr(da, "TARGET_GROUPS", target)
+    monkeypatch.setattr(dm, "ENABLED", mma)
     want = attention.compressed_attention(q, view, P ** -0.5, fused=False)
-    with _prelude.executor(kernel_emu.emulator()):
+    launched = []
+    with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
         assert attention.choose_path(view, None, 1, True, rows=R)[0] == "fused-step"
         got = attend_step.attention(q, view, P ** -0.5)
+    assert (dm.NAME in launched) == (mma and name == "tq4" and P in dm.DIMS and R <= 8)
     assert got.dtype == q.dtype and got.shape == q.shape
     a, b = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
-    tol = 2e-3 if qdt == "float16" else 2e-5
+    # the tensor-core kernel's products are fp16 (fp32 accumulation)
+    tol = 2e-3 if qdt == "float16" or dm.NAME in launched else 2e-5
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < tol
     if n_win:  # the window as the valid prefix of longer buffers (a decode step's view)
         import dataclasses
@@ -291,3 +309,87 @@ def test_decode_finish_merges_many_splits(emulated, S, R, P, n_sink, n_win):
     want = dfin.decode_finish_reference(*args, mx.float32,
                                         dfin.count(n_win) if window is not None else None)
     assert np.allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
+
+
+MMA_CASES = [  # B, H, R, P, L, capacity, q dtype, SM_COUNT (1: several blocks per warp)
+    (1, 2, 4, 128, 300, None, "float32", None),
+    (1, 1, 7, 128, 77, 96, "float16", None),  # a slice of a longer tail; GQA 7 (Qwen2.5-7B)
+    (2, 1, 3, 64, 999, 1200, "float32", 1),  # ragged last block, double-buffered stages
+    (1, 2, 8, 256, 1500, None, "float32", 1),
+    (1, 1, 1, 128, 3, None, "float32", None),  # fewer keys than one block
+]
+
+
+@pytest.mark.parametrize("odd_rows", [False, True], ids=["aligned", "odd-rows"])
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}")
+def test_decode_attend_mma(monkeypatch, case, odd_rows):
+    """The tensor-core kernel's split states, merged, equal the portable kernel's reference
+    within fp16 rounding; splits past the keys hold nothing. Norms ramp up along the segment, so
+    the running maxima move late and the accumulators are rescaled. Odd row strides take the
+    word-by-word copies instead of 16-byte `cp.async`."""
+    from longctx.kernels.split_combine import split_combine_reference
+    from longctx.quant.rotation import rademacher_signs
+
+    B, H, R, P, L, cap, qdt, sm = case
+    if sm:
+        monkeypatch.setattr(da, "SM_COUNT", sm)
+    q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L,
+                                               capacity=cap)
+    q = q.astype(getattr(mx, qdt))
+    keys["norm"] = (keys["norm"].astype(mx.float32) * mx.linspace(0.2, 2.0, L)).astype(mx.float16)
+    signs = mx.array(rademacher_signs(P, 5))
+    ref = da.decode_attend_partials(q, keys, values, kt, kt, signs, key_bits=4, value_bits=4,
+                                    scale=P ** -0.5)
+    with _prelude.executor(kernel_emu.emulator(True, odd_rows)):
+        got = dm.decode_attend_mma_partials(q, keys, values, kt, signs, scale=P ** -0.5)
+        assert not _prelude.failed(dm.NAME)
+    chunk, n_split = dm.splits(L, B * H, P)
+    assert got[0].shape == (B * H, n_split, R) and got[2].shape == (B * H, n_split, R, P)
+    assert chunk % 64 == 0 and (n_split - 1) * chunk < L
+
+    def merged(state):
+        m, l, acc = split_combine_reference(*state)
+        return m[..., None], l[..., None], acc
+
+    errs = state_errors(merged(got), merged(ref))
+    assert errs["finite"] and errs["unseen_ok"], errs
+    assert errs["out_rel"] < 1e-3 and errs["l_rel"] < 3e-3 and errs["m_abs"] < 3e-3, errs
+    # the split states themselves, not only their merge
+    m_g, l_g = np.array(got[0]), np.array(got[1])
+    m_r, _, _ = merged(ref)
+    assert np.isfinite(m_g).all() and (l_g > 0).all()
+    assert np.abs(m_g.max(axis=1) - np.array(m_r)[..., 0]).max() < 3e-3
+
+
+def test_decode_step_falls_back_to_the_portable_kernel(monkeypatch):
+    """A tensor-core variant that fails to build (one KernelFallbackWarning) costs its first step
+    the reference; every later step takes the portable kernel, not the reference."""
+    import warnings
+
+    from longctx.kvcache import attend_step, attention
+
+    H, R, P, L = 2, 4, 128, 300
+    view = _step_view(H, R, P, L, "tq4", 2, 9, seed=3)
+    q = mx.array(np.random.default_rng(4).normal(size=(1, H * R, 1, P)).astype("float32"))
+    want = attention.compressed_attention(q, view, P ** -0.5, fused=False)
+    inner, launched = kernel_emu.emulator(), []
+
+    def failing(spec, launch):
+        launched.append(spec.name)
+        if spec.name == dm.NAME:
+            raise RuntimeError("nvrtc: simulated build failure")
+        return inner(spec, launch)
+
+    attend_step._COMPILED.clear()
+    with _prelude.executor(failing):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = attend_step.attention(q, view, P ** -0.5)
+        assert [w.category.__name__ for w in caught] == ["KernelFallbackWarning"]
+        assert _prelude.failed(dm.NAME)
+        launched.clear()
+        second = attend_step.attention(q, view, P ** -0.5)
+        assert dm.NAME not in launched and da._SPEC.name in launched
+    for got in (first, second):
+        a, b = np.array(got), np.array(want)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-5

@@ -5,7 +5,8 @@ A decode step (one query token, no mask) over a cache whose compressed tokens ar
 the window) needs neither the q rotation, nor the split merge, nor the ~10 small operations of
 the exact block as separate launches:
 
-    decode_attend_partials   rotates q in the kernel, writes each split's softmax state
+    decode_attend_partials   rotates q in the kernel, writes each split's softmax state (on
+                             CUDA, 4-bit keys and values: `decode_attend_mma`, tensor cores)
     decode_finish            merges the splits, rotates the values back, attends the sink and
                              the window, normalizes, adds the value mean, casts
 
@@ -23,6 +24,7 @@ import mlx.core as mx
 
 from longctx.kernels import _prelude
 from longctx.kernels import decode_attend as da
+from longctx.kernels import decode_attend_mma as dm
 from longctx.kernels import decode_finish as df
 from longctx.kvcache import attend_fused
 from longctx.kvcache.attend_fused import kernel_table
@@ -41,8 +43,8 @@ def applies(kv: CompressedKV, mask, lq: int, rows: int) -> bool:
     if kc.dim != p or vc.dim != p or vc.padded_dim != p:
         return False
     return (_prelude.backend() != "cpu" and df.supported(p, rows)
-            and da.rotates_queries(p, rows, vc.spec.bits) and kv.segments[0][2] > 0
-            and not _prelude.failed("lc_decode_finish"))
+            and (dm.applies(p, rows, kc, vc) or da.rotates_queries(p, rows, vc.spec.bits))
+            and kv.segments[0][2] > 0 and not _prelude.failed("lc_decode_finish"))
 
 
 _COMPILED: OrderedDict = OrderedDict()  # key -> compiled step (attend_fused.lookup / remember)
@@ -50,9 +52,13 @@ _COMPILED: OrderedDict = OrderedDict()  # key -> compiled step (attend_fused.loo
 
 def _step(kc, vc, scale, dtype, q, seg_k, seg_v, k_arrays, v_arrays, sink, window, count,
           mean):
-    partials = da.decode_attend_partials(q, seg_k, seg_v, k_arrays[0], v_arrays[0], k_arrays[1],
-                                         key_bits=kc.spec.bits, value_bits=vc.spec.bits,
-                                         scale=scale)
+    if dm.applies(q.shape[3], q.shape[2], kc, vc) and not _prelude.failed(dm.NAME):
+        partials = dm.decode_attend_mma_partials(q, seg_k, seg_v, k_arrays[0], k_arrays[1],
+                                                 scale=scale)
+    else:
+        partials = da.decode_attend_partials(q, seg_k, seg_v, k_arrays[0], v_arrays[0],
+                                             k_arrays[1], key_bits=kc.spec.bits,
+                                             value_bits=vc.spec.bits, scale=scale)
     return df.decode_finish(*partials, q, tuple(sink) if sink else None,
                             tuple(window) if window else None, v_arrays[1], mean, scale, dtype,
                             valid_array=count)
@@ -84,7 +90,8 @@ def attention(queries, kv: CompressedKV, scale: float):
     key = (kc.dim, kc.spec, vc.spec, float(scale), queries.dtype, q.shape, length,
            tuple(a.shape for a in sink), tuple(a.shape for a in window), kv.sink is not None and
            kv.sink[0].dtype, da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS,
-           da.SM_COUNT, da.MIN_SPLIT_TILES)
+           da.SM_COUNT, da.MIN_SPLIT_TILES, dm.ENABLED, dm.TG_PER_SM,
+           _prelude.failed(dm.NAME))
     dtype = queries.dtype  # the closure below must not keep this call's arrays alive
     # An executor sees every launch, and `LONGCTX_COMPILE=0` / `question` ask for eager steps
     eager = attend_fused.executor_installed() or not attend_fused.compile_wanted(1)

@@ -1,0 +1,523 @@
+"""One decode step's compressed attention on tensor cores (CUDA): 4-bit keys and values, <= 8 rows.
+
+The same function as `decode_attend.decode_attend_partials` (unrotated queries in, each split's
+softmax state out, merged by `decode_finish`), for the default preset's shape of work: single-stage
+4-bit keys and values with one codebook, no QJL, D = P in 64/128/256, up to 8 query rows per KV
+head (GQA 1..8 at one token). Both products run as `mma.sync.m16n8k16` (fp16 in, fp32
+accumulate) instead of CUDA-core FMAs: the portable kernel spends ~20 instructions per key-dim
+pair (8 FMAs for 4 rows, two table reads, a q read, code extraction) and is issue-bound at 128k.
+
+    s^T (16 keys x 8 rows) = K^T (16 keys x 16 dims) . Qs^T (16 dims x 8 rows), P/16 steps
+    O^T (16 dims x 8 rows) += V^T (16 dims x 16 keys) . P'^T (16 keys x 8 rows), P/16 tiles
+
+with Qs = q rotated, times scale * log2(e) (scores in base 2), s = s^T * norm_k, P' = exp2(s - m)
+* norm_v (the value norm folded into the weights, fp16). Rows past R are zero queries whose
+states are never written.
+
+Decoding codes into fragments. A 4-bit code table T (16 centroids) becomes a pair table in shared
+memory: entry x (one byte, two codes) holds the fp16 pair (T[x & 15], T[x >> 4]), one half2
+register of an MMA operand. The table is replicated 32 times (entry x of copy l at word 32 x + l,
+lane l reads copy l), so any 32 lookups hit 32 distinct banks; a lookup is a byte extract
+(`prmt`), one IMAD/LEA from a 32-bit shared address and one shared load.
+- Keys: a register of the score MMA's A operand holds two adjacent dims of one key, i.e. one
+  byte of the packed row (byte t of words 2s and 2s + 1 for lane t of a quad).
+- Values: a register of the V^T operand holds ONE dim of TWO keys (the MMA reduces over keys),
+  so its byte comes from two rows. The PV MMA's output rows are assigned to dims so that a
+  thread reads few words at compile-time nibble positions: row m of tile j is dim 8 w + n with
+  (P >= 128) w = m + 16 (j % (P / 128)), n = j / (P / 128), or (P = 64) w = m % 8,
+  n = 2 j + m / 8. Per block a thread reads 2 P / 128 words of each of its 4 key rows and turns
+  each key pair's word into two words of pair indices with 2 logic ops each, (x0 & 0x0F0F0F0F) |
+  ((x1 << 4) & 0xF0F0F0F0) and the odd nibbles likewise: one byte per nibble position.
+
+Thread plan. One threadgroup of 4 warps per (b, h, split); a split is a multiple of 64 keys, the
+launch about one wave (4 threadgroups per SM: 55 KiB of shared memory and 128 registers a thread
+at P = 128; 3 at P = 256). Each warp owns every 4th block of 16 keys of its split and keeps its
+own online softmax state; it stages its blocks' packed key and value rows with 16-byte `cp.async`
+copies (word by word where strides or alignment forbid), double-buffered, and loads their norms a
+block ahead, so the next block is in flight while this one computes (warp-private: no threadgroup
+barrier in the loop). Per block: the score MMAs, norms and mask, the row maxima over the 16 keys
+(3 shuffles), the accumulator rescale only when a maximum moved (warp vote), P' through 256 bytes
+of shared memory into the PV operand layout, the PV MMAs. At the end the 4 warps' states are
+merged in shared memory (the pair table's space) and the split's (m, l, acc) written, m in
+natural-log units as `decode_attend` writes it.
+
+Measured (H200, MLX 0.32.4 CUDA, Llama-3.1-8B shapes, 128k, tq4; ncu in
+benchmarks/results/attend_h200_ncu.txt): 91.8 us (the portable kernel: 141 us), 40.7M warp
+instructions (86M), 128 registers, 16 warps per SM. Bound by latency now, not issue: 0.43
+instructions per scheduler-cycle, the top stalls long scoreboard (2.0 cycles per instruction,
+the staged rows' arrival) and fixed-latency waits (1.3, the score MMAs' dependent chain); DRAM
+at 32%. The whole step at 128k: 0.128 ms vs MLX fp16 SDPA 0.141 (benchmarks/attend.py).
+
+CUDA only: `mma.sync` and `cp.async` have no Metal spelling in the prelude (a
+`simdgroup_matrix` port is the Metal counterpart still to write). Metal, and every shape this
+kernel does not take, use the portable kernel; `decode_attend.decode_attend_partials` is the
+reference of both. The emulator (tests/kernel_emu.py) runs this body with the MMA's PTX fragment
+layouts, so its indexing is tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ._prelude import KernelSpec, Launch, backend, constant, groups, run
+from . import decode_attend as da
+
+LOG2E = 1.4426950408889634
+NT = 128  # threads per threadgroup: 4 warps
+NWARP = NT // 32
+BLOCK = 16  # keys per warp block (the MMA's M)
+DIMS = (64, 128, 256)
+MAX_ROWS = 8  # the MMA's N
+ENABLED = True  # benchmarks/attend.py turns it off for the portable kernel's rows
+TG_PER_SM = 4  # threadgroups per SM at P <= 128 (shared memory: 4 x 55 KiB at P = 128)
+
+_HEADER = r"""
+#if defined(LC_METAL)
+#error "decode_attend_mma is CUDA only"
+#endif
+#if defined(LC_CUDA)
+#define LC_DYN_SHARED(name) extern __shared__ __align__(16) uint32_t name[]
+#define LC_HALF __half
+LC_FN void lc_mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+LC_FN void lc_cp_async16(uint32_t* smem, const uint32_t* gmem) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+#define LC_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::)
+#define LC_CP_WAIT1() asm volatile("cp.async.wait_group 1;\n" ::)
+#define LC_CP_WAIT0() asm volatile("cp.async.wait_all;\n" ::)
+#define LC_SYNCWARP() __syncwarp()
+#define LC_BYTE(w, i) __byte_perm((w), 0u, 0x4440u | (uint32_t)(i))
+#define LC_U2 uint2
+#define LC_LD_U2(p) (*reinterpret_cast<const uint2*>(p))
+LC_FN uint32_t lc_pack_h2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+// A shared-memory load from a 32-bit shared-window address (no side effects: the compiler may
+// schedule it freely; the table it reads is written once, before the first barrier).
+LC_FN uint32_t lc_lds_u32(uint32_t addr) {
+  uint32_t v;
+  asm("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+LC_FN float lc_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
+LC_FN bool lc_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
+#endif
+"""
+
+NAME = "lc_decode_attend_mma"
+
+_SPEC = KernelSpec(
+    name=NAME,
+    inputs=("q", "k_idx", "k_norm", "v_idx", "v_norm", "table", "params", "scales", "q_signs"),
+    outputs=("m_out", "l_out", "acc_out"),
+    row_contiguous=False,
+    header=_HEADER,
+    source=r"""
+  constexpr int WK = P / 8;          // words of a packed 4-bit row
+  constexpr int RS = WK + 4;         // staged row stride: 16-byte rows, 8 rows' LDS.64 conflict-free
+  constexpr int KS = P / 16;         // 16-dim steps of the score MMA = 16-dim tiles of the output
+  constexpr int CH = WK / 4;         // 16-byte chunks per row
+  constexpr int NWP = NT / 32;
+  constexpr int STG = 32 * RS;       // one stage: 16 key rows, then 16 value rows
+  constexpr int TAB = 256 * 32;      // pair table, 32 copies
+  // Output rows of the PV MMA: row m (0..15) of tile j is dim 8 VW + VN, chosen so that a
+  // thread's value codes come from few words at nibble positions known at compile time:
+  //   P = 64:   VW = m % 8,                  VN = 2 j + m / 8  (one word per key row)
+  //   P >= 128: VW = m + 16 (j % (P / 128)), VN = j / (P / 128) (2 P / 128 words per key row)
+  constexpr int NSL = P == 64 ? 1 : 2 * (P / 128);  // words per key row a thread reads
+#define SLOTW(u) (P == 64 ? g : g + 8 * ((u) & 1) + 16 * ((u) >> 1))
+#define VDIM(j, m) (P == 64 ? 8 * ((m) & 7) + 2 * (j) + ((m) >> 3) \
+                             : 8 * ((m) + 16 * ((j) % (P / 128))) + (j) / (P / 128))
+  LC_DYN_SHARED(lc_smem);
+  uint32_t* tab = lc_smem;
+  uint32_t* stg = lc_smem + TAB;                   // [warp][2][STG]
+  uint32_t* ptb = stg + NWP * 2 * STG;             // [warp][64 words]: P' fp16 [row 0..7][key 0..15]
+  float* mlb = (float*)(ptb + NWP * 64);           // m [warp][8], then l [warp][8]
+  float* qst = (float*)stg;                        // q staging, before the first copy
+  float* red = (float*)tab;                        // [warp][8][P], after the loop
+
+  const int L = params[0];
+  const int chunk = params[1];
+  const int S = params[2];
+  const int H = q_shape[1];
+  const int tid = (int)lc_tid;
+  const int lane = (int)lc_lane;
+  const int warp = (int)lc_warp;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int split = (int)(lc_tg % (uint32_t)S);
+  const int bh = (int)(lc_tg / (uint32_t)S);
+  const int hh = bh % H;
+  const int bb = bh / H;
+  const int k0 = split * chunk;
+  const int k1 = (k0 + chunk < L) ? k0 + chunk : L;
+
+  // per-head base pointers, 32-bit strides within a head (fewer live registers)
+  const auto kip = k_idx + (bb * k_idx_strides[0] + hh * k_idx_strides[1]);
+  const int kis = (int)k_idx_strides[2];
+  const int kiw = (int)k_idx_strides[3];
+  const auto vip = v_idx + (bb * v_idx_strides[0] + hh * v_idx_strides[1]);
+  const int vis = (int)v_idx_strides[2];
+  const int viw = (int)v_idx_strides[3];
+  const auto knp = k_norm + (bb * k_norm_strides[0] + hh * k_norm_strides[1]);
+  const int kns = (int)k_norm_strides[2];
+  const auto vnp = v_norm + (bb * v_norm_strides[0] + hh * v_norm_strides[1]);
+  const int vns = (int)v_norm_strides[2];
+  // 16-byte copies need 16-byte aligned rows: unit word stride, row strides of 4 words
+  const bool vec = kiw == 1 && viw == 1 && kis % 4 == 0 && vis % 4 == 0
+                   && reinterpret_cast<uintptr_t>(kip) % 16 == 0
+                   && reinterpret_cast<uintptr_t>(vip) % 16 == 0;
+
+  // 1. The pair table: entry x = (T[x & 15], T[x >> 4]) as fp16, copy l at word 32 x + l.
+  for (int e = tid; e < TAB; e += NT) {
+    const int x = e >> 5;
+    tab[e] = lc_pack_h2(table[x & 15], table[x >> 4]);
+  }
+  // 2. q: signs, the Walsh-Hadamard butterfly over each row, scale; then the score MMA's B
+  // fragments (row g, dims 16 s + 2 t, +1, +8, +9), kept in registers.
+  const int64_t qo = bb * q_strides[0] + hh * q_strides[1];
+  for (int i = tid; i < R * P; i += NT) {
+    const int r = i / P;
+    const int d = i - r * P;
+    qst[i] = LC_TOF(q[qo + r * q_strides[2] + d * q_strides[3]]) * q_signs[d];
+  }
+  LC_BARRIER();
+  LC_WHT_ROWS(qst, R, P, NT, tid)
+  const float qs_all = scales[0] * scales[1];  // scale * log2(e) / sqrt(P)
+  uint32_t qf[KS][2];
+  LC_UNROLL for (int s = 0; s < KS; ++s) {
+    const int d = g * P + 16 * s + 2 * t;
+    qf[s][0] = g < R ? lc_pack_h2(qst[d] * qs_all, qst[d + 1] * qs_all) : 0u;
+    qf[s][1] = g < R ? lc_pack_h2(qst[d + 8] * qs_all, qst[d + 9] * qs_all) : 0u;
+  }
+  LC_BARRIER();  // the stages overwrite qst
+
+  // Copy block kb's key and value rows (keys past the split read the split's first row, masked
+  // below) into this warp's stage buf.
+  // Lane l copies chunk (l % CH) of rows l / CH + RPJ j: key rows for j < CH / 2, value rows
+  // after; a block that ends past the split clamps its rows to the split's first.
+  constexpr int RPJ = 32 / CH;
+  const int crow = lane / CH;
+  const int cpart = lane - crow * CH;
+  auto stage = [&](int kb, int buf) {
+    uint32_t* dst = stg + (warp * 2 + buf) * STG + crow * RS + 4 * cpart;
+    const bool full = kb + BLK <= k1;
+    LC_UNROLL for (int j = 0; j < CH; ++j) {
+      const bool isv = j >= CH / 2;
+      const int kr = crow + RPJ * (isv ? j - CH / 2 : j);  // key within the block
+      const int key = full || kb + kr < k1 ? kb + kr : k0;
+      uint32_t* d = dst + (isv ? 16 * RS : 0) + RPJ * (isv ? j - CH / 2 : j) * RS;
+      if (vec) {
+        lc_cp_async16(d, isv ? vip + (key * vis + 4 * cpart) : kip + (key * kis + 4 * cpart));
+      } else {
+        LC_UNROLL for (int w = 0; w < 4; ++w)
+          d[w] = isv ? vip[key * vis + (4 * cpart + w) * viw]
+                     : kip[key * kis + (4 * cpart + w) * kiw];
+      }
+    }
+  };
+
+  float m0 = -LC_INF, m1 = -LC_INF, l0 = 0.0f, l1 = 0.0f;  // rows 2t, 2t+1
+  float acc[KS][4];  // O^T [dims VDIM(j, g), VDIM(j, g + 8)] x [rows 2t, 2t + 1]
+  LC_UNROLL for (int j = 0; j < KS; ++j) {
+    acc[j][0] = 0.0f;
+    acc[j][1] = 0.0f;
+    acc[j][2] = 0.0f;
+    acc[j][3] = 0.0f;
+  }
+  // entry x of this lane's copy of the pair table (CUDA: a shared-window address, one LEA)
+#if defined(LC_CUDA)
+  const uint32_t tabl = (uint32_t)__cvta_generic_to_shared(tab + lane);
+#define LC_TAB(x) lc_lds_u32(tabl + ((uint32_t)(x) << 7))
+#else
+  const uint32_t* tabl = tab + lane;
+#define LC_TAB(x) tabl[(x) * 32u]
+#endif
+  uint32_t* ptw = ptb + warp * 64;
+  uint16_t* pth = reinterpret_cast<uint16_t*>(ptw);
+  constexpr int STEP = BLK * NWP;
+  // The norms of keys g and g + 8 of a block (past the split: the split's first key, masked),
+  // loaded a block ahead like the rows, converted when used.
+  auto norms = [&](int kb, LC_HALF* n) {
+    const int ka = kb + g < k1 ? kb + g : k0;
+    const int kc = kb + g + 8 < k1 ? kb + g + 8 : k0;
+    n[0] = knp[ka * kns];
+    n[1] = knp[kc * kns];
+    n[2] = vnp[ka * vns];
+    n[3] = vnp[kc * vns];
+  };
+  int kb = k0 + BLK * warp;
+  LC_HALF nc[4];
+  if (kb < k1) {
+    stage(kb, 0);
+    norms(kb, nc);
+  }
+  LC_CP_COMMIT();
+  for (int it = 0; kb < k1; ++it, kb += STEP) {
+    LC_HALF nn[4];
+    if (kb + STEP < k1) {
+      stage(kb + STEP, (it + 1) & 1);
+      norms(kb + STEP, nn);
+    }
+    LC_CP_COMMIT();
+    LC_CP_WAIT1();
+    LC_SYNCWARP();
+    const uint32_t* ks = stg + (warp * 2 + (it & 1)) * STG;
+    const uint32_t* vs = ks + 16 * RS;
+    const int ka = kb + g;
+    const int kc = ka + 8;
+    const float nka = LC_TOF(nc[0]);
+    const float nkc = LC_TOF(nc[1]);
+    const float nva = ka < k1 ? LC_TOF(nc[2]) : 0.0f;
+    const float nvc = kc < k1 ? LC_TOF(nc[3]) : 0.0f;
+    LC_UNROLL for (int i = 0; i < 4; ++i) nc[i] = nn[i];
+
+    // scores: keys g and g + 8 of the block, rows 2t and 2t + 1
+    float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // a second chain (SC = 2) where registers allow
+    LC_UNROLL for (int s = 0; s < KS; ++s) {
+      const LC_U2 wa = LC_LD_U2(ks + g * RS + 2 * s);
+      const LC_U2 wc = LC_LD_U2(ks + (g + 8) * RS + 2 * s);
+      uint32_t a[4];
+      a[0] = LC_TAB(LC_BYTE(wa.x, t));
+      a[1] = LC_TAB(LC_BYTE(wc.x, t));
+      a[2] = LC_TAB(LC_BYTE(wa.y, t));
+      a[3] = LC_TAB(LC_BYTE(wc.y, t));
+      if (SC == 2 && (s & 1)) lc_mma_16816(sb, a, qf[s]);
+      else lc_mma_16816(sa, a, qf[s]);
+    }
+    float s0 = (sa[0] + sb[0]) * nka;
+    float s1 = (sa[1] + sb[1]) * nka;
+    float s2 = (sa[2] + sb[2]) * nkc;
+    float s3 = (sa[3] + sb[3]) * nkc;
+    if (ka >= k1) { s0 = -LC_INF; s1 = -LC_INF; }
+    if (kc >= k1) { s2 = -LC_INF; s3 = -LC_INF; }
+
+    // online softmax per row over the warp's blocks
+    float b0 = LC_MAX(s0, s2);
+    float b1 = LC_MAX(s1, s3);
+    LC_UNROLL for (int o = 4; o < 32; o <<= 1) {
+      b0 = LC_MAX(b0, lc_shfl_xor(b0, o));
+      b1 = LC_MAX(b1, lc_shfl_xor(b1, o));
+    }
+    const float n0 = LC_MAX(m0, b0);
+    const float n1 = LC_MAX(m1, b1);
+    const float u0 = n0 == -LC_INF ? 0.0f : n0;
+    const float u1 = n1 == -LC_INF ? 0.0f : n1;
+    if (lc_any(n0 > m0 || n1 > m1)) {
+      const float c0 = LC_EXP2(m0 - u0);  // m = -inf: 0
+      const float c1 = LC_EXP2(m1 - u1);
+      l0 *= c0;
+      l1 *= c1;
+      LC_UNROLL for (int j = 0; j < KS; ++j) {
+        acc[j][0] *= c0;
+        acc[j][1] *= c1;
+        acc[j][2] *= c0;
+        acc[j][3] *= c1;
+      }
+      m0 = n0;
+      m1 = n1;
+    }
+    const float p0 = LC_EXP2(s0 - u0);
+    const float p1 = LC_EXP2(s1 - u1);
+    const float p2 = LC_EXP2(s2 - u0);
+    const float p3 = LC_EXP2(s3 - u1);
+    l0 += p0 + p2;
+    l1 += p1 + p3;
+    // P' (keys g, g + 8 x rows 2t, 2t + 1) -> [row][key] fp16 -> the PV MMA's B fragment
+    pth[(2 * t) * 16 + g] = (uint16_t)LC_F2H_BITS(p0 * nva);
+    pth[(2 * t + 1) * 16 + g] = (uint16_t)LC_F2H_BITS(p1 * nva);
+    pth[(2 * t) * 16 + g + 8] = (uint16_t)LC_F2H_BITS(p2 * nvc);
+    pth[(2 * t + 1) * 16 + g + 8] = (uint16_t)LC_F2H_BITS(p3 * nvc);
+    LC_SYNCWARP();
+    uint32_t pb[2];
+    pb[0] = ptw[g * 8 + t];      // row g, keys 2t, 2t + 1
+    pb[1] = ptw[g * 8 + 4 + t];  // row g, keys 2t + 8, 2t + 9
+
+    // values: a register of the V^T operand is one dim of keys (2t, 2t + 1) or (2t + 8, 2t + 9).
+    // Its row m of tile j is the dim at word VW(j, m), nibble VN(j, m) (see the top): this
+    // thread reads NSL words of each of its 4 key rows once per block, and each key pair's
+    // words become two words of pair-table indices, one byte per nibble position.
+    uint32_t pa[NSL][2], pc[NSL][2];  // keys (2t, 2t + 1), (2t + 8, 2t + 9): [slot][even, odd]
+    LC_UNROLL for (int u = 0; u < NSL; ++u) {
+      const int w = SLOTW(u);
+      const uint32_t x0 = vs[(2 * t) * RS + w];
+      const uint32_t x1 = vs[(2 * t + 1) * RS + w];
+      const uint32_t x2 = vs[(2 * t + 8) * RS + w];
+      const uint32_t x3 = vs[(2 * t + 9) * RS + w];
+      pa[u][0] = (x0 & 0x0F0F0F0Fu) | ((x1 << 4) & 0xF0F0F0F0u);
+      pa[u][1] = ((x0 >> 4) & 0x0F0F0F0Fu) | (x1 & 0xF0F0F0F0u);
+      pc[u][0] = (x2 & 0x0F0F0F0Fu) | ((x3 << 4) & 0xF0F0F0F0u);
+      pc[u][1] = ((x2 >> 4) & 0x0F0F0F0Fu) | (x3 & 0xF0F0F0F0u);
+    }
+    LC_UNROLL for (int j = 0; j < KS; ++j) {
+      uint32_t a[4];
+      if (P == 64) {  // rows g, g + 8: nibbles 2j, 2j + 1 of word g
+        a[0] = LC_TAB(LC_BYTE(pa[0][0], j));
+        a[1] = LC_TAB(LC_BYTE(pa[0][1], j));
+        a[2] = LC_TAB(LC_BYTE(pc[0][0], j));
+        a[3] = LC_TAB(LC_BYTE(pc[0][1], j));
+      } else {  // rows g, g + 8: words g + 16 (j % A), + 8; nibble j / A
+        constexpr int A = WK / 16 > 0 ? WK / 16 : 1;
+        const int u = 2 * (j % A);
+        const int nb = j / A;
+        a[0] = LC_TAB(LC_BYTE(pa[u][nb & 1], nb >> 1));
+        a[1] = LC_TAB(LC_BYTE(pa[u + 1][nb & 1], nb >> 1));
+        a[2] = LC_TAB(LC_BYTE(pc[u][nb & 1], nb >> 1));
+        a[3] = LC_TAB(LC_BYTE(pc[u + 1][nb & 1], nb >> 1));
+      }
+      lc_mma_16816(acc[j], a, pb);
+    }
+    LC_SYNCWARP();  // the stage and P' are rewritten by the next blocks
+  }
+  LC_CP_WAIT0();
+
+  // 3. The 4 warps' states merged: l over the 8 lanes of a row, then through shared memory.
+  LC_UNROLL for (int o = 4; o < 32; o <<= 1) {
+    l0 += lc_shfl_xor(l0, o);
+    l1 += lc_shfl_xor(l1, o);
+  }
+  LC_BARRIER();  // every warp is done with the table and its stages
+  if (g == 0) {
+    mlb[warp * 8 + 2 * t] = m0;
+    mlb[warp * 8 + 2 * t + 1] = m1;
+    mlb[NWP * 8 + warp * 8 + 2 * t] = l0;
+    mlb[NWP * 8 + warp * 8 + 2 * t + 1] = l1;
+  }
+  LC_BARRIER();
+  float M0 = -LC_INF, M1 = -LC_INF;
+  LC_UNROLL for (int w = 0; w < NWP; ++w) {
+    M0 = LC_MAX(M0, mlb[w * 8 + 2 * t]);
+    M1 = LC_MAX(M1, mlb[w * 8 + 2 * t + 1]);
+  }
+  const float f0 = m0 == -LC_INF ? 0.0f : LC_EXP2(m0 - M0);
+  const float f1 = m1 == -LC_INF ? 0.0f : LC_EXP2(m1 - M1);
+  LC_UNROLL for (int j = 0; j < KS; ++j) {
+    const int r0 = (warp * 8 + 2 * t) * P;
+    red[r0 + VDIM(j, g)] = acc[j][0] * f0;
+    red[r0 + P + VDIM(j, g)] = acc[j][1] * f1;
+    red[r0 + VDIM(j, g + 8)] = acc[j][2] * f0;
+    red[r0 + P + VDIM(j, g + 8)] = acc[j][3] * f1;
+  }
+#undef SLOTW
+#undef VDIM
+#undef LC_TAB
+  LC_BARRIER();
+  const int64_t so = (int64_t)bh * S + split;
+  for (int i = tid; i < R * P; i += NT) {
+    const int r = i / P;
+    const int d = i - r * P;
+    float a = 0.0f;
+    LC_UNROLL for (int w = 0; w < NWP; ++w) a += red[(w * 8 + r) * P + d];
+    acc_out[so * (R * P) + i] = a;
+  }
+  if (tid < R) {
+    float M = -LC_INF;
+    LC_UNROLL for (int w = 0; w < NWP; ++w) M = LC_MAX(M, mlb[w * 8 + tid]);
+    float l = 0.0f;
+    LC_UNROLL for (int w = 0; w < NWP; ++w) {
+      const float mw = mlb[w * 8 + tid];
+      if (mw != -LC_INF) l += mlb[NWP * 8 + w * 8 + tid] * LC_EXP2(mw - M);
+    }
+    m_out[so * R + tid] = M == -LC_INF ? -LC_INF : M * 0.6931471805599453f;  // natural log
+    l_out[so * R + tid] = l;
+  }
+""",
+)
+
+_SPECS: dict = {}
+
+
+def shared_bytes(p: int) -> int:
+    """Dynamic shared memory of one threadgroup at head dim p: the pair table, the warps' double
+    stages of 16 key and 16 value rows, P' and the merge's m and l."""
+    rs = p // 8 + 4
+    return 4 * (256 * 32 + NWARP * 2 * 32 * rs + NWARP * 64 + 2 * NWARP * 8)
+
+
+def resident(p: int) -> int:
+    """Threadgroups per SM the launch is sized for (registers are capped to fit them): TG_PER_SM,
+    or 3 at P = 256 (70 KiB of shared memory each)."""
+    return TG_PER_SM if p <= 128 else 3
+
+
+def _spec(p: int) -> KernelSpec:
+    if p not in _SPECS:
+        import dataclasses
+
+        _SPECS[p] = dataclasses.replace(_SPEC, shared_memory=shared_bytes(p),
+                                        header=_HEADER + da._min_blocks_header(resident(p)))
+    return _SPECS[p]
+
+
+def applies(p: int, rows: int, key_codec, value_codec) -> bool:
+    """Whether a decode step's partials can run here: a CUDA backend (or an executor standing in
+    for it), `ENABLED`, single-stage 4-bit keys and values sharing one codebook (the pair table),
+    no QJL, D = P in DIMS, 1..8 rows."""
+    kc, vc = key_codec, value_codec
+    return (ENABLED and backend() == "cuda" and p in DIMS and 1 <= rows <= MAX_ROWS
+            and kc.rvq is None and vc.rvq is None and not kc.spec.qjl and not vc.spec.qjl
+            and kc.spec.bits == 4 and vc.spec.bits == 4 and kc.codebook is vc.codebook
+            and kc.dim == p and vc.dim == p and kc.padded_dim == p and vc.padded_dim == p)
+
+
+def splits(length: int, bh: int, p: int = 128) -> tuple[int, int]:
+    """(chunk, splits): chunks of whole 64-key tiles, about one wave of threadgroups in all."""
+    tile = BLOCK * NWARP
+    tiles = groups(length, tile)
+    want = max(1, min(tiles, groups(da.SM_COUNT * resident(p), bh)))
+    chunk = groups(tiles, want) * tile
+    return chunk, groups(length, chunk)
+
+
+def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale):
+    """Each split's softmax state of a decode step's rows over one 4-bit compressed segment.
+
+    Args:
+        queries: (B, H, R, P) unrotated, any float dtype, rows grouped per KV head, R <= 8.
+        keys, values: dicts with idx (B, H, L, P/8) uint32 and norm (B, H, L), as
+            `VectorCodec.encode` stores them (any strides).
+        table: (16,) float32, the one codebook of keys and values.
+        signs: (P,) float32, the key rotation's +-1 diagonal.
+        scale: score scale.
+
+    Returns:
+        (m_p (B*H, S, R), l_p (B*H, S, R), acc_p (B*H, S, R, P)) float32, natural-log units, in
+        the values' rotated frame: `decode_attend.decode_attend_partials`' outputs (the products
+        in fp16 with fp32 accumulation, so equal to them within fp16 rounding).
+    """
+    B, H, R, P = queries.shape
+    L = keys["norm"].shape[2]
+    kw = dict(key_bits=4, value_bits=4, scale=scale)
+    if backend() == "cpu" or L == 0:
+        return da.decode_attend_partials(queries, keys, values, table, table, signs, **kw)
+    chunk, n_split = splits(L, B * H, P)
+    params = constant((L, chunk, n_split), mx.int32)
+    scales = constant((scale * LOG2E, 1.0 / math.sqrt(P)), mx.float32)
+    u32, f16, f32 = mx.uint32, mx.float16, mx.float32
+    inputs = [queries, da._as(keys["idx"], u32), da._as(keys["norm"], f16),
+              da._as(values["idx"], u32), da._as(values["norm"], f16), da._as(table, f32),
+              params, scales, da._as(signs, f32)]
+    # two score chains only at P = 256: at 128 the second spills under the 128-register cap
+    template = [("P", P), ("R", R), ("NT", NT), ("BLK", BLOCK), ("SC", 2 if P == 256 else 1),
+                ("QT", queries.dtype)]
+
+    def reference():
+        return da._reference_partials(n_split, da._rotate_reference(queries, signs), keys,
+                                      values, table, table, **kw)
+
+    n = B * H * n_split
+    return run(_spec(P), Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
+                                [(B * H, n_split, R), (B * H, n_split, R),
+                                 (B * H, n_split, R, P)], [f32] * 3),
+               reference=reference)
