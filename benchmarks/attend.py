@@ -241,6 +241,9 @@ def main() -> None:
                     help="query and KV heads (default Llama-3.1-8B's 32 8; Qwen2.5-7B: 28 4)")
     ap.add_argument("--profile", action="store_true",
                     help="only run the tq4 kernels at the largest length (for ncu), no output")
+    ap.add_argument("--mma-variants", nargs="+", metavar="WARPS,STAGES",
+                    help="only the tq4 step and fp16 SDPA, for these tensor-core kernel shapes "
+                         "(e.g. 4,2 8,3), merged as `mma_variants` into the results file")
     args = ap.parse_args()
     HQ, HKV = args.heads
     if HQ % HKV:
@@ -253,6 +256,9 @@ def main() -> None:
                    lambda: _portable(q, view, D ** -0.5)):
             for _ in range(8):
                 mx.eval(fn())
+        return
+    if args.mma_variants:
+        mma_variants(args)
         return
     rows, sweeps, checks = [], {}, {}
     for s in args.lengths:
@@ -285,8 +291,45 @@ def main() -> None:
         "knobs": {"TARGET_GROUPS": da.TARGET_GROUPS or "auto", "SM_COUNT": da.SM_COUNT,
                   "NT": da.NT, "PREFETCH": da.PREFETCH, "MIN_SPLIT_TILES": da.MIN_SPLIT_TILES,
                   "MIN_BLOCKS": da.MIN_BLOCKS, "STAGE_WORDS": da.STAGE_WORDS,
-                  "MMA_ENABLED": dm.ENABLED, "MMA_TG_PER_SM": dm.TG_PER_SM}})
+                  "MMA_ENABLED": dm.ENABLED, "MMA_WARPS": dm.WARPS, "MMA_STAGES": dm.STAGES}})
     print(f"wrote {path}")
+
+
+def mma_variants(args) -> None:
+    """The whole tq4 step with the tensor-core kernel at other threadgroup shapes (warps per
+    threadgroup, row stages per warp), fp16 SDPA beside it, each length one environment; the
+    rows replace `mma_variants` in the results file, the rest of the file is kept."""
+    import json
+
+    from _common import RESULTS, environment
+
+    rows = []
+    saved = dm.WARPS, dm.STAGES
+    try:
+        for s in args.lengths:
+            env = setup(s, presets=("tq4",), affine=False)
+            q, k, v, view, scale = env["q"], env["k"], env["v"], env["tq4"], D ** -0.5
+            fp16 = lambda: mx.fast.scaled_dot_product_attention(  # noqa: E731
+                q, k, v, scale=scale)
+            variants = [tuple(int(x) for x in v.split(",")) for v in args.mma_variants]
+            for label, fn, knobs in ([("fp16_sdpa", fp16, None)]
+                                     + [(f"fused_tq4_w{w}s{st}", None, (w, st))
+                                        for w, st in variants]):
+                if knobs:
+                    dm.WARPS, dm.STAGES = knobs
+                    fn = lambda: compressed_attention(q, view, scale)  # noqa: E731
+                rows.append({"S": s, "method": label, "warps": knobs and knobs[0],
+                             "stages": knobs and knobs[1], "sync_ms": sync_ms(fn),
+                             "pipelined_ms": pipelined_ms(fn)})
+                print(rows[-1], flush=True)
+            del env
+    finally:
+        dm.WARPS, dm.STAGES = saved
+    path = RESULTS / f"{args.name or 'attend_' + _prelude.backend()}.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data["mma_variants"] = {"environment": environment(), "rows": rows}
+    path.write_text(json.dumps(data, indent=1))
+    print(f"merged mma_variants into {path}")
 
 
 def torch_rows(s: int, steps: int = 30, reps: int = 7) -> list:

@@ -29,12 +29,12 @@ lane l reads copy l), so any 32 lookups hit 32 distinct banks; a lookup is a byt
   each key pair's word into two words of pair indices with 2 logic ops each, (x0 & 0x0F0F0F0F) |
   ((x1 << 4) & 0xF0F0F0F0) and the odd nibbles likewise: one byte per nibble position.
 
-Thread plan. One threadgroup of 4 warps per (b, h, split); a split is a multiple of 64 keys, the
-launch about one wave (4 threadgroups per SM: 55 KiB of shared memory and 128 registers a thread
-at P = 128; 3 at P = 256). Each warp owns every 4th block of 16 keys of its split and keeps its
-own online softmax state; it stages its blocks' packed key and value rows with 16-byte `cp.async`
-copies (word by word where strides or alignment forbid), double-buffered, and loads their norms a
-block ahead, so the next block is in flight while this one computes (warp-private: no threadgroup
+Thread plan. One threadgroup of WARPS warps (4) per (b, h, split); a split is a multiple of
+16 x WARPS keys, the launch about one wave (4 threadgroups per SM: 55 KiB of shared memory and
+128 registers a thread at P = 128; 3 at P = 256). Each warp owns every WARPS-th block of 16 keys
+of its split and keeps its own online softmax state; it stages its blocks' packed key and value
+rows with 16-byte `cp.async` copies (word by word where strides or alignment forbid), STAGES
+blocks deep (2: double-buffered), and loads their norms a block ahead, so the next block is in flight while this one computes (warp-private: no threadgroup
 barrier in the loop). Per block: the score MMAs, norms and mask, the row maxima over the 16 keys
 (3 shuffles), the accumulator rescale only when a maximum moved (warp vote), P' through 256 bytes
 of shared memory into the PV operand layout, the PV MMAs. At the end the 4 warps' states are
@@ -65,13 +65,13 @@ from ._prelude import KernelSpec, Launch, backend, constant, groups, run
 from . import decode_attend as da
 
 LOG2E = 1.4426950408889634
-NT = 128  # threads per threadgroup: 4 warps
-NWARP = NT // 32
+WARPS = 4  # warps per threadgroup (each owns every WARPS-th block of its split)
+STAGES = 2  # blocks of rows each warp has staged or in flight (2: double-buffered)
 BLOCK = 16  # keys per warp block (the MMA's M)
 DIMS = (64, 128, 256)
 MAX_ROWS = 8  # the MMA's N
 ENABLED = True  # benchmarks/attend.py turns it off for the portable kernel's rows
-TG_PER_SM = 4  # threadgroups per SM at P <= 128 (shared memory: 4 x 55 KiB at P = 128)
+SMEM_PER_SM = 233472  # bytes of shared memory an H200 SM gives its threadgroups (228 KiB)
 
 _HEADER = r"""
 #if defined(LC_METAL)
@@ -92,7 +92,7 @@ LC_FN void lc_cp_async16(uint32_t* smem, const uint32_t* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
 #define LC_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::)
-#define LC_CP_WAIT1() asm volatile("cp.async.wait_group 1;\n" ::)
+#define LC_CP_WAIT(n) asm volatile("cp.async.wait_group %0;\n" ::"n"(n))
 #define LC_CP_WAIT0() asm volatile("cp.async.wait_all;\n" ::)
 #define LC_SYNCWARP() __syncwarp()
 #define LC_BYTE(w, i) __byte_perm((w), 0u, 0x4440u | (uint32_t)(i))
@@ -128,7 +128,7 @@ _SPEC = KernelSpec(
   constexpr int KS = P / 16;         // 16-dim steps of the score MMA = 16-dim tiles of the output
   constexpr int CH = WK / 4;         // 16-byte chunks per row
   constexpr int NWP = NT / 32;
-  constexpr int STG = 32 * RS;       // one stage: 16 key rows, then 16 value rows
+  constexpr int STG = 32 * RS;       // one stage: 16 key rows, then 16 value rows (NST per warp)
   constexpr int TAB = 256 * 32;      // pair table, 32 copies
   // Output rows of the PV MMA: row m (0..15) of tile j is dim 8 VW + VN, chosen so that a
   // thread's value codes come from few words at nibble positions known at compile time:
@@ -140,8 +140,8 @@ _SPEC = KernelSpec(
                              : 8 * ((m) + 16 * ((j) % (P / 128))) + (j) / (P / 128))
   LC_DYN_SHARED(lc_smem);
   uint32_t* tab = lc_smem;
-  uint32_t* stg = lc_smem + TAB;                   // [warp][2][STG]
-  uint32_t* ptb = stg + NWP * 2 * STG;             // [warp][64 words]: P' fp16 [row 0..7][key 0..15]
+  uint32_t* stg = lc_smem + TAB;                   // [warp][NST][STG]
+  uint32_t* ptb = stg + NWP * NST * STG;           // [warp][64 words]: P' fp16 [row 0..7][key 0..15]
   float* mlb = (float*)(ptb + NWP * 64);           // m [warp][8], then l [warp][8]
   float* qst = (float*)stg;                        // q staging, before the first copy
   float* red = (float*)tab;                        // [warp][8][P], after the loop
@@ -210,7 +210,7 @@ _SPEC = KernelSpec(
   const int crow = lane / CH;
   const int cpart = lane - crow * CH;
   auto stage = [&](int kb, int buf) {
-    uint32_t* dst = stg + (warp * 2 + buf) * STG + crow * RS + 4 * cpart;
+    uint32_t* dst = stg + (warp * NST + buf) * STG + crow * RS + 4 * cpart;
     const bool full = kb + BLK <= k1;
     LC_UNROLL for (int j = 0; j < CH; ++j) {
       const bool isv = j >= CH / 2;
@@ -258,21 +258,19 @@ _SPEC = KernelSpec(
   };
   int kb = k0 + BLK * warp;
   LC_HALF nc[4];
-  if (kb < k1) {
-    stage(kb, 0);
-    norms(kb, nc);
+  if (kb < k1) norms(kb, nc);
+  LC_UNROLL for (int b = 0; b < NST - 1; ++b) {  // the first NST - 1 blocks' rows
+    if (kb + b * STEP < k1) stage(kb + b * STEP, b);
+    LC_CP_COMMIT();
   }
-  LC_CP_COMMIT();
   for (int it = 0; kb < k1; ++it, kb += STEP) {
     LC_HALF nn[4];
-    if (kb + STEP < k1) {
-      stage(kb + STEP, (it + 1) & 1);
-      norms(kb + STEP, nn);
-    }
-    LC_CP_COMMIT();
-    LC_CP_WAIT1();
-    LC_SYNCWARP();
-    const uint32_t* ks = stg + (warp * 2 + (it & 1)) * STG;
+    if (kb + (NST - 1) * STEP < k1) stage(kb + (NST - 1) * STEP, (it + NST - 1) % NST);
+    if (kb + STEP < k1) norms(kb + STEP, nn);
+    LC_CP_COMMIT();  // (an empty group past the split: the count stays in step)
+    LC_CP_WAIT(NST - 1);  // this block's rows have landed (this lane's copies)
+    LC_SYNCWARP();        // and every lane's
+    const uint32_t* ks = stg + (warp * NST + it % NST) * STG;
     const uint32_t* vs = ks + 16 * RS;
     const int ka = kb + g;
     const int kc = ka + 8;
@@ -438,26 +436,33 @@ _SPEC = KernelSpec(
 _SPECS: dict = {}
 
 
-def shared_bytes(p: int) -> int:
-    """Dynamic shared memory of one threadgroup at head dim p: the pair table, the warps' double
-    stages of 16 key and 16 value rows, P' and the merge's m and l."""
+def shared_bytes(p: int, warps: int | None = None, stages: int | None = None) -> int:
+    """Dynamic shared memory of one threadgroup at head dim p: the pair table, each warp's stages
+    of 16 key and 16 value rows, P' and the merge's m and l."""
+    w, n = warps or WARPS, stages or STAGES
     rs = p // 8 + 4
-    return 4 * (256 * 32 + NWARP * 2 * 32 * rs + NWARP * 64 + 2 * NWARP * 8)
+    return 4 * (256 * 32 + w * n * 32 * rs + w * 64 + 2 * w * 8)
 
 
 def resident(p: int) -> int:
-    """Threadgroups per SM the launch is sized for (registers are capped to fit them): TG_PER_SM,
-    or 3 at P = 256 (70 KiB of shared memory each)."""
-    return TG_PER_SM if p <= 128 else 3
+    """Threadgroups per SM the launch is sized for, and the register cap fits: 16 warps of 128
+    registers (12 of 168 at P = 256, whose fragments need them), as shared memory allows (one
+    KiB per threadgroup is the driver's). At P = 128 with the defaults: 4 (55 KiB each)."""
+    warps = (16 if p <= 128 else 12) // WARPS
+    return max(1, min(warps, SMEM_PER_SM // (shared_bytes(p) + 1024)))
 
 
 def _spec(p: int) -> KernelSpec:
-    if p not in _SPECS:
+    key = (p, WARPS, STAGES)
+    if key not in _SPECS:
         import dataclasses
 
-        _SPECS[p] = dataclasses.replace(_SPEC, shared_memory=shared_bytes(p),
-                                        header=_HEADER + da._min_blocks_header(resident(p)))
-    return _SPECS[p]
+        # MLX writes the signature: the header redefines `__global__` to carry the bounds
+        bounds = ("#ifdef LC_CUDA\n#undef __global__\n#define __global__ __attribute__((global)) "
+                  f"__launch_bounds__({32 * WARPS}, {resident(p)})\n#endif\n")
+        _SPECS[key] = dataclasses.replace(_SPEC, shared_memory=shared_bytes(p),
+                                          header=_HEADER + bounds)
+    return _SPECS[key]
 
 
 def applies(p: int, rows: int, key_codec, value_codec) -> bool:
@@ -473,7 +478,7 @@ def applies(p: int, rows: int, key_codec, value_codec) -> bool:
 
 def splits(length: int, bh: int, p: int = 128) -> tuple[int, int]:
     """(chunk, splits): chunks of whole 64-key tiles, about one wave of threadgroups in all."""
-    tile = BLOCK * NWARP
+    tile = BLOCK * WARPS
     tiles = groups(length, tile)
     want = max(1, min(tiles, groups(da.SM_COUNT * resident(p), bh)))
     chunk = groups(tiles, want) * tile
@@ -509,7 +514,9 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale):
               da._as(values["idx"], u32), da._as(values["norm"], f16), da._as(table, f32),
               params, scales, da._as(signs, f32)]
     # two score chains only at P = 256: at 128 the second spills under the 128-register cap
-    template = [("P", P), ("R", R), ("NT", NT), ("BLK", BLOCK), ("SC", 2 if P == 256 else 1),
+    nt = 32 * WARPS
+    template = [("P", P), ("R", R), ("NT", nt), ("NST", STAGES), ("BLK", BLOCK),
+                ("SC", 2 if P == 256 else 1),
                 ("QT", queries.dtype)]
 
     def reference():
@@ -517,7 +524,7 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale):
                                       values, table, table, **kw)
 
     n = B * H * n_split
-    return run(_spec(P), Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
+    return run(_spec(P), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1),
                                 [(B * H, n_split, R), (B * H, n_split, R),
                                  (B * H, n_split, R, P)], [f32] * 3),
                reference=reference)

@@ -137,7 +137,7 @@ static inline void lc_cp_async16(uint32_t* s, const uint32_t* g) {
   std::memcpy(s, g, 16);
 }
 #define LC_CP_COMMIT()
-#define LC_CP_WAIT1()
+#define LC_CP_WAIT(n)
 #define LC_CP_WAIT0()
 #define LC_SYNCWARP() lc_warps[lc_e_tid >> 5].bar->arrive_and_wait()
 #define LC_BYTE(w, i) ((((uint32_t)(w)) >> (8u * (uint32_t)(i))) & 255u)

@@ -320,9 +320,10 @@ MMA_CASES = [  # B, H, R, P, L, capacity, q dtype, SM_COUNT (1: several blocks p
 ]
 
 
+@pytest.mark.parametrize("shape", [(4, 2), (8, 3)], ids=["4warps-2stages", "8warps-3stages"])
 @pytest.mark.parametrize("odd_rows", [False, True], ids=["aligned", "odd-rows"])
 @pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}")
-def test_decode_attend_mma(monkeypatch, case, odd_rows):
+def test_decode_attend_mma(monkeypatch, case, odd_rows, shape):
     """The tensor-core kernel's split states, merged, equal the portable kernel's reference
     within fp16 rounding; splits past the keys hold nothing. Norms ramp up along the segment, so
     the running maxima move late and the accumulators are rescaled. Odd row strides take the
@@ -333,6 +334,8 @@ def test_decode_attend_mma(monkeypatch, case, odd_rows):
     B, H, R, P, L, cap, qdt, sm = case
     if sm:
         monkeypatch.setattr(da, "SM_COUNT", sm)
+    monkeypatch.setattr(dm, "WARPS", shape[0])  # the threadgroup shapes benchmarks/attend.py
+    monkeypatch.setattr(dm, "STAGES", shape[1])  # --mma-variants compares
     q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L,
                                                capacity=cap)
     q = q.astype(getattr(mx, qdt))
@@ -345,7 +348,7 @@ def test_decode_attend_mma(monkeypatch, case, odd_rows):
         assert not _prelude.failed(dm.NAME)
     chunk, n_split = dm.splits(L, B * H, P)
     assert got[0].shape == (B * H, n_split, R) and got[2].shape == (B * H, n_split, R, P)
-    assert chunk % 64 == 0 and (n_split - 1) * chunk < L
+    assert chunk % (16 * shape[0]) == 0 and (n_split - 1) * chunk < L
 
     def merged(state):
         m, l, acc = split_combine_reference(*state)

@@ -90,7 +90,7 @@ def attention(queries, kv: CompressedKV, scale: float):
     key = (kc.dim, kc.spec, vc.spec, float(scale), queries.dtype, q.shape, length,
            tuple(a.shape for a in sink), tuple(a.shape for a in window), kv.sink is not None and
            kv.sink[0].dtype, da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS,
-           da.SM_COUNT, da.MIN_SPLIT_TILES, dm.ENABLED, dm.TG_PER_SM,
+           da.SM_COUNT, da.MIN_SPLIT_TILES, dm.ENABLED, dm.WARPS, dm.STAGES,
            _prelude.failed(dm.NAME))
     dtype = queries.dtype  # the closure below must not keep this call's arrays alive
     # An executor sees every launch, and `LONGCTX_COMPILE=0` / `question` ask for eager steps
