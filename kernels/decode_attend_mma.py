@@ -138,6 +138,7 @@ _SPEC = KernelSpec(
 #define SLOTW(u) (P == 64 ? g : g + 8 * ((u) & 1) + 16 * ((u) >> 1))
 #define VDIM(j, m) (P == 64 ? 8 * ((m) & 7) + 2 * (j) + ((m) >> 3) \
                              : 8 * ((m) + 16 * ((j) % (P / 128))) + (j) / (P / 128))
+  static_assert(NWP * 8 * P <= TAB + NWP * NST * STG, "the merge buffer fits the table + stages");
   LC_DYN_SHARED(lc_smem);
   uint32_t* tab = lc_smem;
   uint32_t* stg = lc_smem + TAB;                   // [warp][NST][STG]
