@@ -559,6 +559,38 @@ def test_gpu_decode_steps_through_a_fork(name):
     assert len(attend_step._COMPILED) == 1
 
 
+@pytest.mark.parametrize("shape", [(4, 2), (4, 3), (8, 2), (8, 3)])
+def test_decode_attend_mma_launch_plan(monkeypatch, shape):
+    """The tensor-core kernel's launch plan at every threadgroup shape: shared memory within an
+    H200 block's 227 KiB, at least one threadgroup per SM, splits of whole 16 x WARPS-key tiles
+    that cover the keys with none empty, about one wave; and it applies only to what it decodes
+    (CUDA, 4-bit single-stage keys and values of one codebook, no QJL, P 64/128/256, <= 8 rows)."""
+    from longctx.kvcache.presets import get_preset
+    from longctx.kvcache.turbo import codecs_for
+
+    monkeypatch.setattr(dm, "WARPS", shape[0])
+    monkeypatch.setattr(dm, "STAGES", shape[1])
+    for p in dm.DIMS:
+        assert dm.shared_bytes(p) <= 227 * 1024 and dm.resident(p) >= 1
+        assert dm.resident(p) * (dm.shared_bytes(p) + 1024) <= dm.SMEM_PER_SM
+        for length in (1, 63, 64, 65, 4095, 32768, 131072):
+            for bh in (1, 8, 32):
+                chunk, n = dm.splits(length, bh, p)
+                assert chunk % (16 * shape[0]) == 0 and (n - 1) * chunk < length <= n * chunk
+                assert bh * n <= max(bh, da.SM_COUNT * dm.resident(p) + bh)
+    kc, vc = codecs_for(get_preset("tq4"), 128, layer=0)
+    with _prelude.force_backend("cuda"):
+        assert dm.applies(128, 4, kc, vc) and dm.applies(128, 8, kc, vc)
+        assert not dm.applies(128, 9, kc, vc) and not dm.applies(96, 4, kc, vc)
+        for name in ("tq3", "tq4k3v", "rvq2+2", "tq3+qjl"):
+            assert not dm.applies(128, 4, *codecs_for(get_preset(name), 128, layer=0)), name
+        monkeypatch.setattr(dm, "ENABLED", False)
+        assert not dm.applies(128, 4, kc, vc)
+    with _prelude.force_backend("metal"):
+        monkeypatch.setattr(dm, "ENABLED", True)
+        assert not dm.applies(128, 4, kc, vc)
+
+
 def test_decode_finish_bounds_its_threadgroup_memory():
     """Shapes whose buffers would pass Metal's 32 KiB (16 rows of 256 dims: 48 KiB) are not
     taken; they stay on the compiled fused path."""
