@@ -265,12 +265,12 @@ _SPEC = KernelSpec(
     LC_CP_COMMIT();
   }
   for (int it = 0; kb < k1; ++it, kb += STEP) {
-    LC_HALF nn[4];
+    LC_HALF nn[4] = {nc[0], nc[1], nc[2], nc[3]};  // (the last block: never read)
     if (kb + (NST - 1) * STEP < k1) stage(kb + (NST - 1) * STEP, (it + NST - 1) % NST);
     if (kb + STEP < k1) norms(kb + STEP, nn);
     LC_CP_COMMIT();  // (an empty group past the split: the count stays in step)
     LC_CP_WAIT(NST - 1);  // this block's rows have landed (this lane's copies)
-    LC_SYNCWARP();        // and every lane's
+    LC_SYNCWARP();        // and every lane's; also the compiler fence for the stage reads below
     const uint32_t* ks = stg + (warp * NST + it % NST) * STG;
     const uint32_t* vs = ks + 16 * RS;
     const int ka = kb + g;
@@ -361,7 +361,7 @@ _SPEC = KernelSpec(
     }
     LC_UNROLL for (int j = 0; j < KS; ++j) {
       uint32_t a[4];
-      if (P == 64) {  // rows g, g + 8: nibbles 2j, 2j + 1 of word g
+      if constexpr (P == 64) {  // rows g, g + 8: nibbles 2j, 2j + 1 of word g
         a[0] = LC_TAB(LC_BYTE(pa[0][0], j));
         a[1] = LC_TAB(LC_BYTE(pa[0][1], j));
         a[2] = LC_TAB(LC_BYTE(pc[0][0], j));
@@ -504,6 +504,11 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale):
     """
     B, H, R, P = queries.shape
     L = keys["norm"].shape[2]
+    if not (P in DIMS and 1 <= R <= MAX_ROWS and keys["idx"].shape[-1] == P // 8
+            and values["idx"].shape[-1] == P // 8 and table.shape == (16,)):
+        raise ValueError(f"decode_attend_mma takes 4-bit rows, P in {DIMS}, 1..{MAX_ROWS} rows; "
+                         f"got q {queries.shape}, idx {keys['idx'].shape} / "
+                         f"{values['idx'].shape}, table {table.shape}")
     kw = dict(key_bits=4, value_bits=4, scale=scale)
     if backend() == "cpu" or L == 0:
         return da.decode_attend_partials(queries, keys, values, table, table, signs, **kw)

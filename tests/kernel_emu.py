@@ -103,7 +103,12 @@ static inline uint32_t lc_simd_ballot(bool p, uint32_t lane) {
 }
 // CUDA-only helpers (decode_attend_mma): dynamic shared memory, mma.sync m16n8k16 (fp16 in,
 // fp32 accumulate; the PTX fragment layouts), cp.async (a plain copy here), prmt, half2 packing.
-#define LC_DYN_SHARED(name) static uint32_t name[65536] __attribute__((aligned(16)))
+// Dynamic shared memory, poisoned (NaN / all ones) at the start of every threadgroup: a read of
+// a word the kernel did not write shows up as NaN or a wild index, not as a plausible value.
+#define LC_DYN_SHARED(name)                                                   \
+  static uint32_t name[65536] __attribute__((aligned(16)));                   \
+  if (lc_e_tid == 0u) std::memset(name, 0xFF, sizeof(name));                  \
+  lc_group_bar->arrive_and_wait()
 #define LC_HALF lc_half_t
 struct LcMma { uint32_t a[32][4]; uint32_t b[32][2]; };
 static LcMma lc_mma_x[32];
