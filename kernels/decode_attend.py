@@ -450,13 +450,14 @@ _SPEC = KernelSpec(
 )
 
 
-def _min_blocks_header(min_blocks: int) -> str:
+def _min_blocks_header(min_blocks: int, nt: int = NT) -> str:
     """CUDA only: MLX writes the kernel's signature itself, so its `__global__` is redefined to
-    carry `__launch_bounds__(NT, min_blocks)` (registers capped to fit min_blocks per SM)."""
+    carry `__launch_bounds__(nt, min_blocks)` (registers capped to fit min_blocks threadgroups of
+    nt threads per SM)."""
     if not min_blocks:
         return ""
     return ("#ifdef LC_CUDA\n#undef __global__\n#define __global__ __attribute__((global)) "
-            f"__launch_bounds__({NT}, {min_blocks})\n#endif\n")
+            f"__launch_bounds__({nt}, {min_blocks})\n#endif\n")
 
 
 _SPECS: dict = {}

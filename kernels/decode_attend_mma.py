@@ -57,6 +57,7 @@ layouts, so its indexing is tested on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import mlx.core as mx
@@ -437,12 +438,11 @@ _SPEC = KernelSpec(
 _SPECS: dict = {}
 
 
-def shared_bytes(p: int, warps: int | None = None, stages: int | None = None) -> int:
+def shared_bytes(p: int) -> int:
     """Dynamic shared memory of one threadgroup at head dim p: the pair table, each warp's stages
     of 16 key and 16 value rows, P' and the merge's m and l."""
-    w, n = warps or WARPS, stages or STAGES
     rs = p // 8 + 4
-    return 4 * (256 * 32 + w * n * 32 * rs + w * 64 + 2 * w * 8)
+    return 4 * (256 * 32 + WARPS * STAGES * 32 * rs + WARPS * 64 + 2 * WARPS * 8)
 
 
 def resident(p: int) -> int:
@@ -456,11 +456,7 @@ def resident(p: int) -> int:
 def _spec(p: int) -> KernelSpec:
     key = (p, WARPS, STAGES)
     if key not in _SPECS:
-        import dataclasses
-
-        # MLX writes the signature: the header redefines `__global__` to carry the bounds
-        bounds = ("#ifdef LC_CUDA\n#undef __global__\n#define __global__ __attribute__((global)) "
-                  f"__launch_bounds__({32 * WARPS}, {resident(p)})\n#endif\n")
+        bounds = da._min_blocks_header(resident(p), 32 * WARPS)
         _SPECS[key] = dataclasses.replace(_SPEC, shared_memory=shared_bytes(p),
                                           header=_HEADER + bounds)
     return _SPECS[key]

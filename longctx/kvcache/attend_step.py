@@ -50,9 +50,9 @@ def applies(kv: CompressedKV, mask, lq: int, rows: int) -> bool:
 _COMPILED: OrderedDict = OrderedDict()  # key -> compiled step (attend_fused.lookup / remember)
 
 
-def _step(kc, vc, scale, dtype, q, seg_k, seg_v, k_arrays, v_arrays, sink, window, count,
+def _step(kc, vc, scale, dtype, mma, q, seg_k, seg_v, k_arrays, v_arrays, sink, window, count,
           mean):
-    if dm.applies(q.shape[3], q.shape[2], kc, vc) and not _prelude.failed(dm.NAME):
+    if mma:  # the tensor-core kernel (`decode_attend_mma`)
         partials = dm.decode_attend_mma_partials(q, seg_k, seg_v, k_arrays[0], k_arrays[1],
                                                  scale=scale)
     else:
@@ -87,23 +87,25 @@ def attention(queries, kv: CompressedKV, scale: float):
     window = list(window) if window is not None and valid else []
     args = (q, seg_k, seg_v, (kernel_table(kc), kc.rotation.signs),
             (kernel_table(vc), vc.rotation.signs), sink, window, df.count(valid), kv.value_mean)
+    # the tensor-core kernel where it applies and has not failed in this process (decided
+    # here, once: the trace and its key follow it)
+    mma = dm.applies(D, Hq // H, kc, vc) and not _prelude.failed(dm.NAME)
     key = (kc.dim, kc.spec, vc.spec, float(scale), queries.dtype, q.shape, length,
            tuple(a.shape for a in sink), tuple(a.shape for a in window), kv.sink is not None and
            kv.sink[0].dtype, da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS,
-           da.SM_COUNT, da.MIN_SPLIT_TILES, dm.ENABLED, dm.WARPS, dm.STAGES,
-           _prelude.failed(dm.NAME))
+           da.SM_COUNT, da.MIN_SPLIT_TILES, mma, dm.WARPS, dm.STAGES)
     dtype = queries.dtype  # the closure below must not keep this call's arrays alive
     # An executor sees every launch, and `LONGCTX_COMPILE=0` / `question` ask for eager steps
     eager = attend_fused.executor_installed() or not attend_fused.compile_wanted(1)
     fn = None if eager else attend_fused.lookup(_COMPILED, key)
     if fn is None:
-        out = _step(kc, vc, scale, dtype, *args)
+        out = _step(kc, vc, scale, dtype, mma, *args)
         if eager:
             return out.reshape(B, Hq, 1, D)
         mx.eval(out)
         # the kernels and the references read the window's count from its array input
         attend_fused.remember(_COMPILED, key, mx.compile(
             lambda q, sk, sv, ka, va, sink, window, count, mean:
-            _step(kc, vc, scale, dtype, q, sk, sv, ka, va, sink, window, count, mean)))
+            _step(kc, vc, scale, dtype, mma, q, sk, sv, ka, va, sink, window, count, mean)))
         return out.reshape(B, Hq, 1, D)
     return fn(*args).reshape(B, Hq, 1, D)
