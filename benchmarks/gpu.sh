@@ -4,6 +4,8 @@
 # Phases (any number, in order):
 #   tests    the GPU tests (kernels vs references, fused / dense attention paths) in parallel workers
 #   attend   benchmarks/attend.py: one decode step, fp16 SDPA vs the fused kernel (+ torch anchors)
+#   timeline benchmarks/step_timeline.py: the decode step's GPU timeline (torch's profiler:
+#            kernels, GPU busy vs wall, host graph building), fp16 vs tq4, 4k-128k
 #   ncu      Nsight Compute profile of the decode step's tensor-core kernel at 128k
 #   prefill  benchmarks/prefill_shapes.py: random-weight models of real shapes, fp16 vs tq4
 #   profile  benchmarks/prefill_profile.py: one layer's prefill chunk, part by part
@@ -58,6 +60,9 @@ for phase in "${phases[@]}"; do
       # kernel's threadgroup shapes (warps, row stages), merged into attend_h200.json
       run attend 300 python3 benchmarks/attend.py --no-sweep --name attend_h200 ${ATTEND_ARGS:-}
       keep benchmarks/results/attend_h200*.json ;;
+    timeline)
+      run timeline 300 python3 benchmarks/step_timeline.py ${TIMELINE_ARGS:-}
+      keep benchmarks/results/step_timeline_h200.json ;;
     ncu)
       # the tensor-core kernel's 4th launch (NCU_KERNEL=regex:lc_decode_attend_[0-9a-f]: the
       # portable one's)
@@ -65,7 +70,7 @@ for phase in "${phases[@]}"; do
         --launch-skip ${NCU_SKIP:-3} --launch-count ${NCU_COUNT:-1} --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
         --section WarpStateStats --section InstructionStats \
-        python3 benchmarks/attend.py --profile --lengths 131072 ;;
+        python3 benchmarks/attend.py --profile --lengths ${NCU_LENGTH:-131072} ;;
     prefill)
       run prefill 400 python3 benchmarks/prefill_shapes.py --shapes smollm2-135m llama-3.1-8b \
         --tokens 8192 32768 --kv fp16 tq4 ${PREFILL_ARGS:-} --name prefill_gpu

@@ -181,18 +181,21 @@ COMMON = r"""
 PRELUDES = {"cuda": (CUDA_HEADER, CUDA_IDS), "metal": (METAL_HEADER, METAL_IDS)}
 
 
+_GPU_KIND: list = []  # what the GPU device is, asked once: "metal", "cuda" or "cpu"
+
+
 def backend() -> str:
-    """Where kernels run now: "metal", "cuda" or "cpu" (the references), from the default device."""
+    """Where kernels run now: "metal", "cuda" or "cpu" (the references), from the default device
+    (asked at every call: a decode step asks a few times, so what the GPU is, is asked once)."""
     if _FORCED is not None:
         return _FORCED
     if mx.default_device().type != mx.DeviceType.gpu:
         return "cpu"
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "cuda"
-    return "cpu"
+    if not _GPU_KIND:
+        cuda = getattr(mx, "cuda", None)
+        _GPU_KIND.append("metal" if mx.metal.is_available() else
+                         "cuda" if cuda is not None and cuda.is_available() else "cpu")
+    return _GPU_KIND[0]
 
 
 @dataclass(frozen=True)

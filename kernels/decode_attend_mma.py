@@ -71,6 +71,7 @@ STAGES = 2  # blocks of rows each warp has staged or in flight (2: double-buffer
 BLOCK = 16  # keys per warp block (the MMA's M)
 DIMS = (64, 128, 256)
 MAX_ROWS = 8  # the MMA's N
+MIN_WARP_BLOCKS = 1  # fewest 16-key blocks each warp of a split walks (more: fewer splits)
 ENABLED = True  # benchmarks/attend.py turns it off for the portable kernel's rows
 SMEM_PER_SM = 233472  # bytes of shared memory an H200 SM gives its threadgroups (228 KiB)
 
@@ -99,6 +100,7 @@ LC_FN void lc_cp_async16(uint32_t* smem, const uint32_t* gmem) {
 #define LC_BYTE(w, i) __byte_perm((w), 0u, 0x4440u | (uint32_t)(i))
 #define LC_U2 uint2
 #define LC_LD_U2(p) (*reinterpret_cast<const uint2*>(p))
+#define LC_ST_X4(p, v) (*reinterpret_cast<uint4*>(p) = make_uint4((v), (v), (v), (v)))
 LC_FN uint32_t lc_pack_h2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
@@ -180,10 +182,18 @@ _SPEC = KernelSpec(
                    && reinterpret_cast<uintptr_t>(kip) % 16 == 0
                    && reinterpret_cast<uintptr_t>(vip) % 16 == 0;
 
-  // 1. The pair table: entry x = (T[x & 15], T[x >> 4]) as fp16, copy l at word 32 x + l.
-  for (int e = tid; e < TAB; e += NT) {
-    const int x = e >> 5;
-    tab[e] = lc_pack_h2(table[x & 15], table[x >> 4]);
+  // 1. The pair table: entry x = (T[x & 15], T[x >> 4]) as fp16, copy l at word 32 x + l,
+  // written 4 copies per 16-byte store: quad e (words 4 e .. 4 e + 3) holds entry e / 8, and
+  // thread tid writes quads tid + NT i, so its entries share x & 15 (NT a multiple of 128) and
+  // walk x >> 4 (TAB / 4 / NT stores a thread, 16 at 4 warps; one store per entry copy was 64,
+  // most of a short split's time)
+  static_assert(NT % 128 == 0, "a thread's pair-table entries share their low code");
+  {
+    const float lo = table[(tid >> 3) & 15];
+    LC_UNROLL for (int i = 0; i < TAB / 4 / NT; ++i) {
+      const int x = (tid + NT * i) >> 3;
+      LC_ST_X4(tab + 4 * (tid + NT * i), lc_pack_h2(lo, table[x >> 4]));
+    }
   }
   // 2. q: signs, the Walsh-Hadamard butterfly over each row, scale; then the score MMA's B
   // fragments (row g, dims 16 s + 2 t, +1, +8, +9), kept in registers.
@@ -474,10 +484,12 @@ def applies(p: int, rows: int, key_codec, value_codec) -> bool:
 
 
 def splits(length: int, bh: int, p: int = 128) -> tuple[int, int]:
-    """(chunk, splits): chunks of whole 64-key tiles, about one wave of threadgroups in all."""
+    """(chunk, splits): chunks of whole 64-key tiles, about one wave of threadgroups in all, each
+    warp walking at least MIN_WARP_BLOCKS blocks (a split's fixed costs, the pair table, q's
+    rotation, the warps' merge, and the finish's merge of every split, against its blocks)."""
     tile = BLOCK * WARPS
     tiles = groups(length, tile)
-    want = max(1, min(tiles, groups(da.SM_COUNT * resident(p), bh)))
+    want = max(1, min(tiles // max(1, MIN_WARP_BLOCKS), groups(da.SM_COUNT * resident(p), bh)))
     chunk = groups(tiles, want) * tile
     return chunk, groups(length, chunk)
 

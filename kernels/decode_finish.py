@@ -77,8 +77,14 @@ _SPEC = KernelSpec(
   const int64_t lpo = l_p_strides[0] * n;
   const int64_t ao = acc_p_strides[0] * n;
   float mx_r[R];
-  LC_UNROLL for (int r = 0; r < R; ++r) mx_r[r] = -LC_INF;
-  for (int s = d; s < S; s += P) {
+  float m0[R];  // split d's m and l, kept for the weights (the first block of P splits)
+  float l0[R];
+  LC_UNROLL for (int r = 0; r < R; ++r) {
+    m0[r] = d < S ? m_p[mo + d * m_p_strides[1] + r * m_p_strides[2]] : -LC_INF;
+    l0[r] = d < S ? l_p[lpo + d * l_p_strides[1] + r * l_p_strides[2]] : 0.0f;
+    mx_r[r] = m0[r];
+  }
+  for (int s = d + P; s < S; s += P) {
     LC_UNROLL for (int r = 0; r < R; ++r)
       mx_r[r] = LC_MAX(mx_r[r], m_p[mo + s * m_p_strides[1] + r * m_p_strides[2]]);
   }
@@ -99,22 +105,36 @@ _SPEC = KernelSpec(
     a[r] = 0.0f;
     lt[r] = 0.0f;
   }
+  // NB splits' acc loads are issued together (NB x R independent loads per thread, ~64): the
+  // merge is a few memory round trips, not one per split (the 8 threadgroups of this launch
+  // are all the GPU runs meanwhile, so latency is its whole cost)
+  constexpr int NB = R >= 64 ? 1 : 64 / R;
   for (int s0 = 0; s0 < S; s0 += P) {
     const int s = s0 + d;
     if (s < S) {
       LC_UNROLL for (int r = 0; r < R; ++r) {
         const float Mu = mx_r[r] == -LC_INF ? 0.0f : mx_r[r];
-        const float w = LC_EXP(m_p[mo + s * m_p_strides[1] + r * m_p_strides[2]] - Mu);
+        const float ms = s0 == 0 ? m0[r] : m_p[mo + s * m_p_strides[1] + r * m_p_strides[2]];
+        const float ls = s0 == 0 ? l0[r] : l_p[lpo + s * l_p_strides[1] + r * l_p_strides[2]];
+        const float w = LC_EXP(ms - Mu);
         wts[d * R + r] = w;
-        lt[r] += l_p[lpo + s * l_p_strides[1] + r * l_p_strides[2]] * w;
+        lt[r] += ls * w;
       }
     }
     LC_BARRIER();
     const int ns_ = S - s0 < P ? S - s0 : P;
-    LC_UNROLL_N(4) for (int k = 0; k < ns_; ++k) {
-      const int64_t so = ao + (int64_t)(s0 + k) * acc_p_strides[1] + d * acc_p_strides[3];
-      LC_UNROLL for (int r = 0; r < R; ++r)
-        a[r] += acc_p[so + r * acc_p_strides[2]] * wts[k * R + r];
+    for (int k = 0; k < ns_; k += NB) {
+      float v[NB][R];
+      LC_UNROLL for (int b = 0; b < NB; ++b) {
+        const int64_t so = ao + (int64_t)(s0 + k + b) * acc_p_strides[1] + d * acc_p_strides[3];
+        LC_UNROLL for (int r = 0; r < R; ++r)
+          v[b][r] = k + b < ns_ ? acc_p[so + r * acc_p_strides[2]] : 0.0f;
+      }
+      LC_UNROLL for (int b = 0; b < NB; ++b) {
+        if (k + b < ns_) {
+          LC_UNROLL for (int r = 0; r < R; ++r) a[r] += v[b][r] * wts[(k + b) * R + r];
+        }
+      }
     }
     LC_BARRIER();  // wts is rewritten by the next block (and by the exact tokens' tiles)
   }

@@ -144,15 +144,43 @@ def get(key: str) -> Any:
     if key in _OVERRIDES:
         return _OVERRIDES[key]
     s = SETTINGS[key]
-    raw = os.environ.get(s.env)
+    if _ENV_BYTES is not None:  # the decode step asks a few settings per layer and token
+        raw_b = _ENV_BYTES.get(_ENV_KEYS.get(s.env) or _env_key(s.env))
+        if raw_b is None:
+            return s.default
+        hit = _PARSED.get((key, raw_b))
+        if hit is not None:
+            return hit[0]
+        raw = os.fsdecode(raw_b)
+    else:
+        raw = os.environ.get(s.env)
     if raw is None or (raw == "" and s.parse is str):
         return s.default
     try:
-        return s.parse(raw)
+        value = s.parse(raw)
     except ValueError as err:
         from longctx.errors import ConfigError
 
         raise ConfigError(f"{s.env}={raw!r} is not valid ({err}); unset it or fix it.") from None
+    if _ENV_BYTES is not None and len(_PARSED) < 1024:
+        _PARSED[(key, raw_b)] = (value,)
+    return value
+
+
+# CPython on POSIX keeps the environment as os.environ._data, bytes to bytes, which every read
+# and write through os.environ goes to: a lookup there skips the str encoding and decoding (~1 us
+# a setting). Parsed values are kept per (setting, raw bytes), so a changed variable is parsed
+# again. Elsewhere os.environ.get.
+_ENV_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
+if not isinstance(_ENV_BYTES, dict) or not all(isinstance(k, bytes) for k in list(_ENV_BYTES)[:1]):
+    _ENV_BYTES = None
+_ENV_KEYS: dict[str, bytes] = {}
+_PARSED: dict[tuple, tuple] = {}
+
+
+def _env_key(name: str) -> bytes:
+    _ENV_KEYS[name] = os.fsencode(name)
+    return _ENV_KEYS[name]
 
 
 @contextlib.contextmanager

@@ -102,7 +102,8 @@ static inline uint32_t lc_simd_ballot(bool p, uint32_t lane) {
   return r;
 }
 // CUDA-only helpers (decode_attend_mma): dynamic shared memory, mma.sync m16n8k16 (fp16 in,
-// fp32 accumulate; the PTX fragment layouts), cp.async (a plain copy here), prmt, half2 packing.
+// fp32 accumulate; the PTX fragment layouts), cp.async (a plain copy here), prmt, half2 packing,
+// 16-byte stores.
 // Dynamic shared memory, poisoned (NaN / all ones) at the start of every threadgroup: a read of
 // a word the kernel did not write shows up as NaN or a wild index, not as a plausible value.
 #define LC_DYN_SHARED(name)                                                   \
@@ -153,6 +154,11 @@ static inline lc_u2 lc_ld_u2(const uint32_t* p) {
   lc_u2 t; std::memcpy(&t, p, 8); return t;
 }
 #define LC_LD_U2(p) lc_ld_u2(p)
+static inline void lc_st_x4(uint32_t* p, uint32_t v) {
+  if (reinterpret_cast<uintptr_t>(p) % 16) __builtin_trap();  // the GPU would fault
+  p[0] = v; p[1] = v; p[2] = v; p[3] = v;
+}
+#define LC_ST_X4(p, v) lc_st_x4((p), (v))
 static inline uint32_t lc_pack_h2(float lo, float hi) {
   return lc_f2h_bits(lo) | (lc_f2h_bits(hi) << 16);
 }

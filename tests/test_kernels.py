@@ -507,10 +507,15 @@ def test_gpu_decode_step(shape, qdt, name):
 @pytest.mark.parametrize("shape", [(8, 4, 128, 131072), (4, 7, 128, 32768), (3, 3, 64, 5000),
                                    (1, 8, 256, 3001), (2, 1, 128, 17), (8, 4, 128, 4095)])
 @pytest.mark.parametrize("qdt", ["bfloat16", "float32"])
-def test_gpu_decode_attend_mma(shape, qdt):
+@pytest.mark.parametrize("warps,stages", [(4, 2), (8, 3)])
+def test_gpu_decode_attend_mma(shape, qdt, warps, stages, monkeypatch):
     """On the device, the tensor-core kernel's split states merge to the portable kernel's
-    reference within fp16 rounding, the cache a slice of a longer tail."""
+    reference within fp16 rounding, the cache a slice of a longer tail, at both threadgroup
+    shapes (8 x 3 keeps two blocks in flight per warp: only the GPU checks its pipeline)."""
     from longctx.quant.rotation import rademacher_signs
+
+    monkeypatch.setattr(dm, "WARPS", warps)
+    monkeypatch.setattr(dm, "STAGES", stages)
 
     H, r, P, L = shape
     q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=L,
@@ -575,9 +580,12 @@ def test_decode_attend_mma_launch_plan(monkeypatch, shape):
         assert dm.resident(p) * (dm.shared_bytes(p) + 1024) <= dm.SMEM_PER_SM
         for length in (1, 63, 64, 65, 4095, 32768, 131072):
             for bh in (1, 8, 32):
-                chunk, n = dm.splits(length, bh, p)
-                assert chunk % (16 * shape[0]) == 0 and (n - 1) * chunk < length <= n * chunk
-                assert bh * n <= max(bh, da.SM_COUNT * dm.resident(p) + bh)
+                for least in (1, 2, 4):  # MIN_WARP_BLOCKS: a split's fewest blocks per warp
+                    monkeypatch.setattr(dm, "MIN_WARP_BLOCKS", least)
+                    chunk, n = dm.splits(length, bh, p)
+                    assert chunk % (16 * shape[0]) == 0 and (n - 1) * chunk < length <= n * chunk
+                    assert bh * n <= max(bh, da.SM_COUNT * dm.resident(p) + bh)
+                    assert n == 1 or chunk >= 16 * shape[0] * least
     kc, vc = codecs_for(get_preset("tq4"), 128, layer=0)
     with _prelude.force_backend("cuda"):
         assert dm.applies(128, 4, kc, vc) and dm.applies(128, 8, kc, vc)

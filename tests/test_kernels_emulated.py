@@ -279,6 +279,7 @@ def test_decode_step(monkeypatch, case, mma):
 
 
 @pytest.mark.parametrize("S,R,P,n_sink,n_win", [(1, 4, 128, 0, 0), (200, 4, 64, 2, 9),
+                                                (66, 4, 128, 0, 0), (67, 16, 128, 1, 3),
                                                 (300, 3, 32, 0, 40), (129, 1, 128, 1, 0)])
 def test_decode_finish_merges_many_splits(emulated, S, R, P, n_sink, n_win):
     """The finish kernel's split merge over more splits than threads (blocks of P splits), with

@@ -31,27 +31,65 @@ from longctx.kvcache.attend_fused import kernel_table
 from longctx.kvcache.turbo import CompressedKV
 
 
+_CODECS: dict = {}  # (id(kc), id(vc), rows) -> _Codecs (see `_codecs`)
+
+
+class _Codecs:
+    """What a step needs to know of its codecs, worked out once per pair and row count (a decode
+    step asks at every layer and token: ~30 attribute reads and calls, ~10 us of host time on the
+    H200's VM, against its ~30 us budget): whether the two-launch path and the tensor-core kernel
+    take them (on this backend, with `decode_attend_mma.ENABLED` as it was), and their tables."""
+
+    __slots__ = ("kc", "vc", "backend", "mma_enabled", "fits", "mma", "k_arrays", "v_arrays",
+                 "spec")
+
+    def __init__(self, kc, vc, rows: int, which: str):
+        self.kc, self.vc, self.backend, self.mma_enabled = kc, vc, which, dm.ENABLED
+        p = kc.padded_dim
+        self.mma = dm.applies(p, rows, kc, vc)
+        self.fits = (kc.rvq is None and not kc.spec.qjl and vc.rvq is None and not vc.spec.qjl
+                     and kc.dim == p and vc.dim == p and vc.padded_dim == p and which != "cpu"
+                     and df.supported(p, rows)
+                     and (self.mma or da.rotates_queries(p, rows, vc.spec.bits)))
+        self.k_arrays = (kernel_table(kc), kc.rotation.signs)
+        self.v_arrays = (kernel_table(vc), vc.rotation.signs)
+        # the specs as one small int for the trace's key (hashing the spec dataclasses at every
+        # step cost more than the rest of the key)
+        self.spec = _SPEC_IDS.setdefault((kc.dim, kc.spec, vc.spec), len(_SPEC_IDS))
+
+
+_SPEC_IDS: dict = {}  # (dim, key spec, value spec) -> a small int, for the lifetime of the process
+
+
+def _codecs(kc, vc, rows: int) -> _Codecs:
+    which = _prelude.backend()
+    key = (id(kc), id(vc), rows)
+    c = _CODECS.get(key)
+    if c is None or c.kc is not kc or c.vc is not vc or c.backend != which or \
+            c.mma_enabled != dm.ENABLED:
+        if len(_CODECS) > 1024:
+            _CODECS.clear()
+        c = _CODECS[key] = _Codecs(kc, vc, rows, which)
+    return c
+
+
 def applies(kv: CompressedKV, mask, lq: int, rows: int) -> bool:
     """Whether this step can take the two-launch path (the caller has chosen the fused kernel);
     `rows`: query heads per KV head."""
     if lq != 1 or mask is not None or kv.dense is not None or len(kv.segments) != 1:
         return False
-    kc, vc = kv.key_codec, kv.value_codec
-    if kc.rvq is not None or kc.spec.qjl or vc.rvq is not None or vc.spec.qjl:
-        return False
-    p = kc.padded_dim
-    if kc.dim != p or vc.dim != p or vc.padded_dim != p:
-        return False
-    return (_prelude.backend() != "cpu" and df.supported(p, rows)
-            and (dm.applies(p, rows, kc, vc) or da.rotates_queries(p, rows, vc.spec.bits))
-            and kv.segments[0][2] > 0 and not _prelude.failed("lc_decode_finish"))
+    return (_codecs(kv.key_codec, kv.value_codec, rows).fits and kv.segments[0][2] > 0
+            and not _prelude.failed("lc_decode_finish"))
 
 
 _COMPILED: OrderedDict = OrderedDict()  # key -> compiled step (attend_fused.lookup / remember)
 
 
-def _step(kc, vc, scale, dtype, mma, q, seg_k, seg_v, k_arrays, v_arrays, sink, window, count,
-          mean):
+def _step(kc, vc, scale, dtype, mma, queries, seg_k, seg_v, k_arrays, v_arrays, sink, window,
+          count, mean):
+    B, Hq, _, D = queries.shape
+    H = mean.shape[1]
+    q = queries.reshape(B, H, Hq // H, D)  # rows grouped per KV head
     if mma:  # the tensor-core kernel (`decode_attend_mma`)
         partials = dm.decode_attend_mma_partials(q, seg_k, seg_v, k_arrays[0], k_arrays[1],
                                                  scale=scale)
@@ -61,7 +99,7 @@ def _step(kc, vc, scale, dtype, mma, q, seg_k, seg_v, k_arrays, v_arrays, sink, 
                                              value_bits=vc.spec.bits, scale=scale)
     return df.decode_finish(*partials, q, tuple(sink) if sink else None,
                             tuple(window) if window else None, v_arrays[1], mean, scale, dtype,
-                            valid_array=count)
+                            valid_array=count).reshape(B, Hq, 1, D)
 
 
 def attention(queries, kv: CompressedKV, scale: float):
@@ -74,10 +112,10 @@ def attention(queries, kv: CompressedKV, scale: float):
     trace; before the first trace of a key, one eager call checks the kernels' variants
     (`kernels._prelude.run`), as `attend_fused` does.
     """
-    B, Hq, _, D = queries.shape
+    shape = queries.shape
     H = kv.value_mean.shape[1]
     kc, vc = kv.key_codec, kv.value_codec
-    q = queries.reshape(B, H, Hq // H, D)
+    codecs = _codecs(kc, vc, shape[1] // H)
     seg_k, seg_v, length = kv.segments[0]
     if kv.window_buffer is not None:
         window, valid = kv.window_buffer[:2], kv.window[0].shape[2]
@@ -85,15 +123,15 @@ def attention(queries, kv: CompressedKV, scale: float):
         window, valid = kv.window, (kv.window[0].shape[2] if kv.window is not None else 0)
     sink = list(kv.sink) if kv.sink is not None and kv.sink[0].shape[2] else []
     window = list(window) if window is not None and valid else []
-    args = (q, seg_k, seg_v, (kernel_table(kc), kc.rotation.signs),
-            (kernel_table(vc), vc.rotation.signs), sink, window, df.count(valid), kv.value_mean)
+    args = (queries, seg_k, seg_v, codecs.k_arrays, codecs.v_arrays, sink, window, df.count(valid),
+            kv.value_mean)
     # the tensor-core kernel where it applies and has not failed in this process (decided
     # here, once: the trace and its key follow it)
-    mma = dm.applies(D, Hq // H, kc, vc) and not _prelude.failed(dm.NAME)
-    key = (kc.dim, kc.spec, vc.spec, float(scale), queries.dtype, q.shape, length,
-           tuple(a.shape for a in sink), tuple(a.shape for a in window), kv.sink is not None and
+    mma = codecs.mma and not _prelude.failed(dm.NAME)
+    key = (codecs.spec, float(scale), queries.dtype, shape, H, length,
+           tuple([a.shape for a in sink]), tuple([a.shape for a in window]), kv.sink is not None and
            kv.sink[0].dtype, da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS,
-           da.SM_COUNT, da.MIN_SPLIT_TILES, mma, dm.WARPS, dm.STAGES)
+           da.SM_COUNT, da.MIN_SPLIT_TILES, mma, dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS)
     dtype = queries.dtype  # the closure below must not keep this call's arrays alive
     # An executor sees every launch, and `LONGCTX_COMPILE=0` / `question` ask for eager steps
     eager = attend_fused.executor_installed() or not attend_fused.compile_wanted(1)
@@ -101,11 +139,11 @@ def attention(queries, kv: CompressedKV, scale: float):
     if fn is None:
         out = _step(kc, vc, scale, dtype, mma, *args)
         if eager:
-            return out.reshape(B, Hq, 1, D)
+            return out
         mx.eval(out)
         # the kernels and the references read the window's count from its array input
         attend_fused.remember(_COMPILED, key, mx.compile(
             lambda q, sk, sv, ka, va, sink, window, count, mean:
             _step(kc, vc, scale, dtype, mma, q, sk, sv, ka, va, sink, window, count, mean)))
-        return out.reshape(B, Hq, 1, D)
-    return fn(*args).reshape(B, Hq, 1, D)
+        return out
+    return fn(*args)

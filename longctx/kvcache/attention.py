@@ -23,6 +23,7 @@ import logging
 import mlx.core as mx
 
 from longctx import config
+from longctx.kernels import _prelude
 from longctx.kvcache import attend_blocked, attend_cpu, attend_fused, attend_step, dense_gpu
 from longctx.kvcache.attend_blocked import BLOCK
 from longctx.kvcache.attend_cpu import rotation_matrices
@@ -41,9 +42,7 @@ def _kernel_mask(mask) -> bool:
 def use_fused(mask, lq: int) -> bool:
     """Whether compressed segments go to the fused kernel: on a GPU backend, few query tokens,
     a mask the kernel expresses (none, or causal), and a kernel that has not failed here."""
-    from longctx.kernels import _prelude, backend
-
-    return (backend() != "cpu" and lq <= config.get("fused_max_lq") and _kernel_mask(mask)
+    return (_prelude.backend() != "cpu" and lq <= config.get("fused_max_lq") and _kernel_mask(mask)
             and not _prelude.failed("lc_decode_attend"))  # failed: the blocked path is its reference
 
 
@@ -58,8 +57,6 @@ def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
         softcap: soft-capped scores (Gemma-2) take the blocked path on every device: neither the
             kernels nor the fused SDPA nor the CPU's one-softmax path cap scores.
     """
-    from longctx.kernels import backend
-
     if softcap:
         if fused:
             raise ValueError("the fused kernel does not soft-cap scores")
@@ -76,7 +73,7 @@ def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
         if attend_fused.executor_installed():
             return "fused", "a kernel executor is installed: every launch must reach it"
         if attend_fused.compile_wanted(lq):
-            return "fused-compiled", f"{backend()} backend, {lq} query tokens"
+            return "fused-compiled", f"{_prelude.backend()} backend, {lq} query tokens"
         return "fused", f"compile setting {config.get('compile')!r}"
     cpu = mx.default_device().type == mx.DeviceType.cpu
     if cpu and attend_cpu.applies(kv, mask, lq):
