@@ -18,7 +18,8 @@ Decoding codes into fragments. A 4-bit code table T (16 centroids) becomes a pai
 memory: entry x (one byte, two codes) holds the fp16 pair (T[x & 15], T[x >> 4]), one half2
 register of an MMA operand. The table is replicated 32 times (entry x of copy l at word 32 x + l,
 lane l reads copy l), so any 32 lookups hit 32 distinct banks; a lookup is a byte extract
-(`prmt`), one IMAD/LEA from a 32-bit shared address and one shared load.
+(`prmt`), one IMAD/LEA from a 32-bit shared address and one shared load. It is written with
+16-byte stores of four copies, 16 per thread at 4 warps.
 - Keys: a register of the score MMA's A operand holds two adjacent dims of one key, i.e. one
   byte of the packed row (byte t of words 2s and 2s + 1 for lane t of a quad).
 - Values: a register of the V^T operand holds ONE dim of TWO keys (the MMA reduces over keys),
@@ -46,7 +47,9 @@ benchmarks/results/attend_h200_ncu.txt): 91.8 us (the portable kernel: 141 us), 
 instructions (86M), 128 registers, 16 warps per SM. Bound by latency now, not issue: 0.43
 instructions per scheduler-cycle, the top stalls long scoreboard (2.0 cycles per instruction,
 the staged rows' arrival) and fixed-latency waits (1.3, the score MMAs' dependent chain); DRAM
-at 32%. The whole step at 128k: 0.128 ms vs MLX fp16 SDPA 0.141 (benchmarks/attend.py).
+at 32%. The whole step at 128k: 0.103 ms vs MLX fp16 SDPA 0.143 (benchmarks/attend.py; the
+kernel 81 us in benchmarks/step_timeline.py). At 4k a warp walks one block and the fixed costs
+dominate (2,547 instructions per warp, 25 us; the portable kernel takes 12 there).
 
 CUDA only: `mma.sync` and `cp.async` have no Metal spelling in the prelude (a
 `simdgroup_matrix` port is the Metal counterpart still to write). Metal, and every shape this
