@@ -28,6 +28,22 @@ def test_values_are_parsed_and_bad_values_refused(monkeypatch):
         assert config.get("compile") == "0"
 
 
+def test_a_changed_or_removed_variable_is_read_again(monkeypatch):
+    """Parsed values are kept per raw value: a variable set, changed, set back or removed after
+    a read is seen at the next read, as os.environ says it."""
+    for raw, want in (("8", 8), ("16", 16), ("8", 8)):
+        monkeypatch.setenv("LONGCTX_FUSED_MAX_LQ", raw)
+        assert config.get("fused_max_lq") == want
+    monkeypatch.delenv("LONGCTX_FUSED_MAX_LQ")
+    assert config.get("fused_max_lq") == 64
+    monkeypatch.setenv("LONGCTX_OPENBLAS", "")
+    assert config.get("openblas") is None  # empty text: the default
+    monkeypatch.setenv("LONGCTX_FUSED_STEP", "maybe")
+    for _ in range(2):  # a bad value is refused at every read, not cached
+        with pytest.raises(ConfigError, match="LONGCTX_FUSED_STEP"):
+            config.get("fused_step")
+
+
 def test_nothing_else_reads_longctx_settings_from_the_environment():
     offenders = []
     for path in (ROOT / "longctx").rglob("*.py"):

@@ -599,6 +599,31 @@ def test_decode_attend_mma_launch_plan(monkeypatch, shape):
         assert not dm.applies(128, 4, kc, vc)
 
 
+def test_decode_step_codec_plan_follows_backend_and_switches(monkeypatch):
+    """What a decode step works out once per codec pair (path fit, tensor-core kernel, tables) is
+    worked out again when the backend or `decode_attend_mma.ENABLED` changes, and per codec
+    object (another layer's codecs of the same spec get their own tables)."""
+    from longctx.kvcache import attend_step
+    from longctx.kvcache.presets import get_preset
+    from longctx.kvcache.turbo import codecs_for
+
+    kc, vc = codecs_for(get_preset("tq4"), 128, layer=0)
+    k1, v1 = codecs_for(get_preset("tq4"), 128, layer=1)
+    assert not attend_step._codecs(kc, vc, 4).fits  # CPU: the references
+    with _prelude.force_backend("cuda"):
+        c = attend_step._codecs(kc, vc, 4)
+        assert c.fits and c.mma and attend_step._codecs(kc, vc, 4) is c
+        monkeypatch.setattr(dm, "ENABLED", False)
+        c2 = attend_step._codecs(kc, vc, 4)
+        assert c2 is not c and c2.fits and not c2.mma  # the portable kernel rotates q itself
+        other = attend_step._codecs(k1, v1, 4)
+        assert other.spec == c2.spec and other.k_arrays[1] is k1.rotation.signs
+        assert not attend_step._codecs(kc, vc, 9).mma  # past the MMA's 8 rows
+    with _prelude.force_backend("metal"):
+        monkeypatch.setattr(dm, "ENABLED", True)
+        assert not attend_step._codecs(kc, vc, 4).mma
+
+
 def test_decode_finish_bounds_its_threadgroup_memory():
     """Shapes whose buffers would pass Metal's 32 KiB (16 rows of 256 dims: 48 KiB) are not
     taken; they stay on the compiled fused path."""
