@@ -108,8 +108,8 @@ _SPEC = KernelSpec(
     lt[r] = 0.0f;
   }
   // NB splits' acc loads are issued together (NB x R independent loads per thread, ~64): the
-  // merge is a few memory round trips, not one per split (the 8 threadgroups of this launch
-  // are all the GPU runs meanwhile, so latency is its whole cost)
+  // merge is a few memory round trips, not one per split (this launch is B * H threadgroups,
+  // all the GPU runs meanwhile, so latency is its whole cost)
   constexpr int NB = R >= 64 ? 1 : 64 / R;
   for (int s0 = 0; s0 < S; s0 += P) {
     const int s = s0 + d;

@@ -172,7 +172,7 @@ def get(key: str) -> Any:
 # a setting). Parsed values are kept per (setting, raw bytes), so a changed variable is parsed
 # again. Elsewhere os.environ.get.
 _ENV_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
-if not isinstance(_ENV_BYTES, dict) or not all(isinstance(k, bytes) for k in list(_ENV_BYTES)[:1]):
+if not isinstance(_ENV_BYTES, dict) or not isinstance(next(iter(_ENV_BYTES), b""), bytes):
     _ENV_BYTES = None
 _ENV_KEYS: dict[str, bytes] = {}
 _PARSED: dict[tuple, tuple] = {}

@@ -62,11 +62,11 @@ _SPEC_IDS: dict = {}  # (dim, key spec, value spec) -> a small int, for the life
 
 
 def _codecs(kc, vc, rows: int) -> _Codecs:
+    # an entry keeps its codecs alive, so while it is here no other codec can take their ids
     which = _prelude.backend()
     key = (id(kc), id(vc), rows)
     c = _CODECS.get(key)
-    if c is None or c.kc is not kc or c.vc is not vc or c.backend != which or \
-            c.mma_enabled != dm.ENABLED:
+    if c is None or c.backend != which or c.mma_enabled != dm.ENABLED:
         if len(_CODECS) > 1024:
             _CODECS.clear()
         c = _CODECS[key] = _Codecs(kc, vc, rows, which)
