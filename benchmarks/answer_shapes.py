@@ -10,7 +10,7 @@ question) and decode tokens/s over the answer: the median of three warm answers 
 in the JSON).
 
 Usage: python benchmarks/answer_shapes.py [--shape llama-3.1-8b] [--tokens 32768 131072]
-       [--bits 0 4] [--name answer_gpu]
+       [--bits 0 4] [--host-profile] [--name answer_gpu]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from longctx import engine, kvcache  # noqa: E402
 
 QUESTION, ANSWER = 16, 64
 REPEATS = 3  # warm answers per row, each on its own fork: the median rate is reported
+HOST_PROFILE = False  # --host-profile: cProfile one more warm answer per row (top functions)
 
 
 def answer(model, cache, question, n):
@@ -43,6 +44,19 @@ def answer(model, cache, question, n):
     t1 = time.perf_counter()
     count = sum(1 for _ in stream)
     return first, count / (time.perf_counter() - t1)
+
+
+def host_profile(model, cache, question, label, n) -> None:
+    """Print where the host's time goes over one warm answer (cProfile, top 25 by own time)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    answer(model, cache, question, ANSWER)
+    prof.disable()
+    print(f"-- host profile: {label}, {n} cached tokens, {ANSWER} answer tokens", flush=True)
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 
 
 def run(model, ids, label, rng):
@@ -78,6 +92,8 @@ def _run(model, ids, preset_name, rng):
     # warm answers, each on its own fork: the median rate (one answer's rate moves with the host)
     runs = [answer(model, kvcache.fork(cache), q, ANSWER) for q in warm]
     warm_first = statistics.median(r[0] for r in runs)
+    if HOST_PROFILE:
+        host_profile(model, kvcache.fork(cache), warm[0], preset_name, len(ids))
     tok_s = statistics.median(r[1] for r in runs)
     out.update({"first_token_first_use_s": first, "first_token_warm_s": warm_first,
                 "first_use_compile_s": max(0.0, first - warm_first), "decode_tok_s": tok_s,
@@ -97,8 +113,12 @@ def main() -> None:
     ap.add_argument("--kv", nargs="+", default=["fp16", "tq4"])
     ap.add_argument("--variants", nargs="*", default=[],
                     help="extra tq4 rows at the shortest length: tq4:nocompile tq4:blocked")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="cProfile one more warm answer per row and print its top functions")
     ap.add_argument("--name", default="answer_gpu")
     args = ap.parse_args()
+    global HOST_PROFILE
+    HOST_PROFILE = args.host_profile
     rows = []
     for bits in args.bits:
         model, _ = random_model(args.shape, bits=bits)
@@ -123,8 +143,10 @@ def main() -> None:
     for r in rows:
         if r["kv"] == "fp16":
             continue
-        b = next(x for x in rows if x["kv"] == "fp16" and x["tokens"] == r["tokens"]
-                 and x["weights"] == r["weights"])
+        b = next((x for x in rows if x["kv"] == "fp16" and x["tokens"] == r["tokens"]
+                  and x["weights"] == r["weights"]), None)
+        if b is None:  # no fp16 row to compare with (--kv without fp16)
+            continue
         ratios[f"{r['weights']} {r['kv']} {r['tokens']}"] = {
             "decode_vs_fp16": round(r["decode_tok_s"] / b["decode_tok_s"], 3),
             "prefill_vs_fp16": round(r["prefill_tok_s"] / b["prefill_tok_s"], 3),

@@ -6,6 +6,8 @@
 #   attend   benchmarks/attend.py: one decode step, fp16 SDPA vs the fused kernel (+ torch anchors)
 #   timeline benchmarks/step_timeline.py: the decode step's GPU timeline (torch's profiler:
 #            kernels, GPU busy vs wall, host graph building), fp16 vs tq4, 4k-128k
+#   ptimeline benchmarks/prefill_timeline.py: a steady prefill's GPU timeline per chunk (kernels,
+#            GPU busy vs wall, host graph building), fp16 vs tq4 (PTIMELINE_ARGS)
 #   ncu      Nsight Compute profile of the decode step's tensor-core kernel at 128k
 #   prefill  benchmarks/prefill_shapes.py: random-weight models of real shapes, fp16 vs tq4
 #   profile  benchmarks/prefill_profile.py: one layer's prefill chunk, part by part
@@ -63,6 +65,9 @@ for phase in "${phases[@]}"; do
     timeline)
       run timeline 300 python3 benchmarks/step_timeline.py ${TIMELINE_ARGS:-}
       keep benchmarks/results/step_timeline_h200.json ;;
+    ptimeline)
+      run ptimeline 300 python3 benchmarks/prefill_timeline.py ${PTIMELINE_ARGS:-}
+      keep benchmarks/results/prefill_timeline_h200.json ;;
     ncu)
       # the tensor-core kernel's 4th launch (NCU_KERNEL=regex:lc_decode_attend_[0-9a-f]: the
       # portable one's)
@@ -80,7 +85,7 @@ for phase in "${phases[@]}"; do
       keep benchmarks/results/prefill_profile_gpu.json ;;
     answer)
       run answer 500 python3 benchmarks/answer_shapes.py --tokens ${ANSWER_TOKENS:-32768 131072} \
-        --bits ${ANSWER_BITS:-4} --name answer_gpu
+        --bits ${ANSWER_BITS:-4} --name answer_gpu ${ANSWER_ARGS:-}
       keep benchmarks/results/answer_gpu.json ;;
     restore)
       run restore 300 python3 benchmarks/restore.py --model "smollm2#rope=ntk-by-parts:4" \

@@ -70,12 +70,24 @@ def timeline(fn, steps: int, per_eval: int = 1) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         wall = burst()
         torch.cuda.synchronize()
+    ks = trace_kernels(prof)
+    calls = steps * per_eval
+    return {"wall_ms": 1e3 * wall / calls, "build_ms": 1e3 * build, **summary(ks, calls)}
+
+
+def trace_kernels(prof) -> list:
+    """[(start us, end us, short name)] of every GPU kernel a torch profiler recorded, in order."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    ks = sorted((e["ts"], e["ts"] + e["dur"], _short(e["name"])) for e in events
-                if e.get("cat") == "kernel" and "dur" in e)
+    return sorted((e["ts"], e["ts"] + e["dur"], _short(e["name"])) for e in events
+                  if e.get("cat") == "kernel" and "dur" in e)
+
+
+def summary(ks: list, calls: int) -> dict:
+    """GPU busy time (the union of kernel intervals), span and per-kernel counts and mean
+    durations, per call, of `trace_kernels`' list."""
     busy, end = 0.0, -1.0
     for a, b, _ in ks:
         if b > end:
@@ -85,10 +97,9 @@ def timeline(fn, steps: int, per_eval: int = 1) -> dict:
     for a, b, n in ks:
         c, tot = names.get(n, (0, 0.0))
         names[n] = (c + 1, tot + (b - a))
-    calls = steps * per_eval
-    return {"wall_ms": 1e3 * wall / calls, "build_ms": 1e3 * build,
-            "gpu_busy_ms": busy / 1e3 / calls,
+    return {"gpu_busy_ms": busy / 1e3 / calls,
             "gpu_span_ms": (ks[-1][1] - ks[0][0]) / 1e3 / calls if ks else 0.0,
+            "launches_per_call": len(ks) / calls,
             "kernels": {n: {"per_call": c / calls, "mean_us": tot / c}
                         for n, (c, tot) in sorted(names.items(), key=lambda x: -x[1][1])}}
 
