@@ -32,7 +32,6 @@ from longctx import engine, kvcache  # noqa: E402
 
 QUESTION, ANSWER = 16, 64
 REPEATS = 3  # warm answers per row, each on its own fork: the median rate is reported
-HOST_PROFILE = False  # --host-profile: cProfile one more warm answer per row (top functions)
 
 
 def answer(model, cache, question, n):
@@ -59,7 +58,7 @@ def host_profile(model, cache, question, label, n) -> None:
     pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 
 
-def run(model, ids, label, rng):
+def run(model, ids, label, rng, profile=False):
     """One row; `label` is a preset, or `tq4:nocompile` / `tq4:blocked` (the fused decode path
     without mx.compile / the blocked MLX path instead of the fused kernel: where time goes)."""
     from longctx import config
@@ -67,10 +66,11 @@ def run(model, ids, label, rng):
     preset_name, _, variant = label.partition(":")
     settings = {"nocompile": {"compile": "0"}, "blocked": {"fused_max_lq": 0}}.get(variant, {})
     with config.override(**settings):
-        return _run(model, ids, preset_name, rng) | {"kv": label}
+        return _run(model, ids, preset_name, rng, profile) | {"kv": label}
 
 
-def _run(model, ids, preset_name, rng):
+def _run(model, ids, preset_name, rng, profile=False):
+    """`profile`: also cProfile one more warm answer (`host_profile`)."""
     preset = kvcache.get_preset(preset_name)
     cache = kvcache.make(model, preset)
     stats = engine.prefill(model, ids, cache)
@@ -92,7 +92,7 @@ def _run(model, ids, preset_name, rng):
     # warm answers, each on its own fork: the median rate (one answer's rate moves with the host)
     runs = [answer(model, kvcache.fork(cache), q, ANSWER) for q in warm]
     warm_first = statistics.median(r[0] for r in runs)
-    if HOST_PROFILE:
+    if profile:
         host_profile(model, kvcache.fork(cache), warm[0], preset_name, len(ids))
     tok_s = statistics.median(r[1] for r in runs)
     out.update({"first_token_first_use_s": first, "first_token_warm_s": warm_first,
@@ -117,8 +117,6 @@ def main() -> None:
                     help="cProfile one more warm answer per row and print its top functions")
     ap.add_argument("--name", default="answer_gpu")
     args = ap.parse_args()
-    global HOST_PROFILE
-    HOST_PROFILE = args.host_profile
     rows = []
     for bits in args.bits:
         model, _ = random_model(args.shape, bits=bits)
@@ -129,7 +127,7 @@ def main() -> None:
             ids = mx.random.randint(0, 32000, (n,)).tolist()
             for kv in args.kv + (args.variants if n == min(args.tokens) else []):
                 r = {"shape": args.shape, "weights": f"{bits}-bit" if bits else "bf16",
-                     **run(model, ids, kv, mx.random)}
+                     **run(model, ids, kv, mx.random, args.host_profile)}
                 rows.append(r)
                 print(f"{r['weights']:>6} {kv:>5} N={n:>6}: prefill {r['prefill_tok_s']:7.0f} tok/s "
                       f"peak {r['prefill_peak_bytes'] / 2**30:6.2f} GiB | first token "

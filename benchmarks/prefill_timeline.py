@@ -19,34 +19,17 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write  # noqa: E402  (imports longctx first: OpenBLAS before mlx)
 
 import mlx.core as mx  # noqa: E402
+from prefill_shapes import prefill_once  # noqa: E402
 from shapes import random_model  # noqa: E402
 from step_timeline import summary, trace_kernels  # noqa: E402
 
 from longctx import engine, kvcache  # noqa: E402
-from longctx.kvcache import turbo  # noqa: E402
-
-
-def prefill(model, ids, preset, chunk):
-    """(wall s, build s) of one prefill, chunk by chunk as `engine.prefill` does."""
-    cache = kvcache.make(model, preset)
-    build = 0.0
-    mx.synchronize()
-    start = time.perf_counter()
-    for lo in range(0, len(ids), chunk):
-        t = time.perf_counter()
-        model(mx.array(ids[lo:lo + chunk], dtype=mx.int32)[None], cache=cache)
-        build += time.perf_counter() - t
-        mx.eval([c.state for c in cache])
-        turbo.drain()
-    mx.synchronize()
-    return time.perf_counter() - start, build
 
 
 def main() -> None:
@@ -69,11 +52,11 @@ def main() -> None:
             chunks = -(-n // args.chunk)
             for kv in args.kv:
                 preset = kvcache.get_preset(kv)
-                prefill(model, ids, preset, args.chunk)  # first run: kernels, cuDNN graphs
-                wall0, build0 = prefill(model, ids, preset, args.chunk)  # steady, unprofiled
+                prefill_once(model, ids, preset, args.chunk)  # first run: kernels, cuDNN graphs
+                wall0, _, _, build0 = prefill_once(model, ids, preset, args.chunk)  # unprofiled
                 torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    wall, build = prefill(model, ids, preset, args.chunk)
+                    wall, _, _, build = prefill_once(model, ids, preset, args.chunk)
                     torch.cuda.synchronize()
                 s = summary(trace_kernels(prof), chunks)
                 s["kernels"] = dict(list(s["kernels"].items())[:args.top])
@@ -89,8 +72,6 @@ def main() -> None:
                       flush=True)
                 for name, k in list(s["kernels"].items())[:15]:
                     print(f"      {k['per_call']:>6.0f} x {k['mean_us']:>8.1f} us  {name}")
-                gc.collect()
-                mx.clear_cache()
         del model
         gc.collect()
         mx.clear_cache()
