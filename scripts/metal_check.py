@@ -25,8 +25,9 @@ TOOL = Path(__file__).resolve().parents[2] / "shared" / "tools" / "metal_check" 
 
 
 def extra_launches(tool, full: bool) -> list:
-    """(origin, spec, launch) of what the shared plan does not launch: lc_dequant, and the
-    decode step's lc_decode_finish and lc_decode_attend with the q rotation inside (ROTQ)."""
+    """(origin, spec, launch) of what the shared plan does not launch: lc_dequant, the decode
+    step's lc_decode_finish and lc_decode_attend with the q rotation inside (ROTQ), and the
+    fused prefill chunk's lc_prefill_encode and lc_rotate."""
     import mlx.core as mx
 
     from longctx.kernels import _prelude
@@ -76,6 +77,33 @@ def extra_launches(tool, full: bool) -> list:
                     for dt in (mx.float16, mx.bfloat16, mx.float32):
                         rec.origin = f"decode step {name} P={p} H={hkv} r={r} exact={exact} {dt}"
                         attend_step.attention(mx.zeros((1, hkv * r, 1, p), dtype=dt), view, 0.1)
+        # The fused prefill chunk (kernels/prefill_encode.py, kernels/rotate.py): every scalar
+        # width, dim and model dtype, with and without the window's rows and the old buffer.
+        from longctx.kernels import prefill_encode as pe
+        from longctx.kernels import rotate as rt
+
+        for bits in sorted({p.key_bits for p in PRESETS.values() if p.kind == "turbo"}
+                           | {p.value_bits for p in PRESETS.values() if p.kind == "turbo"}):
+            for p in (64, 128, 256):
+                for hkv in (1, 3, 8):
+                    for dt in (mx.float16, mx.bfloat16, mx.float32):
+                        for held in (False, True):
+                            rec.origin = f"prefill_encode b={bits} P={p} H={hkv} {dt} held={held}"
+                            wd = bits * p // 32
+                            pe.prefill_encode(
+                                mx.zeros((1, hkv, 512, p), dtype=dt), mx.zeros((1, hkv, 1, p)),
+                                mx.ones((p,)), mx.zeros(((1 << bits) - 1,)),
+                                mx.zeros((1, hkv, 128, p), dtype=mx.float16) if held else None,
+                                mx.zeros((1, hkv, 4096, wd), dtype=mx.uint32) if held else None,
+                                mx.zeros((1, hkv, 4096), dtype=mx.float16) if held else None)
+        for p in (64, 128, 256):
+            for hkv, r in ((1, 4), (3, 3), (8, 4)):
+                for dt in (mx.float16, mx.bfloat16, mx.float32):
+                    rec.origin = f"rotate P={p} H={hkv} r={r} {dt}"
+                    x = mx.zeros((1, hkv * r, 512, p), dtype=dt)
+                    rt.rotate(x, mx.ones((p,)))
+                    rt.rotate(x.astype(mx.float16), mx.ones((p,)), inverse=True,
+                              mean=mx.zeros((1, hkv, 1, p)), out_dtype=dt)
     return rec.launches
 
 

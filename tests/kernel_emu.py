@@ -37,6 +37,15 @@ EMU_HEADER = r"""
 #include <vector>
 #include <memory>
 typedef _Float16 lc_half_t;
+struct lc_bf16_t {  // bfloat16: the top 16 bits of a float32, rounded to nearest even
+  uint16_t b;
+  lc_bf16_t() = default;
+  lc_bf16_t(float f) {
+    uint32_t u; __builtin_memcpy(&u, &f, 4);
+    b = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  operator float() const { uint32_t u = (uint32_t)b << 16; float f; __builtin_memcpy(&f, &u, 4); return f; }
+};
 struct LcWarp { std::barrier<>* bar; float f[32]; uint32_t u[32]; };
 static LcWarp lc_warps[32];
 static std::barrier<>* lc_group_bar;
@@ -175,11 +184,11 @@ EMU_IDS = r"""
 """
 
 _C_TYPES = {mx.uint8: "uint8_t", mx.uint32: "uint32_t", mx.int32: "int32_t",
-            mx.float32: "float", mx.float16: "lc_half_t"}
+            mx.float32: "float", mx.float16: "lc_half_t", mx.bfloat16: "lc_bf16_t"}
 _CUDA_TYPES = {mx.uint8: "uint8_t", mx.uint32: "uint32_t", mx.int32: "int32_t",
                mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
 _NP = {mx.uint8: np.uint8, mx.uint32: np.uint32, mx.int32: np.int32, mx.float32: np.float32,
-       mx.float16: np.float16}
+       mx.float16: np.float16, mx.bfloat16: np.uint16}  # bfloat16: its bits
 MAXD = 8
 
 
@@ -274,7 +283,7 @@ def emulator(strided: bool = True, odd_rows: bool = False):
         lib = _compile(_emu_source(spec, launch))
         ins = []
         for a in launch.inputs:
-            x = np.array(a)
+            x = np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
             ins.append(_embed(x, odd_rows) if strided and not spec.row_contiguous
                        else np.ascontiguousarray(x))
         outs = [_poison(s, d) for s, d in zip(launch.output_shapes, launch.output_dtypes)]
@@ -288,7 +297,8 @@ def emulator(strided: bool = True, odd_rows: bool = False):
         tx = launch.threadgroup[0]
         assert tx % 32 == 0 and launch.threadgroup[1:] == (1, 1) and launch.grid[1:] == (1, 1)
         lib.lc_launch(bufs, shapes.ctypes.data, strides.ctypes.data, -(-launch.grid[0] // tx), tx)
-        return [mx.array(o) for o in outs]
+        return [mx.array(o).view(mx.bfloat16) if d == mx.bfloat16 else mx.array(o)
+                for o, d in zip(outs, launch.output_dtypes)]
 
     return execute
 

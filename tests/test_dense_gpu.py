@@ -145,3 +145,195 @@ def test_encode_takes_the_fused_kernel_on_a_gpu():
         for name in want:
             assert mx.array_equal(got[name], want[name]), name
     assert not VectorCodec(72, QuantSpec(4), seed=5)._fused_encode()  # padded dims: MLX path
+
+
+def _references():
+    """An executor that runs every kernel's pure-MLX reference (and records the launches): the
+    GPU backend's code paths on the CPU."""
+    from longctx.kernels import prefill_encode as pe
+    from longctx.kernels import rotate as rt
+
+    launched = []
+
+    def run(spec, launch):
+        launched.append(spec.name)
+        ins = launch.inputs
+        if spec.name == "lc_prefill_encode":
+            w, t = (int(v) for v in np.array(ins[7]))
+            return list(pe.prefill_encode_reference(*ins[:4], ins[4] if w else None,
+                                                    ins[5] if t else None, ins[6] if t else None))
+        if spec.name == "lc_rotate":
+            tpl = dict(launch.template)
+            return [rt.rotate_reference(ins[0], ins[1], inverse=bool(tpl["INV"]),
+                                        mean=ins[2] if tpl["HAS_MEAN"] else None,
+                                        out_dtype=tpl["OT"])]
+        if spec.name == "lc_dequant":
+            s, w = (int(v) for v in np.array(ins[6]))
+            tpl = dict(launch.template)
+            enc = {"idx": ins[0], "norm": ins[2]}
+            if tpl["B2"]:
+                enc["idx2"] = ins[1]
+            return [dq.dequant_reference(enc, ins[3], bits=tpl["B1"], bits2=tpl["B2"], p=tpl["P"],
+                                         head=ins[4] if s else None, after=ins[5] if w else None)]
+        if spec.name == "lc_hadamard_quantize":
+            from longctx.kernels import hadamard_quant as hq
+            return list(hq.hadamard_quantize_reference(*ins))
+        raise AssertionError(f"unexpected kernel {spec.name}")
+
+    return run, launched
+
+
+def _prefill(preset, chunks, fused, monkeypatch, hkv=2, d=64, hq=4, seed=0, refs=True):
+    """Chunked prefill of one layer's cache through the GPU code paths (kernel references, or
+    with `refs=False` the device's kernels); returns (cache, attention outputs per chunk,
+    launches per chunk)."""
+    mx.random.seed(seed)
+    total = sum(chunks)
+    k = (mx.random.normal((1, hkv, total, d)) * 2.0 + 0.5).astype(mx.bfloat16)
+    v = mx.random.normal((1, hkv, total, d)).astype(mx.bfloat16)
+    q = mx.random.normal((1, hq, total, d)).astype(mx.bfloat16)
+    cache = TurboQuantCache(preset, layer=1)
+    if not fused:
+        monkeypatch.setattr(TurboQuantCache, "_fused_room", lambda self, n: None)
+    outs, counts = [], []
+    run, launched = _references()
+    lo = 0
+    import contextlib
+    with _prelude.executor(run, as_backend="cuda") if refs else contextlib.nullcontext():
+        for n in chunks:
+            launched.clear()
+            view, _ = cache.update_and_fetch(k[:, :, lo:lo + n], v[:, :, lo:lo + n])
+            outs.append(compressed_attention(q[:, :, lo:lo + n], view, scale=0.125, mask="causal"))
+            mx.eval(outs[-1], cache.state)
+            counts.append(list(launched))
+            lo += n
+    monkeypatch.undo()
+    return cache, outs, counts
+
+
+@pytest.mark.parametrize("name", ["tq4", "tq3", "tq4k3v"])
+def test_fused_prefill_chunks_match_the_unfused_update(name, monkeypatch):
+    """A fused prefill chunk (`kernels/prefill_encode.py`) stores what the unfused update stores,
+    bit for bit, and its attention matches; from the second chunk on a layer's chunk is six
+    launches: encode, dequantize and rotate, each for keys and values / queries and output."""
+    preset = kvcache.get_preset(name)
+    chunks = [300, 256, 300, 200]
+    want_cache, want, _ = _prefill(preset, chunks, False, monkeypatch)
+    got_cache, got, counts = _prefill(preset, chunks, True, monkeypatch)
+    for a, b in zip(got, want):
+        a, b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
+        assert np.abs(a - b).max() / np.abs(b).max() < 2e-2  # bf16 outputs
+    for c in counts[1:]:
+        assert sorted(c) == sorted(["lc_prefill_encode"] * 2 + ["lc_dequant"] * 2
+                                   + ["lc_rotate"] * 2), c
+    assert got_cache.offset == want_cache.offset and got_cache.tail_len == want_cache.tail_len
+    wk, wv = want_cache.window
+    gk, gv = got_cache.window
+    assert mx.array_equal(gk, wk) and mx.array_equal(gv, wv)
+    for c in (got_cache, want_cache):
+        c.seal()
+    a, b = got_cache.arrays(), want_cache.arrays()
+    assert set(a) == set(b)
+    for key in a:
+        assert mx.array_equal(a[key], b[key]), key
+
+
+def test_fused_prefill_then_decode_trim_and_fork(monkeypatch):
+    """After fused chunks the cache keeps working through every other path: decode steps into
+    the window, a trim, a fork, another chunk; the stored tokens equal the unfused cache's."""
+    preset = kvcache.get_preset("tq4")
+    caches = []
+    for fused in (True, False):
+        cache, _, _ = _prefill(preset, [300, 300], fused, monkeypatch)
+        mx.random.seed(7)
+        run, _ = _references()
+        with _prelude.executor(run, as_backend="cuda"):
+            for _ in range(3):
+                cache.update_and_fetch(mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64)))
+            cache.trim(5)
+            child = cache.fork()
+            child.update_and_fetch(mx.random.normal((1, 2, 200, 64)), mx.random.normal((1, 2, 200, 64)))
+            cache.update_and_fetch(mx.random.normal((1, 2, 300, 64)), mx.random.normal((1, 2, 300, 64)))
+            for c in (cache, child):
+                c.seal()
+        caches.append((cache.arrays(), child.arrays()))
+    for a, b in zip(*caches):
+        assert set(a) == set(b)
+        for key in a:
+            assert mx.array_equal(a[key], b[key]), key
+
+
+@gpu
+@pytest.mark.parametrize("p,bits", [(64, 4), (128, 4), (128, 3), (256, 2)])
+@pytest.mark.parametrize("held", [False, True])
+def test_gpu_prefill_encode(p, bits, held):
+    from longctx.kernels import hadamard_quant as hq
+    from longctx.kernels import prefill_encode as pe
+    from longctx.quant.codebooks import as_mx
+    from longctx.quant.codec import QuantSpec, VectorCodec
+
+    codec = VectorCodec(p, QuantSpec(bits), seed=11)
+    rng = np.random.default_rng(p + bits)
+    x = mx.array(rng.normal(size=(1, 8, 512, p)).astype(np.float32) * 2).astype(mx.bfloat16)
+    x = mx.swapaxes(mx.swapaxes(x, 1, 2), 1, 2)  # strided like a model's keys after rope
+    mu = mx.array(rng.normal(size=(1, 8, 1, p)).astype(np.float32) * 0.3)
+    bounds = as_mx(codec.codebook)[1]
+    wd = bits * p // 32
+    kw = {}
+    if held:
+        kw = dict(prev=mx.array(rng.normal(size=(1, 8, 128, p)).astype(np.float16)),
+                  old_idx=mx.array(rng.integers(0, 2**32, size=(1, 8, 1000, wd), dtype=np.uint32)),
+                  old_norm=mx.array(rng.random(size=(1, 8, 1000)).astype(np.float16)))
+    rot, idx, norm = pe.prefill_encode(x, mu, codec.rotation.signs, bounds, **kw)
+    want = pe.prefill_encode_reference(x, mu, codec.rotation.signs, bounds, **kw)
+    t, w = (1000, 128) if held else (0, 0)
+    hi, hn = hq.hadamard_quantize((x.astype(mx.float32) - mu).reshape(-1, p), codec.rotation.signs,
+                                  bounds)
+    assert mx.array_equal(idx[:, :, t:].reshape(-1, wd), hi)  # the unfused kernel's, exactly
+    assert mx.array_equal(norm[:, :, t:].reshape(-1), hn)
+    assert mx.array_equal(idx[:, :, :t], want[1][:, :, :t])
+    assert mx.array_equal(norm[:, :, :t], want[2][:, :, :t])
+    assert mx.array_equal(rot[:, :, :w], want[0][:, :, :w])
+    assert np.allclose(np.array(norm), np.array(want[2]), rtol=1e-3, atol=0)
+    assert (np.array(idx) == np.array(want[1])).mean() > 0.99
+    err = np.abs(np.array(rot.astype(mx.float32)) - np.array(want[0].astype(mx.float32))).max()
+    assert err < 1e-2, err
+
+
+@gpu
+@pytest.mark.parametrize("p", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_gpu_rotate(p, dtype):
+    from longctx.kernels import rotate as rt
+    from longctx.quant.codec import QuantSpec, VectorCodec
+
+    codec = VectorCodec(p, QuantSpec(4), seed=p)
+    x = (mx.random.normal((1, 32, 300, p)) * 3).astype(dtype)
+    m = mx.random.normal((1, 8, 1, p))
+    tol = 3e-2 if dtype == mx.bfloat16 else 5e-3
+    for inverse, mean, out in ((False, None, mx.float16), (True, m, dtype)):
+        got = rt.rotate(x, codec.rotation.signs, inverse=inverse, mean=mean, out_dtype=out)
+        want = rt.rotate_reference(x, codec.rotation.signs, inverse=inverse, mean=mean, out_dtype=out)
+        assert got.dtype == out
+        err = np.abs(np.array(got.astype(mx.float32)) - np.array(want.astype(mx.float32))).max()
+        assert err < tol, (inverse, err)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["tq4", "tq4k3v"])
+def test_gpu_fused_prefill_chunks_match_the_unfused_update(name, monkeypatch):
+    """On the device: fused prefill chunks store what the unfused update stores (codes may
+    differ only next to a boundary, as between the two kernels' sums) and attend alike."""
+    preset = kvcache.get_preset(name)
+    chunks = [512, 512, 512, 300]
+    want_cache, want, _ = _prefill(preset, chunks, False, monkeypatch, hkv=8, d=128, hq=32, refs=False)
+    got_cache, got, _ = _prefill(preset, chunks, True, monkeypatch, hkv=8, d=128, hq=32, refs=False)
+    for a, b in zip(got, want):
+        a, b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
+        assert np.abs(a - b).max() / np.abs(b).max() < 2e-2
+    for c in (got_cache, want_cache):
+        c.seal()
+    a, b = got_cache.arrays(), want_cache.arrays()
+    assert set(a) == set(b)
+    for key in a:
+        assert mx.array_equal(a[key], b[key]), key

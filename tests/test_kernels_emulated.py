@@ -397,3 +397,60 @@ def test_decode_step_falls_back_to_the_portable_kernel(monkeypatch):
     for got in (first, second):
         a, b = np.array(got), np.array(want)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-5
+
+
+@pytest.mark.parametrize("dim,bits,dtype", [(64, 3, mx.float32), (128, 4, mx.bfloat16),
+                                            (256, 2, mx.float16)])
+@pytest.mark.parametrize("prev,old", [(0, 0), (2, 5)])
+def test_prefill_encode(emulated, dim, bits, dtype, prev, old):
+    from longctx.kernels import prefill_encode as pe
+
+    codec = VectorCodec(dim, QuantSpec(bits), seed=3)
+    rng = np.random.default_rng(dim + prev)
+    x = mx.array(rng.normal(size=(1, 3, 5, dim)).astype(np.float32) * 2.0).astype(dtype)
+    mu = mx.array(rng.normal(size=(1, 3, 1, dim)).astype(np.float32) * 0.3)
+    bounds = as_mx(codec.codebook)[1]
+    kw = {}
+    if prev:
+        kw["prev"] = mx.array(rng.normal(size=(1, 3, prev, dim)).astype(np.float16))
+    if old:
+        kw["old_idx"] = mx.array(rng.integers(0, 2**32, size=(1, 3, old, bits * dim // 32),
+                                              dtype=np.uint32))
+        kw["old_norm"] = mx.array(rng.random(size=(1, 3, old)).astype(np.float16))
+    rot, idx, norm = pe.prefill_encode(x, mu, codec.rotation.signs, bounds, **kw)
+    want = pe.prefill_encode_reference(x, mu, codec.rotation.signs, bounds, **kw)
+    assert rot.shape == want[0].shape and idx.shape == want[1].shape and norm.shape == want[2].shape
+    # the kernel's sums associate differently from MLX's: a norm may round to the next fp16
+    assert np.allclose(np.array(norm), np.array(want[2]), rtol=1e-3, atol=0)
+    assert (np.array(idx) == np.array(want[1])).mean() > 0.95  # a code next to a boundary may flip
+    assert mx.array_equal(idx[:, :, :old], want[1][:, :, :old])  # copied rows: exact
+    assert mx.array_equal(norm[:, :, :old], want[2][:, :, :old])
+    assert mx.array_equal(rot[:, :, :prev], want[0][:, :, :prev])
+    assert np.abs(np.array(rot, dtype=np.float32) - np.array(want[0], dtype=np.float32)).max() < 2e-3
+    # the codes are hadamard_quantize's (the kernel the unfused path launches), bit for bit
+    c = (x.astype(mx.float32) - mu).reshape(-1, dim)
+    hi, hn = hq.hadamard_quantize(c, codec.rotation.signs, bounds)
+    assert mx.array_equal(idx[:, :, old:].reshape(-1, hi.shape[-1]), hi)
+    assert mx.array_equal(norm[:, :, old:].reshape(-1), hn)
+
+
+@pytest.mark.parametrize("p", [64, 128, 256])
+@pytest.mark.parametrize("inverse,mean,dtype", [(False, False, mx.float16), (True, True, mx.bfloat16),
+                                                (True, False, mx.float32)])
+def test_rotate(emulated, p, inverse, mean, dtype):
+    from longctx.kernels import rotate as rt
+
+    codec = VectorCodec(p, QuantSpec(4), seed=p)
+    rng = np.random.default_rng(p)
+    x = mx.array(rng.normal(size=(1, 6, 3, p)).astype(np.float32)).astype(mx.float16 if inverse else mx.bfloat16)
+    m = mx.array(rng.normal(size=(1, 2, 1, p)).astype(np.float32)) if mean else None
+    got = rt.rotate(x, codec.rotation.signs, inverse=inverse, mean=m, out_dtype=dtype)
+    want = rt.rotate_reference(x, codec.rotation.signs, inverse=inverse, mean=m, out_dtype=dtype)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = 1e-2 if dtype == mx.bfloat16 else 2e-3
+    assert np.abs(np.array(got.astype(mx.float32)) - np.array(want.astype(mx.float32))).max() < tol
+    # the reference is the codec's own rotation
+    ref = codec.unrotate(x) if inverse else codec.rotate(x)
+    if mean:
+        ref = (ref.reshape(1, 2, 3, 3, p) + m[:, :, None]).reshape(1, 6, 3, p)
+    assert np.abs(np.array(want.astype(mx.float32)) - np.array(ref.astype(dtype).astype(mx.float32))).max() < tol

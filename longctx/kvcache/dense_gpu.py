@@ -63,19 +63,29 @@ def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.arr
     """Softmax attention of `queries` (B, H_q, L_q, D) over the view, as `compressed_attention`."""
     from longctx.kvcache.attend_fused import kernel_table
 
+    from longctx.kernels import rotate as rt
+
     B, Hq, Lq, D = queries.shape
     Hkv = kv.value_mean.shape[1]
     kc, vc = kv.key_codec, kv.value_codec
     sink = kv.sink if kv.sink is not None else (None, None)
     window = kv.window if kv.window is not None else (None, None)
-    keys = _dense(kc, kernel_table(kc), [s[0] for s in kv.segments], _rotated(kc, sink[0]),
-                  _rotated(kc, window[0]))
-    values = _dense(vc, kernel_table(vc), [s[1] for s in kv.segments], _rotated(vc, sink[1]),
-                    _rotated(vc, window[1]))
-    q = kc.rotate(queries.astype(mx.float32)).astype(mx.float16)  # (B, Hq, Lq, P)
+    # the sink's rotated rows are made once per cache, a fused prefill chunk's window rows by
+    # its update (`kernels/prefill_encode.py`)
+    head = kv.sink_rot or (_rotated(kc, sink[0]), _rotated(vc, sink[1]))
+    after = kv.after_rot or (_rotated(kc, window[0]), _rotated(vc, window[1]))
+    keys = _dense(kc, kernel_table(kc), [s[0] for s in kv.segments], head[0], after[0])
+    values = _dense(vc, kernel_table(vc), [s[1] for s in kv.segments], head[1], after[1])
+    if rt.applies(kc.padded_dim) and kc.padded_dim == D:  # one launch each way
+        q = rt.rotate(queries, kc.rotation.signs)
+    else:
+        q = kc.rotate(queries.astype(mx.float32)).astype(mx.float16)  # (B, Hq, Lq, P)
     if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
         mask = mask.astype(mx.float16)
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    if rt.applies(vc.padded_dim) and vc.padded_dim == D:
+        return rt.rotate(out, vc.rotation.signs, inverse=True, mean=kv.value_mean,
+                         out_dtype=queries.dtype)
     out = vc.unrotate(out.astype(mx.float32))  # (B, Hq, Lq, D)
     out = out.reshape(B, Hkv, Hq // Hkv, Lq, D) + kv.value_mean[:, :, None]
     return out.reshape(B, Hq, Lq, D).astype(queries.dtype)

@@ -24,6 +24,7 @@ no `bits` attribute: mlx-lm treats any cache with one as its own affine-quantize
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -105,6 +106,12 @@ class CompressedKV:
     # shift-invariant, so the score shift q . mu it causes must be added back before capping)
     key_mean: mx.array | None = None
     dtype: mx.Dtype = mx.float32  # of the keys and values the model handed to the cache
+    # (keys, values) (B, H_kv, S, P) fp16: the sink in the codecs' rotated frames (made once)
+    sink_rot: tuple | None = None
+    # (keys, values) (B, H_kv, W, P) fp16: `window` in the rotated frames, made by a fused
+    # prefill chunk's update (`kernels/prefill_encode.py`); set, it stands for `window` on the
+    # dense GPU path
+    after_rot: tuple | None = None
 
     def astype(self, dtype) -> "CompressedKV":
         """The view itself: attention reads compressed keys in fp32 whatever the model casts them
@@ -167,6 +174,12 @@ class TurboQuantCache:
         # (`fork(exact_new=...)`), where the question and answer stay exact.
         self.window_cap = preset.window
         self.dtype = mx.float32  # the model's key/value dtype, from the latest update
+        # Set by a fused prefill chunk (`_fused_chunk`): the window's rows in the rotated frames
+        # (fp16), and a promise that the tail's buffer also holds the window's encodings, in
+        # rows tail_len .. tail_len + window_len (so aging or sealing them is a count). Anything
+        # else that changes the window or the tail drops it (`_drop_encoded`).
+        self._rot_window: tuple[mx.array, mx.array] | None = None
+        self._rot_sink: tuple[mx.array, mx.array] | None = None  # rotated_sink() in fp16, once
 
     @property
     def sink_len(self) -> int:
@@ -226,6 +239,7 @@ class TurboQuantCache:
                 head_k = mx.concatenate([self.sink[0], head_k], axis=2)
                 head_v = mx.concatenate([self.sink[1], head_v], axis=2)
             self.sink = (head_k.astype(mx.float16), head_v.astype(mx.float16))
+            self._rot_sink = None
             keys, values = keys[:, :, take:], values[:, :, take:]
             if keys.shape[2] == 0:
                 return
@@ -260,6 +274,10 @@ class TurboQuantCache:
             return view, view
         if self.prefix_len + self.tail_len:
             self._bound_inflight(keys, values)
+        fused = self._fused_chunk(keys, values, k, v)
+        if fused is not None:
+            return fused, fused
+        self._drop_encoded()
         if self.window is not None:
             k = mx.concatenate([self.window[0], k], axis=2)
             v = mx.concatenate([self.window[1], v], axis=2)
@@ -271,6 +289,81 @@ class TurboQuantCache:
         # The newest tokens stay as slices (a prefill's next chunk concatenates them anyway)
         self.window = (k[:, :, old:], v[:, :, old:]) if self.window_cap else None
         return view, view
+
+    def _drop_encoded(self) -> None:
+        """Forget the fused prefill's window state: the window or the tail changes otherwise."""
+        self._rot_window = None
+
+    def _fused_room(self, n: int) -> int | None:
+        """How many of a chunk's `n` tokens go to the sink when `_fused_chunk` takes it, or None
+        when it cannot: a GPU with the dense prefill path, scalar codecs of a size the kernel
+        takes, a window that is empty or the fused path's own, and a chunk that fills the window
+        by itself."""
+        from longctx import config
+        from longctx.kernels import prefill_encode
+
+        kc, vc = self.codecs()
+        if not (config.get("dense_gpu") and kc._fused_encode() and vc._fused_encode()
+                and prefill_encode.applies(kc.dim)):
+            return None
+        room = self.preset.sink - self.sink_len if self.prefix_len + self.tail_len == 0 else 0
+        room = max(0, min(room, n))
+        if self.window is not None and (room or self._rot_window is None):
+            return None
+        if n - room < max(self.window_cap, 1):
+            return None
+        if self.tail is not None and set(self.tail[0]) != {"idx", "norm"}:
+            return None
+        return room
+
+    def _fused_chunk(self, keys: mx.array, values: mx.array, k: mx.array, v: mx.array):
+        """A prefill chunk's update in two launches (`kernels/prefill_encode.py`), or None.
+
+        The chunk's raw keys and values are centered, rotated, encoded and appended to the
+        tail's buffer at once, window tokens included (their codes do not depend on when they
+        are made), and their rotated fp16 rows are what the dense GPU attention reads for the
+        window. Aging tokens out of the window is then a count (`tail_len`). The view carries
+        the same tokens as the unfused path's; its `window` (centered fp32, for the other
+        attention paths) is left unevaluated unless one reads it.
+
+        Args:
+            keys, values: (B, H_kv, n, D) as the model handed them; k, v: the same centered.
+        """
+        room = self._fused_room(keys.shape[2])
+        if room is None:
+            return None
+        from longctx.kernels.prefill_encode import prefill_encode
+
+        if room:
+            head_k, head_v = k[:, :, :room], v[:, :, :room]
+            if self.sink is not None:
+                head_k = mx.concatenate([self.sink[0], head_k], axis=2)
+                head_v = mx.concatenate([self.sink[1], head_v], axis=2)
+            self.sink = (head_k.astype(mx.float16), head_v.astype(mx.float16))
+            self._rot_sink = None
+            keys, values, k, v = (a[:, :, room:] for a in (keys, values, k, v))
+        kc, vc = self.codecs()
+        held = self.tail_len + (self.window_len if self._rot_window is not None else 0)
+        out = []
+        for i, (codec, x) in enumerate(((kc, keys), (vc, values))):
+            prev = self._rot_window[i] if self._rot_window is not None else None
+            old = (self.tail[i]["idx"][:, :, :held], self.tail[i]["norm"][:, :, :held]) if held else (None, None)
+            out.append(prefill_encode(x, self.means[i], codec.rotation.signs, codec._boundaries,
+                                      prev, *old))
+        (rot_k, idx_k, norm_k), (rot_v, idx_v, norm_v) = out
+        seen = (k, v)
+        if self.window is not None:
+            seen = (mx.concatenate([self.window[0], k], axis=2),
+                    mx.concatenate([self.window[1], v], axis=2))
+        self.window, self._wbuf = seen, None
+        view = dataclasses.replace(self.view(), after_rot=(rot_k, rot_v))
+        w = self.window_cap
+        self.tail = ({"idx": idx_k, "norm": norm_k}, {"idx": idx_v, "norm": norm_v})
+        self.tail_len = idx_k.shape[2] - w
+        # from this chunk's rows only: no chain of unevaluated windows across chunks
+        self.window = (k[:, :, -w:], v[:, :, -w:]) if w else None
+        self._rot_window = (rot_k[:, :, -w:], rot_v[:, :, -w:]) if w else None
+        return view
 
     def _bound_inflight(self, keys: mx.array, values: mx.array) -> None:
         """A prefill chunk's layer over a compressed prefix, on a GPU: bound the layers queued
@@ -291,6 +384,7 @@ class TurboQuantCache:
     def _window_write(self, k: mx.array, v: mx.array) -> None:
         """Append centered fp32 (B, H_kv, n, D) tokens to the window, in its own buffers (grown
         in steps of `step` tokens, up to `window_cap`); `window` becomes their valid prefix."""
+        self._drop_encoded()
         lo = self.window_len
         hi = lo + k.shape[2]
         cap = self._wbuf[0].shape[2] if self._wbuf is not None else 0
@@ -310,8 +404,11 @@ class TurboQuantCache:
     def seal(self) -> None:
         """Compress the uncompressed window, so that every token is stored compressed."""
         if self.window is not None:
-            self._append_compressed(*self.window)
-            self.window, self._wbuf = None, None
+            if self._rot_window is not None:  # the fused prefill encoded the window already
+                self.tail_len += self.window_len
+            else:
+                self._append_compressed(*self.window)
+            self.window, self._wbuf, self._rot_window = None, None, None
 
     def view(self) -> CompressedKV:
         kc, vc = self.codecs()
@@ -327,7 +424,19 @@ class TurboQuantCache:
             if cap > self.window_len:
                 buffer = (*self._wbuf, _valid_mask(cap, self.window_len))
         return CompressedKV(kc, vc, tuple(segments), self.offset, self.means[1], self.window, self.sink,
-                            self.dense_prefix, buffer, key_mean=self.means[0], dtype=self.dtype)
+                            self.dense_prefix, buffer, key_mean=self.means[0], dtype=self.dtype,
+                            sink_rot=self.rotated_sink16(),
+                            after_rot=self._rot_window if self._rot_window is not None else None)
+
+    def rotated_sink16(self) -> tuple[mx.array, mx.array] | None:
+        """`rotated_sink()` in fp16, made once per sink (every prefill chunk's dense attention
+        reads it; unevaluated until one does)."""
+        if self.sink is None:
+            return None
+        if self._rot_sink is None:
+            k, v = self.rotated_sink()
+            self._rot_sink = (k.astype(mx.float16), v.astype(mx.float16))
+        return self._rot_sink
 
     def rotated_sink(self) -> tuple[mx.array, mx.array] | None:
         """The sink's keys and values (fp32) in the codecs' rotated frames, or None."""
@@ -387,6 +496,7 @@ class TurboQuantCache:
 
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
+        self._drop_encoded()
         if n > self.window_len + self.tail_len:
             self.dense_prefix = None  # the prefix or the sink shrinks
         from_window = min(n, self.window_len)
@@ -402,6 +512,7 @@ class TurboQuantCache:
         if rest > self.prefix_len:  # trimming into the sink
             keep = self.sink_len - (rest - self.prefix_len)
             self.sink = tuple(a[:, :, :keep] for a in self.sink) if keep else None
+            self._rot_sink = None
             rest = self.prefix_len
         if rest:
             self.prefix_len -= rest
@@ -435,7 +546,10 @@ class TurboQuantCache:
         if self.means is None:
             return []
         segs = self.view().segments
-        window = list(self.window) if self.window is not None else []
+        # the fused prefill's window is a view of the chunk's keys, left unevaluated (its rotated
+        # rows, evaluated with the tail, stand for it)
+        window = (list(self._rot_window) if self._rot_window is not None
+                  else list(self.window) if self.window is not None else [])
         window += list(self.sink) if self.sink is not None else []
         return [*self.means, *window,
                 *(a for seg_k, seg_v, _ in segs for a in (*seg_k.values(), *seg_v.values()))]
