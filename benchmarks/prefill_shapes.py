@@ -83,7 +83,8 @@ def main() -> None:
                 variants += [(kv + ":blocked", False, inflight) for kv in args.kv if kv != "fp16"]
             if args.sync_ab:
                 variants += [(kv + suffix, True, budget) for kv in args.kv if kv != "fp16"
-                             for suffix, budget in ((":unbounded", 0), (":everylayer", 1))]
+                             for suffix, budget in ((":unbounded", 0), (":everylayer", 1),
+                                                        (":4gib", 4 * 2**30))]
             for label, dense, budget in variants:
                 preset = kvcache.get_preset(label.split(":")[0])
                 with config.override(dense_gpu=dense, prefill_inflight=budget):

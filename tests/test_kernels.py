@@ -609,7 +609,8 @@ def test_decode_step_codec_plan_follows_backend_and_switches(monkeypatch):
 
     kc, vc = codecs_for(get_preset("tq4"), 128, layer=0)
     k1, v1 = codecs_for(get_preset("tq4"), 128, layer=1)
-    assert not attend_step._codecs(kc, vc, 4).fits  # CPU: the references
+    with _prelude.force_backend("cpu"):
+        assert not attend_step._codecs(kc, vc, 4).fits  # CPU: the references
     with _prelude.force_backend("cuda"):
         c = attend_step._codecs(kc, vc, 4)
         assert c.fits and c.mma and attend_step._codecs(kc, vc, 4) is c

@@ -334,11 +334,13 @@ class TurboQuantCache:
             return None
         from longctx.kernels.prefill_encode import prefill_encode
 
+        exact_sink = None
         if room:
             head_k, head_v = k[:, :, :room], v[:, :, :room]
             if self.sink is not None:
-                head_k = mx.concatenate([self.sink[0], head_k], axis=2)
-                head_v = mx.concatenate([self.sink[1], head_v], axis=2)
+                head_k = mx.concatenate([self.sink[0].astype(mx.float32), head_k], axis=2)
+                head_v = mx.concatenate([self.sink[1].astype(mx.float32), head_v], axis=2)
+            exact_sink = (head_k, head_v)  # this chunk attends to its own tokens unrounded
             self.sink = (head_k.astype(mx.float16), head_v.astype(mx.float16))
             self._rot_sink = None
             keys, values, k, v = (a[:, :, room:] for a in (keys, values, k, v))
@@ -357,6 +359,8 @@ class TurboQuantCache:
                     mx.concatenate([self.window[1], v], axis=2))
         self.window, self._wbuf = seen, None
         view = dataclasses.replace(self.view(), after_rot=(rot_k, rot_v))
+        if exact_sink is not None:
+            view = dataclasses.replace(view, sink=exact_sink, sink_rot=None)
         w = self.window_cap
         self.tail = ({"idx": idx_k, "norm": norm_k}, {"idx": idx_v, "norm": norm_v})
         self.tail_len = idx_k.shape[2] - w
