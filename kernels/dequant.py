@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ._prelude import KernelSpec, Launch, backend, groups, run
+from ._prelude import KernelSpec, Launch, backend, constant, groups, run
 from .pack import unpack_reference
 
 NT = 256
@@ -165,14 +165,15 @@ def dequant(enc: dict, table: mx.array, *, bits: int, bits2: int = 0, p: int,
         return dequant_reference(enc, table, **kw)
     s = head.shape[2] if head is not None else 0
     w = after.shape[2] if after is not None else 0
-    empty = mx.zeros((1, 1, 1, 1), dtype=mx.float16)
+    # cached stand-ins and parameters: a new array per call is a launch (a fill) or a copy
+    empty = constant((0.0,), mx.float16)
     u32 = mx.uint32
-    idx2 = enc["idx2"].astype(u32) if bits2 else mx.zeros((1, 1, 1, 1), dtype=u32)
+    idx2 = enc["idx2"].astype(u32) if bits2 else constant((0,), u32)
     inputs = [enc["idx"].astype(u32), idx2, enc["norm"].astype(mx.float16),
               table.astype(mx.float32),
               head.astype(mx.float16) if s else empty, after.astype(mx.float16) if w else empty]
     n = B * H * (s + L + w) * (p // 8)
-    inputs.append(mx.array([s, w], dtype=mx.int32))
+    inputs.append(constant((s, w), mx.int32))
     (out,) = run(_SPEC, Launch(inputs, [("P", p), ("B1", bits), ("B2", bits2), ("NT", NT)],
                                (groups(n, NT) * NT, 1, 1), (NT, 1, 1),
                                [(B, H, s + L + w, p)], [mx.float16]),

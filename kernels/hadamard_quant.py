@@ -24,6 +24,7 @@ nothing else.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -79,8 +80,10 @@ _SPEC = KernelSpec(
 )
 
 
+@functools.lru_cache(maxsize=None)
 def _scale_header(dim: int) -> str:
-    """The float32 1/sqrt(D) that MLX's hadamard_transform uses, as an exact literal."""
+    """The float32 1/sqrt(D) that MLX's hadamard_transform uses, as an exact literal (made once
+    per D: it evaluates an array, and a prefill chunk asks for it per layer)."""
     s = mx.array(1.0 / math.sqrt(dim), dtype=mx.float32).item()  # rounded to float32
     return f"#define HSCALE {s:.9e}f\n"
 

@@ -35,9 +35,11 @@ so consecutive threads touch consecutive elements.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
-from ._prelude import KernelSpec, Launch, backend, groups, run
+from ._prelude import KernelSpec, Launch, backend, constant, groups, run
 from .hadamard_quant import DIMS, _scale_header, hadamard_quantize_reference
 
 CPT = 8  # elements each copying thread moves
@@ -169,6 +171,12 @@ def prefill_encode_reference(x, mu, signs, boundaries, prev=None, old_idx=None,
     return rot, idx, norm
 
 
+@functools.lru_cache(maxsize=None)
+def _spec(d: int) -> KernelSpec:
+    return KernelSpec(_SPEC.name, _SPEC.inputs, _SPEC.outputs, _SPEC.source, _scale_header(d),
+                      row_contiguous=False)
+
+
 def applies(d: int) -> bool:
     """Whether the kernel takes vectors of size `d` on this backend."""
     return backend() != "cpu" and d in DIMS
@@ -210,14 +218,15 @@ def prefill_encode(x: mx.array, mu: mx.array, signs: mx.array, boundaries: mx.ar
     n_copy = B * H * (t * wd + t + w * D)
     if not applies(D) or N == 0 or B * H * (N + t + w) * max(wd, D) >= 2**31:
         return prefill_encode_reference(x, mu, signs, boundaries, **kw)
-    spec = KernelSpec(_SPEC.name, _SPEC.inputs, _SPEC.outputs, _SPEC.source, _scale_header(D),
-                      row_contiguous=False)
+    spec = _spec(D)
     n_groups = B * H * N + groups(n_copy, D * CPT)
+    # stand-ins and parameters are cached arrays: a new one per call is a launch (a fill) or a
+    # host-to-device copy, per layer and chunk
     inputs = [x, mu.astype(mx.float32), signs.astype(mx.float32), boundaries.astype(mx.float32),
-              prev.astype(mx.float16) if w else mx.zeros((1, 1, 1, D), dtype=mx.float16),
-              old_idx.astype(mx.uint32) if t else mx.zeros((1, 1, 1, wd), dtype=mx.uint32),
-              old_norm.astype(mx.float16) if t else mx.zeros((1, 1, 1), dtype=mx.float16),
-              mx.array([w, t], dtype=mx.int32)]
+              prev.astype(mx.float16) if w else constant((0.0,), mx.float16),
+              old_idx.astype(mx.uint32) if t else constant((0,), mx.uint32),
+              old_norm.astype(mx.float16) if t else constant((0.0,), mx.float16),
+              constant((w, t), mx.int32)]
     return tuple(run(spec, Launch(
         inputs, [("D", D), ("B", bits), ("CPT", CPT)], (n_groups * D, 1, 1), (D, 1, 1),
         [(B, H, w + N, D), (B, H, t + N, wd), (B, H, t + N)],
