@@ -55,6 +55,20 @@ def prefill_once(model, ids, preset, chunk):
     return seconds, peak, longest, build
 
 
+def host_profile(model, ids, preset, chunk, label, dense, budget) -> None:
+    """Print the cProfile of one more (steady) prefill: the host's time by function."""
+    import cProfile
+    import pstats
+
+    with config.override(dense_gpu=dense, prefill_inflight=budget):
+        prof = cProfile.Profile()
+        prof.enable()
+        prefill_once(model, ids, preset, chunk)
+        prof.disable()
+    print(f"--- host profile: {label}, {len(ids)} tokens")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["smollm2-135m", "llama-3.1-8b"])
@@ -66,6 +80,9 @@ def main() -> None:
     ap.add_argument("--sync-ab", action="store_true",
                     help="also each compressed preset with no bound on the layers in flight "
                          "(prefill_inflight 0) and with a wait at every layer (1 byte)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also one more prefill per compressed preset under cProfile (printed: "
+                         "where the host's time goes, evaluation included)")
     ap.add_argument("--name", default="prefill_gpu")
     args = ap.parse_args()
 
@@ -101,6 +118,8 @@ def main() -> None:
                              "first_run_longest_eval_seconds": longest0})
                 print(f"{shape:>14} {label:>16} {n:>7} {s:>7.2f} {n / s:>8.0f} "
                       f"{peak / 2**30:>9.2f} {longest:>10.3f}  first run {s0:.2f} s", flush=True)
+                if args.host_profile:
+                    host_profile(model, ids, preset, args.chunk, label, dense, budget)
         del model
         gc.collect()
         mx.clear_cache()
