@@ -241,7 +241,16 @@ class KernelFallbackWarning(RuntimeWarning):
     """A kernel failed to build or launch; its pure-MLX reference serves from now on."""
 
 
+_BY_SPEC: dict = {}  # (backend, spec) -> kernel object: a launch's lookup without the digest
+
+
 def _mlx_kernel(spec: KernelSpec, which: str):
+    # Hashing a spec hashes its strings, whose hashes Python keeps: ~1 us, where assembling the
+    # source and its digest per launch was ~8-15 us (a prefill chunk launches six kernels per
+    # layer, a decode step two)
+    found = _BY_SPEC.get((which, spec))
+    if found is not None:
+        return found
     header, body = assemble(spec, which)
     digest = hashlib.sha1((header + "\0" + body).encode()).hexdigest()[:10]
     key = (which, spec.name, digest, spec.shared_memory)
@@ -251,6 +260,7 @@ def _mlx_kernel(spec: KernelSpec, which: str):
         _KERNELS[key] = make(name=f"{spec.name}_{digest}", input_names=list(spec.inputs),
                              output_names=list(spec.outputs), source=body, header=header,
                              ensure_row_contiguous=spec.row_contiguous, **extra)
+    _BY_SPEC[(which, spec)] = _KERNELS[key]
     return _KERNELS[key]
 
 
