@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from longctx.kernels import backend
+from longctx.kernels import rotate as rt
+from longctx.kernels.dequant import dequant
 from longctx.kvcache.turbo import CompressedKV
 
 
 def applies(kv: CompressedKV, mask) -> bool:
     """Whether this path serves the view: a GPU backend, segments present, and a head dim the
     fused SDPA takes."""
-    from longctx.kernels import backend
-
     return (backend() != "cpu" and bool(kv.segments) and kv.dense is None
             and kv.key_codec.padded_dim in (64, 80, 128, 256)
             and (mask is None or isinstance(mask, (str, mx.array))))
@@ -41,8 +42,6 @@ def _rotated(codec, x: mx.array | None) -> mx.array | None:
 
 def _dense(codec, table, segments: list, head, after) -> mx.array:
     """All rows of one side (keys or values) as (B, H, N, P) fp16 in the rotated frame."""
-    from longctx.kernels.dequant import dequant
-
     spec = codec.spec
     bits2 = spec.bits2 if codec.rvq is not None else 0
     parts = []
@@ -62,8 +61,6 @@ def _dense(codec, table, segments: list, head, after) -> mx.array:
 def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.array:
     """Softmax attention of `queries` (B, H_q, L_q, D) over the view, as `compressed_attention`."""
     from longctx.kvcache.attend_fused import kernel_table
-
-    from longctx.kernels import rotate as rt
 
     B, Hq, Lq, D = queries.shape
     Hkv = kv.value_mean.shape[1]

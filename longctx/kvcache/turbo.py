@@ -30,14 +30,15 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from longctx import config
+from longctx.kernels import backend as _backend
+from longctx.kernels import prefill_encode as _prefill_encode
 from longctx.kvcache.presets import Preset
 from longctx.quant.codec import QuantSpec, VectorCodec
 
 
 def _on_gpu() -> bool:
-    from longctx.kernels import backend
-
-    return backend() != "cpu"
+    return _backend() != "cpu"
 
 
 # (arrays, bytes) queued by earlier layers' `sync` and not yet waited for, oldest first
@@ -299,12 +300,9 @@ class TurboQuantCache:
         when it cannot: a GPU with the dense prefill path, scalar codecs of a size the kernel
         takes, a window that is empty or the fused path's own, and a chunk that fills the window
         by itself."""
-        from longctx import config
-        from longctx.kernels import prefill_encode
-
         kc, vc = self.codecs()
         if not (config.get("dense_gpu") and kc._fused_encode() and vc._fused_encode()
-                and prefill_encode.applies(kc.dim)):
+                and _prefill_encode.applies(kc.dim)):
             return None
         room = self.preset.sink - self.sink_len if self.prefix_len + self.tail_len == 0 else 0
         room = max(0, min(room, n))
@@ -332,8 +330,7 @@ class TurboQuantCache:
         room = self._fused_room(keys.shape[2])
         if room is None:
             return None
-        from longctx.kernels.prefill_encode import prefill_encode
-
+        prefill_encode = _prefill_encode.prefill_encode
         exact_sink = None
         if room:
             head_k, head_v = k[:, :, :room], v[:, :, :room]
@@ -358,7 +355,7 @@ class TurboQuantCache:
             seen = (mx.concatenate([self.window[0], k], axis=2),
                     mx.concatenate([self.window[1], v], axis=2))
         self.window, self._wbuf = seen, None
-        view = dataclasses.replace(self.view(), after_rot=(rot_k, rot_v))
+        view = self.view(after_rot=(rot_k, rot_v))
         if exact_sink is not None:
             view = dataclasses.replace(view, sink=exact_sink, sink_rot=None)
         w = self.window_cap
@@ -372,8 +369,6 @@ class TurboQuantCache:
     def _bound_inflight(self, keys: mx.array, values: mx.array) -> None:
         """A prefill chunk's layer over a compressed prefix, on a GPU: bound the layers queued
         (`sync`, the `prefill_inflight` setting)."""
-        from longctx import config
-
         budget = config.get("prefill_inflight")
         # only chunks whose attention dequantizes the prefix (`dense_gpu`): a decode step past
         # the window's cap takes the fused kernel and must not wait
@@ -414,7 +409,9 @@ class TurboQuantCache:
                 self._append_compressed(*self.window)
             self.window, self._wbuf, self._rot_window = None, None, None
 
-    def view(self) -> CompressedKV:
+    def view(self, after_rot: tuple | None = None) -> CompressedKV:
+        """What attention reads now. `after_rot`: the rotated rows of `window` when the caller
+        made them (a fused prefill chunk); default, the fused prefill's own window rows if set."""
         kc, vc = self.codecs()
         segments = []
         if self.prefix_len:
@@ -430,7 +427,7 @@ class TurboQuantCache:
         return CompressedKV(kc, vc, tuple(segments), self.offset, self.means[1], self.window, self.sink,
                             self.dense_prefix, buffer, key_mean=self.means[0], dtype=self.dtype,
                             sink_rot=self.rotated_sink16(),
-                            after_rot=self._rot_window if self._rot_window is not None else None)
+                            after_rot=after_rot if after_rot is not None else self._rot_window)
 
     def rotated_sink16(self) -> tuple[mx.array, mx.array] | None:
         """`rotated_sink()` in fp16, made once per sink (every prefill chunk's dense attention
