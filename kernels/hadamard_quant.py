@@ -24,6 +24,7 @@ nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -36,17 +37,11 @@ from .scalar_quant import quantize_reference
 FP16_MAX = 65504.0
 DIMS = (64, 128, 256)
 
-_SPEC = KernelSpec(
-    name="lc_hadamard_quantize",
-    inputs=("x", "signs", "boundaries"),
-    outputs=("idx", "norm"),
-    source=r"""
-  LC_SHARED float buf[D];
-  LC_SHARED float red[D / 32];
-  LC_SHARED uint32_t codes[D];
-  const uint32_t v = lc_tg;
-  const uint32_t t = lc_tid;
-  const float xv = x[v * D + t];
+# One vector per threadgroup of D threads, thread t holding coordinate xv: its norm `nrm`, its
+# rotated coordinate `y` (of the unit vector) and its code in `codes[t]` (threadgroup memory:
+# buf[D], red[D / 32], codes[D]), all threads past the final barrier. Shared with
+# `prefill_encode`, whose codes must equal these bit for bit.
+ENCODE_ROW = r"""
   const float sq = lc_simd_sum(xv * xv);
   if (lc_lane == 0u) red[lc_warp] = sq;
   LC_BARRIER();
@@ -68,7 +63,19 @@ _SPEC = KernelSpec(
   LC_UNROLL for (int k = 0; k < (1 << B) - 1; ++k) code += y > boundaries[k] ? 1u : 0u;
   codes[t] = code;
   LC_BARRIER();
-  if (t < (uint32_t)(B * D / 32)) {
+"""
+
+_SPEC = KernelSpec(
+    name="lc_hadamard_quantize",
+    inputs=("x", "signs", "boundaries"),
+    outputs=("idx", "norm"),
+    source=r"""
+  LC_SHARED float buf[D];
+  LC_SHARED float red[D / 32];
+  LC_SHARED uint32_t codes[D];
+  const uint32_t v = lc_tg;
+  const uint32_t t = lc_tid;
+  const float xv = x[v * D + t];""" + ENCODE_ROW + r"""  if (t < (uint32_t)(B * D / 32)) {
     const uint32_t g = t / (uint32_t)B;
     const uint32_t k = t % (uint32_t)B;
     uint32_t word;
@@ -78,6 +85,18 @@ _SPEC = KernelSpec(
   if (t == 0u) norm[v] = LC_F2H(LC_MIN(nrm, 65504.0f));
 """,
 )
+
+
+def applies(d: int) -> bool:
+    """Whether the one-coordinate-per-thread Hadamard kernels (this one, `prefill_encode`,
+    `rotate`) take vectors of size `d` on this backend."""
+    return backend() != "cpu" and d in DIMS
+
+
+@functools.lru_cache(maxsize=None)
+def scaled(spec: KernelSpec, dim: int) -> KernelSpec:
+    """`spec` with the HSCALE of size `dim` in its header (made once per spec and size)."""
+    return dataclasses.replace(spec, header=spec.header + _scale_header(dim))
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,11 +137,11 @@ def hadamard_quantize(x: mx.array, signs: mx.array,
     if signs.shape != (d,) or (1 << bits) - 1 != boundaries.shape[0] or not 1 <= bits <= 8:
         raise ValueError(f"signs must be ({d},) and boundaries (2^b - 1,); got {signs.shape}, "
                          f"{boundaries.shape}")
-    if backend() == "cpu" or d not in DIMS or x.size == 0:
+    if not applies(d) or x.size == 0:
         return hadamard_quantize_reference(x, signs, boundaries)
     lead = x.shape[:-1]
     n = x.size // d
-    spec = KernelSpec(_SPEC.name, _SPEC.inputs, _SPEC.outputs, _SPEC.source, _scale_header(d))
+    spec = scaled(_SPEC, d)
     w = bits * d // 32
     flat = x.astype(mx.float32).reshape(n, d)
     idx, norm = run(spec, Launch(

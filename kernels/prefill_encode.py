@@ -18,8 +18,8 @@ This replaces ~40 launches per layer and chunk of the unfused path (centering ca
 subtractions, the window's concatenation, copies of slices, the quantize kernel, the rotations
 of the exact rows for SDPA, the tail's growth and writes: `kvcache/turbo.py`, whose prefill
 chunks are bound by the host's ~25 us per launch on an H200, `benchmarks/prefill_timeline.py`).
-The codes and norms equal `hadamard_quantize`'s of c bit for bit (the same operations in the
-same order); rot equals the rotation of c up to fp32 rounding before the fp16 cast.
+The codes and norms equal `hadamard_quantize`'s of c bit for bit (its row code,
+`hadamard_quant.ENCODE_ROW`, is shared); rot equals the rotation of c up to fp32 rounding before the fp16 cast.
 
 Inputs: x (B, H, N, D) any float, mu (B, H, 1, D) float32, signs (D,) float32, boundaries
 (2^b - 1,) float32, prev (B, H, W, D) float16, old_idx (B, H, T, b*D/32) uint32, old_norm
@@ -27,20 +27,19 @@ Inputs: x (B, H, N, D) any float, mu (B, H, 1, D) float32, signs (D,) float32, b
 (W, T). D in 64/128/256.
 
 Thread plan: threadgroups of D threads. The first B*H*N groups encode one row each (one
-coordinate per thread, as `hadamard_quantize`: simdgroup sums for the norm, the butterfly in
-threadgroup memory, codes packed by b*D/32 threads). The remaining groups copy: every thread
+coordinate per thread, `hadamard_quantize`'s code: simdgroup sums for the norm, the butterfly
+in threadgroup memory, codes packed by b*D/32 threads). The remaining groups copy: every thread
 moves CPT elements of the concatenated copy list (old idx words, old norms, prev rows), D apart,
 so consecutive threads touch consecutive elements.
 """
 
 from __future__ import annotations
 
-import functools
-
 import mlx.core as mx
 
-from ._prelude import KernelSpec, Launch, backend, constant, groups, run
-from .hadamard_quant import DIMS, _scale_header, hadamard_quantize_reference
+from ._prelude import KernelSpec, Launch, constant, groups, run
+from .hadamard_quant import ENCODE_ROW, applies, hadamard_quantize_reference, scaled
+from .rotate import rotate_reference
 
 CPT = 8  # elements each copying thread moves
 
@@ -70,28 +69,8 @@ _SPEC = KernelSpec(
     const float xv = LC_TOF(x[bb * x_strides[0] + hh * x_strides[1] + l * x_strides[2]
                               + (int)t * x_strides[3]])
                      - mu[bb * mu_strides[0] + hh * mu_strides[1] + (int)t * mu_strides[3]];
-    const float sq = lc_simd_sum(xv * xv);
-    if (lc_lane == 0u) red[lc_warp] = sq;
-    LC_BARRIER();
-    float tot = 0.0f;
-    LC_UNROLL for (int w = 0; w < D / 32; ++w) tot += red[w];
-    const float nrm = LC_SQRT(tot);
-    buf[t] = (xv / LC_MAX(nrm, 1e-30f)) * signs[t];
-    LC_BARRIER();
-    LC_UNROLL for (uint32_t s = 1u; s < (uint32_t)D; s <<= 1) {
-      const bool upper = (t & s) != 0u;
-      const float a = buf[t];
-      const float b = buf[upper ? t - s : t + s];
-      LC_BARRIER();
-      buf[t] = upper ? (b - a) : (a + b);
-      LC_BARRIER();
-    }
-    const float y = buf[t] * HSCALE;
+""" + ENCODE_ROW + r"""
     rot[((int64_t)bh * (W + N) + W + l) * D + t] = LC_F2H(y * nrm);
-    uint32_t code = 0u;
-    LC_UNROLL for (int k = 0; k < (1 << B) - 1; ++k) code += y > boundaries[k] ? 1u : 0u;
-    codes[t] = code;
-    LC_BARRIER();
     const int64_t row = (int64_t)bh * (T + N) + T + l;
     if (t < (uint32_t)WD) {
       const uint32_t gi = t / (uint32_t)B;
@@ -149,12 +128,6 @@ _SPEC = KernelSpec(
 )
 
 
-def rotate_reference(x: mx.array, signs: mx.array) -> mx.array:
-    """(..., D) float32 -> H (signs * x) / sqrt(D) float32 (`RandomHadamard.forward` at P = D)."""
-    d = x.shape[-1]
-    return mx.hadamard_transform(x.astype(mx.float32) * signs, scale=d ** -0.5)
-
-
 def prefill_encode_reference(x, mu, signs, boundaries, prev=None, old_idx=None,
                              old_norm=None) -> tuple[mx.array, mx.array, mx.array]:
     """Pure-MLX oracle (and CPU path): arguments and results as `prefill_encode`."""
@@ -162,24 +135,13 @@ def prefill_encode_reference(x, mu, signs, boundaries, prev=None, old_idx=None,
     c = x.astype(mx.float32) - mu.astype(mx.float32)
     idx, norm = hadamard_quantize_reference(c.reshape(-1, D), signs, boundaries)
     idx, norm = idx.reshape(B, H, N, -1), norm.reshape(B, H, N)
-    rot = rotate_reference(c, signs).astype(mx.float16) if c.size else c.astype(mx.float16)
+    rot = rotate_reference(c, signs) if c.size else c.astype(mx.float16)
     if prev is not None:
         rot = mx.concatenate([prev.astype(mx.float16), rot], axis=2)
     if old_idx is not None:
         idx = mx.concatenate([old_idx, idx], axis=2)
         norm = mx.concatenate([old_norm.astype(mx.float16), norm], axis=2)
     return rot, idx, norm
-
-
-@functools.lru_cache(maxsize=None)
-def _spec(d: int) -> KernelSpec:
-    return KernelSpec(_SPEC.name, _SPEC.inputs, _SPEC.outputs, _SPEC.source, _scale_header(d),
-                      row_contiguous=False)
-
-
-def applies(d: int) -> bool:
-    """Whether the kernel takes vectors of size `d` on this backend."""
-    return backend() != "cpu" and d in DIMS
 
 
 def prefill_encode(x: mx.array, mu: mx.array, signs: mx.array, boundaries: mx.array,
@@ -218,7 +180,7 @@ def prefill_encode(x: mx.array, mu: mx.array, signs: mx.array, boundaries: mx.ar
     n_copy = B * H * (t * wd + t + w * D)
     if not applies(D) or N == 0 or B * H * (N + t + w) * max(wd, D) >= 2**31:
         return prefill_encode_reference(x, mu, signs, boundaries, **kw)
-    spec = _spec(D)
+    spec = scaled(_SPEC, D)
     n_groups = B * H * N + groups(n_copy, D * CPT)
     # stand-ins and parameters are cached arrays: a new one per call is a launch (a fill) or a
     # host-to-device copy, per layer and chunk

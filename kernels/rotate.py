@@ -20,12 +20,10 @@ threadgroup memory (read both, barrier, write, barrier), as `hadamard_quantize`.
 
 from __future__ import annotations
 
-import functools
-
 import mlx.core as mx
 
-from ._prelude import KernelSpec, Launch, backend, constant, run
-from .hadamard_quant import DIMS, _scale_header
+from ._prelude import KernelSpec, Launch, constant, run
+from .hadamard_quant import applies, scaled
 
 _SPEC = KernelSpec(
     name="lc_rotate",
@@ -78,17 +76,6 @@ def rotate_reference(x: mx.array, signs: mx.array, inverse: bool = False,
     return y.astype(out_dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _spec(p: int) -> KernelSpec:
-    return KernelSpec(_SPEC.name, _SPEC.inputs, _SPEC.outputs, _SPEC.source, _scale_header(p),
-                      row_contiguous=False)
-
-
-def applies(p: int) -> bool:
-    """Whether the kernel takes rows of size `p` on this backend."""
-    return backend() != "cpu" and p in DIMS
-
-
 def rotate(x: mx.array, signs: mx.array, inverse: bool = False, mean: mx.array | None = None,
            out_dtype=mx.float16) -> mx.array:
     """Rows into (forward) or out of (inverse) a rotated frame, see the module docstring.
@@ -112,7 +99,7 @@ def rotate(x: mx.array, signs: mx.array, inverse: bool = False, mean: mx.array |
     kw = dict(inverse=inverse, mean=mean, out_dtype=out_dtype)
     if not applies(P) or x.size == 0 or B * H * L * P >= 2**31:
         return rotate_reference(x, signs, **kw)
-    spec = _spec(P)
+    spec = scaled(_SPEC, P)
     g = H // mean.shape[1] if mean is not None else 1
     m = mean.astype(mx.float32) if mean is not None else constant((0.0,), mx.float32)  # cached
     (out,) = run(spec, Launch(

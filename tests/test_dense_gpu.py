@@ -183,6 +183,20 @@ def _references():
     return run, launched
 
 
+def _assert_same_arrays(a: dict, b: dict) -> None:
+    """Two caches' `arrays()` hold the same names and the same values, bit for bit."""
+    assert set(a) == set(b)
+    for key in a:
+        assert mx.array_equal(a[key], b[key]), key
+
+
+def _assert_close_outputs(got: list, want: list) -> None:
+    """Attention outputs per chunk agree to bf16 precision."""
+    for a, b in zip(got, want):
+        a, b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
+        assert np.abs(a - b).max() / np.abs(b).max() < 2e-2  # bf16 outputs
+
+
 def _prefill(preset, chunks, fused, monkeypatch, hkv=2, d=64, hq=4, seed=0, refs=True):
     """Chunked prefill of one layer's cache through the GPU code paths (kernel references, or
     with `refs=False` the device's kernels); returns (cache, attention outputs per chunk,
@@ -220,9 +234,7 @@ def test_fused_prefill_chunks_match_the_unfused_update(name, monkeypatch):
     chunks = [300, 256, 300, 200]
     want_cache, want, _ = _prefill(preset, chunks, False, monkeypatch)
     got_cache, got, counts = _prefill(preset, chunks, True, monkeypatch)
-    for a, b in zip(got, want):
-        a, b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
-        assert np.abs(a - b).max() / np.abs(b).max() < 2e-2  # bf16 outputs
+    _assert_close_outputs(got, want)  # bf16 outputs
     for c in counts[1:]:
         assert sorted(c) == sorted(["lc_prefill_encode"] * 2 + ["lc_dequant"] * 2
                                    + ["lc_rotate"] * 2), c
@@ -232,10 +244,7 @@ def test_fused_prefill_chunks_match_the_unfused_update(name, monkeypatch):
     assert mx.array_equal(gk, wk) and mx.array_equal(gv, wv)
     for c in (got_cache, want_cache):
         c.seal()
-    a, b = got_cache.arrays(), want_cache.arrays()
-    assert set(a) == set(b)
-    for key in a:
-        assert mx.array_equal(a[key], b[key]), key
+    _assert_same_arrays(got_cache.arrays(), want_cache.arrays())
 
 
 def test_fused_prefill_then_decode_trim_and_fork(monkeypatch):
@@ -258,9 +267,7 @@ def test_fused_prefill_then_decode_trim_and_fork(monkeypatch):
                 c.seal()
         caches.append((cache.arrays(), child.arrays()))
     for a, b in zip(*caches):
-        assert set(a) == set(b)
-        for key in a:
-            assert mx.array_equal(a[key], b[key]), key
+        _assert_same_arrays(a, b)
 
 
 @gpu
@@ -328,12 +335,7 @@ def test_gpu_fused_prefill_chunks_match_the_unfused_update(name, monkeypatch):
     chunks = [512, 512, 512, 300]
     want_cache, want, _ = _prefill(preset, chunks, False, monkeypatch, hkv=8, d=128, hq=32, refs=False)
     got_cache, got, _ = _prefill(preset, chunks, True, monkeypatch, hkv=8, d=128, hq=32, refs=False)
-    for a, b in zip(got, want):
-        a, b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
-        assert np.abs(a - b).max() / np.abs(b).max() < 2e-2
+    _assert_close_outputs(got, want)
     for c in (got_cache, want_cache):
         c.seal()
-    a, b = got_cache.arrays(), want_cache.arrays()
-    assert set(a) == set(b)
-    for key in a:
-        assert mx.array_equal(a[key], b[key]), key
+    _assert_same_arrays(got_cache.arrays(), want_cache.arrays())

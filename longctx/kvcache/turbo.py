@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from longctx import config
 from longctx.kernels import backend as _backend
-from longctx.kernels import prefill_encode as _prefill_encode
+from longctx.kernels.prefill_encode import prefill_encode
 from longctx.kvcache.presets import Preset
 from longctx.quant.codec import QuantSpec, VectorCodec
 
@@ -301,8 +301,8 @@ class TurboQuantCache:
         takes, a window that is empty or the fused path's own, and a chunk that fills the window
         by itself."""
         kc, vc = self.codecs()
-        if not (config.get("dense_gpu") and kc._fused_encode() and vc._fused_encode()
-                and _prefill_encode.applies(kc.dim)):
+        # a codec that encodes through `hadamard_quantize` fits `prefill_encode` too
+        if not (config.get("dense_gpu") and kc._fused_encode() and vc._fused_encode()):
             return None
         room = self.preset.sink - self.sink_len if self.prefix_len + self.tail_len == 0 else 0
         room = max(0, min(room, n))
@@ -330,7 +330,6 @@ class TurboQuantCache:
         room = self._fused_room(keys.shape[2])
         if room is None:
             return None
-        prefill_encode = _prefill_encode.prefill_encode
         exact_sink = None
         if room:
             head_k, head_v = k[:, :, :room], v[:, :, :room]
