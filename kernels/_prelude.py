@@ -235,6 +235,9 @@ _FORCED: str | None = None
 _EXECUTOR = None
 _VERIFIED: set = set()  # variants whose first launch evaluated cleanly
 _FAILED: dict = {}  # kernel name -> (backend, first line of the error), for the rest of the process
+# launches of unchecked variants met inside a function transformation (their references served):
+# a caller compiling a function compares it before and after the trace (`traced_references`)
+_TRACED_REFERENCES = [0]
 
 
 class KernelFallbackWarning(RuntimeWarning):
@@ -325,6 +328,7 @@ def run(spec: KernelSpec, launch: Launch, reference=None) -> list:
     if variant in _VERIFIED:
         return call()
     if _in_transformation(launch.inputs):
+        _TRACED_REFERENCES[0] += 1
         return list(reference())
     try:
         outputs = call()
@@ -334,6 +338,13 @@ def run(spec: KernelSpec, launch: Launch, reference=None) -> list:
         return list(reference())
     _VERIFIED.add(variant)
     return outputs
+
+
+def traced_references() -> int:
+    """How many launches so far took their reference because a trace met an unchecked variant
+    (a compiled function traced then holds the slower reference for good: trace it again after
+    one eager call)."""
+    return _TRACED_REFERENCES[0]
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from kernel_cases import preset_bits
 
 from longctx import kvcache
 from longctx.kernels import _prelude
+from longctx.kvcache import compiling
 from longctx.kernels import dequant as dq
 from longctx import config
 from longctx.kvcache import attention, dense_gpu
@@ -197,10 +198,12 @@ def _assert_close_outputs(got: list, want: list) -> None:
         assert np.abs(a - b).max() / np.abs(b).max() < 2e-2  # bf16 outputs
 
 
-def _prefill(preset, chunks, fused, monkeypatch, hkv=2, d=64, hq=4, seed=0, refs=True):
+def _prefill(preset, chunks, fused, monkeypatch, hkv=2, d=64, hq=4, seed=0, refs=True,
+             compiled=False):
     """Chunked prefill of one layer's cache through the GPU code paths (kernel references, or
-    with `refs=False` the device's kernels); returns (cache, attention outputs per chunk,
-    launches per chunk)."""
+    with `refs=False` the device's kernels; `compiled`: the compiled update and attention, which
+    under the references executor trace the references); returns (cache, attention outputs per
+    chunk, launches per chunk)."""
     mx.random.seed(seed)
     total = sum(chunks)
     k = (mx.random.normal((1, hkv, total, d)) * 2.0 + 0.5).astype(mx.bfloat16)
@@ -209,6 +212,10 @@ def _prefill(preset, chunks, fused, monkeypatch, hkv=2, d=64, hq=4, seed=0, refs
     cache = TurboQuantCache(preset, layer=1)
     if not fused:
         monkeypatch.setattr(TurboQuantCache, "_fused_room", lambda self, n: None)
+    if refs:
+        monkeypatch.setattr(compiling, "COMPILE_UNDER_EXECUTOR", compiled)
+    if not compiled:
+        monkeypatch.setenv("LONGCTX_COMPILE", "0")
     outs, counts = [], []
     run, launched = _references()
     lo = 0
@@ -242,6 +249,29 @@ def test_fused_prefill_chunks_match_the_unfused_update(name, monkeypatch):
     wk, wv = want_cache.window
     gk, gv = got_cache.window
     assert mx.array_equal(gk, wk) and mx.array_equal(gv, wv)
+    for c in (got_cache, want_cache):
+        c.seal()
+    _assert_same_arrays(got_cache.arrays(), want_cache.arrays())
+
+
+@pytest.mark.parametrize("name", ["tq4", "tq4k3v"])
+def test_compiled_prefill_matches_eager(name, monkeypatch):
+    """The fused chunk's update and the dense attention compiled (`turbo._encode_chunk`,
+    `dense_gpu._attend`, one trace per shape shared by layers) store and return what they do
+    eagerly; a trace that meets a kernel variant not yet checked is dropped for an eager call."""
+    from longctx.kvcache import dense_gpu, turbo
+
+    preset = kvcache.get_preset(name)
+    chunks = [300, 256, 300, 200, 256]
+    want_cache, want, _ = _prefill(preset, chunks, True, monkeypatch)
+    turbo._ENCODE.clear()
+    dense_gpu._COMPILED.clear()
+    got_cache, got, _ = _prefill(preset, chunks, True, monkeypatch, compiled=True)
+    # the first chunk is eager (its sink); the second chunk's traces met the executor's
+    # unchecked variants and were dropped; the later chunks' traces were kept
+    assert len(turbo._ENCODE) == 3 and len(dense_gpu._COMPILED) == 3
+    for a, b in zip(got, want):
+        assert mx.array_equal(a, b)
     for c in (got_cache, want_cache):
         c.seal()
     _assert_same_arrays(got_cache.arrays(), want_cache.arrays())
@@ -328,13 +358,24 @@ def test_gpu_rotate(p, dtype):
 
 @gpu
 @pytest.mark.parametrize("name", ["tq4", "tq4k3v"])
-def test_gpu_fused_prefill_chunks_match_the_unfused_update(name, monkeypatch):
-    """On the device: fused prefill chunks store what the unfused update stores (codes may
-    differ only next to a boundary, as between the two kernels' sums) and attend alike."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_fused_prefill_chunks_match_the_unfused_update(name, compiled, monkeypatch):
+    """On the device: fused prefill chunks, eager or compiled, store what the unfused update
+    stores (codes may differ only next to a boundary, as between the two kernels' sums) and
+    attend alike."""
+    from longctx.kvcache import turbo
+
     preset = kvcache.get_preset(name)
     chunks = [512, 512, 512, 300]
     want_cache, want, _ = _prefill(preset, chunks, False, monkeypatch, hkv=8, d=128, hq=32, refs=False)
-    got_cache, got, _ = _prefill(preset, chunks, True, monkeypatch, hkv=8, d=128, hq=32, refs=False)
+    turbo._ENCODE.clear()
+    dense_gpu._COMPILED.clear()
+    monkeypatch.setattr(_prelude, "_VERIFIED", set())  # every variant unchecked again
+    got_cache, got, _ = _prefill(preset, chunks, True, monkeypatch, hkv=8, d=128, hq=32, refs=False,
+                                 compiled=compiled)
+    # compiled: the first chunk is eager (its sink), the second's traces met unchecked variants
+    # and gave way to eager calls, the last two chunks' traces were kept
+    assert (len(turbo._ENCODE), len(dense_gpu._COMPILED)) == ((2, 2) if compiled else (0, 0))
     _assert_close_outputs(got, want)
     for c in (got_cache, want_cache):
         c.seal()

@@ -20,26 +20,10 @@ import mlx.core as mx
 import numpy as np
 
 from longctx.kvcache.attend_blocked import BLOCK, attend
+from longctx.kvcache.compiling import lookup, remember
 from longctx.kvcache.turbo import CompressedKV
 
 _COMPILED: OrderedDict = OrderedDict()  # key -> compiled function, least recently used first
-_COMPILED_MAX = 8
-
-
-def lookup(cache: OrderedDict, key):
-    """The compiled function cached under `key` (now the most recently used), or None."""
-    fn = cache.get(key)
-    if fn is not None:
-        cache.move_to_end(key)
-    return fn
-
-
-def remember(cache: OrderedDict, key, fn):
-    """Cache `fn` under `key`, dropping the least recently used past _COMPILED_MAX; returns fn."""
-    cache[key] = fn
-    while len(cache) > _COMPILED_MAX:
-        cache.popitem(last=False)
-    return fn
 
 
 @functools.lru_cache(maxsize=256)
@@ -62,14 +46,6 @@ def compile_wanted(lq: int) -> bool:
 
     mode = config.get("compile")
     return mode == "1" or (mode == "question" and lq > 1)
-
-
-def executor_installed() -> bool:
-    """A test or emulation executor runs the kernels: it must see
-    every launch, not only those of a trace (`kernels._prelude.executor`)."""
-    from longctx.kernels import _prelude
-
-    return _prelude._EXECUTOR is not None
 
 
 class _Traced:

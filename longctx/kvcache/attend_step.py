@@ -26,7 +26,7 @@ from longctx.kernels import _prelude
 from longctx.kernels import decode_attend as da
 from longctx.kernels import decode_attend_mma as dm
 from longctx.kernels import decode_finish as df
-from longctx.kvcache import attend_fused
+from longctx.kvcache import attend_fused, compiling
 from longctx.kvcache.attend_fused import kernel_table
 from longctx.kvcache.turbo import CompressedKV
 
@@ -82,7 +82,7 @@ def applies(kv: CompressedKV, mask, lq: int, rows: int) -> bool:
             and not _prelude.failed("lc_decode_finish"))
 
 
-_COMPILED: OrderedDict = OrderedDict()  # key -> compiled step (attend_fused.lookup / remember)
+_COMPILED: OrderedDict = OrderedDict()  # key -> compiled step (compiling.lookup / remember)
 
 
 def _step(kc, vc, scale, dtype, mma, queries, seg_k, seg_v, k_arrays, v_arrays, sink, window,
@@ -134,15 +134,15 @@ def attention(queries, kv: CompressedKV, scale: float):
            da.SM_COUNT, da.MIN_SPLIT_TILES, mma, dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS)
     dtype = queries.dtype  # the closure below must not keep this call's arrays alive
     # An executor sees every launch, and `LONGCTX_COMPILE=0` / `question` ask for eager steps
-    eager = attend_fused.executor_installed() or not attend_fused.compile_wanted(1)
-    fn = None if eager else attend_fused.lookup(_COMPILED, key)
+    eager = compiling.executor_installed() or not attend_fused.compile_wanted(1)
+    fn = None if eager else compiling.lookup(_COMPILED, key)
     if fn is None:
         out = _step(kc, vc, scale, dtype, mma, *args)
         if eager:
             return out
         mx.eval(out)
         # the kernels and the references read the window's count from its array input
-        attend_fused.remember(_COMPILED, key, mx.compile(
+        compiling.remember(_COMPILED, key, mx.compile(
             lambda q, sk, sv, ka, va, sink, window, count, mean:
             _step(kc, vc, scale, dtype, mma, q, sk, sv, ka, va, sink, window, count, mean)))
         return out

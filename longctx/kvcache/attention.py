@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from longctx import config
 from longctx.kernels import _prelude
-from longctx.kvcache import attend_blocked, attend_cpu, attend_fused, attend_step, dense_gpu
+from longctx.kvcache import attend_blocked, attend_cpu, attend_fused, attend_step, compiling, dense_gpu
 from longctx.kvcache.attend_blocked import BLOCK
 from longctx.kvcache.attend_cpu import rotation_matrices
 from longctx.kvcache.attend_fused import kernel_table
@@ -70,7 +70,7 @@ def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
     if fused:
         if config.get("fused_step") and attend_step.applies(kv, mask, lq, rows):
             return "fused-step", "GPU, one query token over one scalar-coded segment"
-        if attend_fused.executor_installed():
+        if compiling.executor_installed():
             return "fused", "a kernel executor is installed: every launch must reach it"
         if attend_fused.compile_wanted(lq):
             return "fused-compiled", f"{_prelude.backend()} backend, {lq} query tokens"

@@ -20,11 +20,14 @@ correction into the dense keys (it is linear in the query; `VectorCodec.scoring_
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import mlx.core as mx
 
 from longctx.kernels import backend
 from longctx.kernels import rotate as rt
 from longctx.kernels.dequant import dequant
+from longctx.kvcache import compiling
 from longctx.kvcache.turbo import CompressedKV
 
 
@@ -59,30 +62,67 @@ def _dense(codec, table, segments: list, head, after) -> mx.array:
 
 
 def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.array:
-    """Softmax attention of `queries` (B, H_q, L_q, D) over the view, as `compressed_attention`."""
+    """Softmax attention of `queries` (B, H_q, L_q, D) over the view, as `compressed_attention`.
+
+    Scalar codecs whose rows the rotation kernel takes run as one compiled function (the
+    `compile` setting), keyed by shapes and specs, so all layers of a chunk share one trace."""
     from longctx.kvcache.attend_fused import kernel_table
 
-    B, Hq, Lq, D = queries.shape
-    Hkv = kv.value_mean.shape[1]
     kc, vc = kv.key_codec, kv.value_codec
+    D = queries.shape[3]
     sink = kv.sink if kv.sink is not None else (None, None)
     window = kv.window if kv.window is not None else (None, None)
     # the sink's rotated rows are made once per cache, a fused prefill chunk's window rows by
     # its update (`kernels/prefill_encode.py`)
     head = kv.sink_rot or (_rotated(kc, sink[0]), _rotated(vc, sink[1]))
     after = kv.after_rot or (_rotated(kc, window[0]), _rotated(vc, window[1]))
-    keys = _dense(kc, kernel_table(kc), [s[0] for s in kv.segments], head[0], after[0])
-    values = _dense(vc, kernel_table(vc), [s[1] for s in kv.segments], head[1], after[1])
+    args = (queries, [s[0] for s in kv.segments], [s[1] for s in kv.segments],
+            [kernel_table(kc), kernel_table(vc)], [kc.rotation.signs, vc.rotation.signs],
+            [x for x in head if x is not None], [x for x in after if x is not None],
+            kv.value_mean, mask if isinstance(mask, mx.array) else [], scale)
+    plain = (kc.qjl is None and rt.applies(kc.padded_dim) and kc.padded_dim == D
+             and rt.applies(vc.padded_dim) and vc.padded_dim == D)
+    statics = (kc, vc, head[0] is not None, after[0] is not None,
+               mask if not isinstance(mask, mx.array) else None)
+    if not (plain and compiling.prefill_compiled()):
+        return _attend(*args, *statics)
+    key = ("dense", queries.shape, queries.dtype, kc.dim, kc.spec, vc.dim, vc.spec, float(scale),
+           tuple((name, a.shape, a.dtype) for seg in (*args[1], *args[2]) for name, a in seg.items()),
+           tuple(x.shape for x in args[5]), tuple(x.shape for x in args[6]),
+           statics[2:], (mask.shape, mask.dtype) if isinstance(mask, mx.array) else None,
+           backend())
+
+    def make():
+        return lambda *a: _attend(*a, *statics)
+
+    return compiling.call_compiled(_COMPILED, key, make, lambda *a: _attend(*a, *statics), args)
+
+
+_COMPILED: OrderedDict = OrderedDict()  # compiled `_attend` by shapes and specs
+
+
+def _attend(queries, k_segments, v_segments, tables, signs, head, after, value_mean, mask,
+            scale, kc, vc, has_head: bool, has_after: bool, mask_const):
+    """`attention` on arrays: the segments' dicts, the codecs' tables and rotation signs, the
+    rotated sink (`head`) and window (`after`) rows ([] when absent) and `mask` (an array, or []
+    with `mask_const` None or "causal"). The codecs give sizes and specs only when compiled
+    (scalar codecs: no per-layer array of theirs is read but `tables` and `signs`)."""
+    B, Hq, Lq, D = queries.shape
+    Hkv = value_mean.shape[1]
+    hk, hv = (head if has_head else (None, None))
+    ak, av = (after if has_after else (None, None))
+    keys = _dense(kc, tables[0], k_segments, hk, ak)
+    values = _dense(vc, tables[1], v_segments, hv, av)
     if rt.applies(kc.padded_dim) and kc.padded_dim == D:  # one launch each way
-        q = rt.rotate(queries, kc.rotation.signs)
+        q = rt.rotate(queries, signs[0])
     else:
         q = kc.rotate(queries.astype(mx.float32)).astype(mx.float16)  # (B, Hq, Lq, P)
+    mask = mask if isinstance(mask, mx.array) else mask_const
     if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
         mask = mask.astype(mx.float16)
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     if rt.applies(vc.padded_dim) and vc.padded_dim == D:
-        return rt.rotate(out, vc.rotation.signs, inverse=True, mean=kv.value_mean,
-                         out_dtype=queries.dtype)
+        return rt.rotate(out, signs[1], inverse=True, mean=value_mean, out_dtype=queries.dtype)
     out = vc.unrotate(out.astype(mx.float32))  # (B, Hq, Lq, D)
-    out = out.reshape(B, Hkv, Hq // Hkv, Lq, D) + kv.value_mean[:, :, None]
+    out = out.reshape(B, Hkv, Hq // Hkv, Lq, D) + value_mean[:, :, None]
     return out.reshape(B, Hq, Lq, D).astype(queries.dtype)

@@ -25,7 +25,7 @@ no `bits` attribute: mlx-lm treats any cache with one as its own affine-quantize
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -33,6 +33,7 @@ import mlx.core as mx
 from longctx import config
 from longctx.kernels import backend as _backend
 from longctx.kernels.prefill_encode import prefill_encode
+from longctx.kvcache import compiling
 from longctx.kvcache.presets import Preset
 from longctx.quant.codec import QuantSpec, VectorCodec
 
@@ -132,6 +133,29 @@ def codecs_for(preset: Preset, head_dim: int, layer: int) -> tuple[VectorCodec, 
         seed = preset.seed + 7919 * layer
         _CODECS[key] = (VectorCodec(head_dim, kspec, seed), VectorCodec(head_dim, vspec, seed + 1))
     return _CODECS[key]
+
+
+_ENCODE: OrderedDict = OrderedDict()  # compiled `_encode_chunk` by shapes and specs
+
+
+def _encode_chunk(keys, values, means, signs, boundaries, prev, old, window, held: int, w: int):
+    """A fused prefill chunk's update as arrays in, arrays out (`TurboQuantCache._fused_chunk`;
+    compiled there): for keys and values, `prefill_encode` of the chunk after the first `held`
+    rows of the tail's buffer (`old`: idx_k, norm_k, idx_v, norm_v) and the window's rotated rows
+    (`prev`); then the centered rows the view shows (`window` and the chunk) and, for w > 0, the
+    chunk's newest w of them (the next window).
+
+    Returns:
+        [rot_k, idx_k, norm_k, rot_v, idx_v, norm_v, seen_k, seen_v] (+ [win_k, win_v] if w).
+    """
+    out, centered = [], []
+    for i, x in enumerate((keys, values)):
+        tail = (old[2 * i][:, :, :held], old[2 * i + 1][:, :, :held]) if held else (None, None)
+        out.extend(prefill_encode(x, means[i], signs[i], boundaries[i],
+                                  prev[i] if prev else None, *tail))
+        centered.append(x.astype(mx.float32) - means[i])
+    seen = [mx.concatenate([window[i], c], axis=2) if window else c for i, c in enumerate(centered)]
+    return out + seen + ([c[:, :, -w:] for c in centered] if w else [])
 
 
 _MASKS: dict = {}
@@ -266,18 +290,17 @@ class TurboQuantCache:
         if self.means is None:
             self.means = (keys.astype(mx.float32).mean(axis=2, keepdims=True),
                           values.astype(mx.float32).mean(axis=2, keepdims=True))
-        k = keys.astype(mx.float32) - self.means[0]
-        v = values.astype(mx.float32) - self.means[1]
-        n = self.window_len + k.shape[2]
+        n = self.window_len + keys.shape[2]
         if n <= self.window_cap:  # decode steps and questions: into the window's buffers
-            self._window_write(k, v)
+            self._window_write(*self._centered(keys, values))
             view = self.view()
             return view, view
         if self.prefix_len + self.tail_len:
             self._bound_inflight(keys, values)
-        fused = self._fused_chunk(keys, values, k, v)
+        fused = self._fused_chunk(keys, values)
         if fused is not None:
             return fused, fused
+        k, v = self._centered(keys, values)
         self._drop_encoded()
         if self.window is not None:
             k = mx.concatenate([self.window[0], k], axis=2)
@@ -290,6 +313,9 @@ class TurboQuantCache:
         # The newest tokens stay as slices (a prefill's next chunk concatenates them anyway)
         self.window = (k[:, :, old:], v[:, :, old:]) if self.window_cap else None
         return view, view
+
+    def _centered(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return keys.astype(mx.float32) - self.means[0], values.astype(mx.float32) - self.means[1]
 
     def _drop_encoded(self) -> None:
         """Forget the fused prefill's window state: the window or the tail changes otherwise."""
@@ -314,7 +340,7 @@ class TurboQuantCache:
             return None
         return room
 
-    def _fused_chunk(self, keys: mx.array, values: mx.array, k: mx.array, v: mx.array):
+    def _fused_chunk(self, keys: mx.array, values: mx.array):
         """A prefill chunk's update in two launches (`kernels/prefill_encode.py`), or None.
 
         The chunk's raw keys and values are centered, rotated, encoded and appended to the
@@ -322,16 +348,19 @@ class TurboQuantCache:
         are made), and their rotated fp16 rows are what the dense GPU attention reads for the
         window. Aging tokens out of the window is then a count (`tail_len`). The view carries
         the same tokens as the unfused path's; its `window` (centered fp32, for the other
-        attention paths) is left unevaluated unless one reads it.
+        attention paths) is left unevaluated unless one reads it. Past the first chunk the
+        update is one compiled function (`_encode_chunk`; the `compile` setting), shared by
+        every layer of the same shapes.
 
         Args:
-            keys, values: (B, H_kv, n, D) as the model handed them; k, v: the same centered.
+            keys, values: (B, H_kv, n, D) as the model handed them.
         """
         room = self._fused_room(keys.shape[2])
         if room is None:
             return None
         exact_sink = None
         if room:
+            k, v = self._centered(keys, values)
             head_k, head_v = k[:, :, :room], v[:, :, :room]
             if self.sink is not None:
                 head_k = mx.concatenate([self.sink[0].astype(mx.float32), head_k], axis=2)
@@ -339,29 +368,34 @@ class TurboQuantCache:
             exact_sink = (head_k, head_v)  # this chunk attends to its own tokens unrounded
             self.sink = (head_k.astype(mx.float16), head_v.astype(mx.float16))
             self._rot_sink = None
-            keys, values, k, v = (a[:, :, room:] for a in (keys, values, k, v))
+            keys, values = keys[:, :, room:], values[:, :, room:]
         kc, vc = self.codecs()
         held = self.tail_len + (self.window_len if self._rot_window is not None else 0)
-        out = []
-        for i, (codec, x) in enumerate(((kc, keys), (vc, values))):
-            prev = self._rot_window[i] if self._rot_window is not None else None
-            old = (self.tail[i]["idx"][:, :, :held], self.tail[i]["norm"][:, :, :held]) if held else (None, None)
-            out.append(prefill_encode(x, self.means[i], codec.rotation.signs, codec._boundaries,
-                                      prev, *old))
-        (rot_k, idx_k, norm_k), (rot_v, idx_v, norm_v) = out
-        seen = (k, v)
-        if self.window is not None:
-            seen = (mx.concatenate([self.window[0], k], axis=2),
-                    mx.concatenate([self.window[1], v], axis=2))
-        self.window, self._wbuf = seen, None
+        w = self.window_cap
+        args = (keys, values, list(self.means), [kc.rotation.signs, vc.rotation.signs],
+                [kc._boundaries, vc._boundaries],
+                list(self._rot_window) if self._rot_window is not None else [],
+                [self.tail[i][name] for i in (0, 1) for name in ("idx", "norm")] if held else [],
+                list(self.window) if self.window is not None else [], held, w)
+        if room or not compiling.prefill_compiled():
+            out = _encode_chunk(*args)
+        else:
+            key = ("encode", keys.shape, keys.dtype, values.shape, values.dtype,
+                   self.means[0].shape, kc.dim, kc.spec, vc.dim, vc.spec, held,
+                   None if self.tail is None else self.tail[0]["idx"].shape,
+                   None if self._rot_window is None else self._rot_window[0].shape,
+                   None if self.window is None else self.window[0].shape, w, _backend())
+            out = compiling.call_compiled(_ENCODE, key, compiling.fresh(_encode_chunk),
+                                          _encode_chunk, args)
+        rot_k, idx_k, norm_k, rot_v, idx_v, norm_v, seen_k, seen_v, *win = out
+        self.window, self._wbuf = (seen_k, seen_v), None
         view = self.view(after_rot=(rot_k, rot_v))
         if exact_sink is not None:
             view = dataclasses.replace(view, sink=exact_sink, sink_rot=None)
-        w = self.window_cap
         self.tail = ({"idx": idx_k, "norm": norm_k}, {"idx": idx_v, "norm": norm_v})
         self.tail_len = idx_k.shape[2] - w
         # from this chunk's rows only: no chain of unevaluated windows across chunks
-        self.window = (k[:, :, -w:], v[:, :, -w:]) if w else None
+        self.window = tuple(win) if w else None
         self._rot_window = (rot_k[:, :, -w:], rot_v[:, :, -w:]) if w else None
         return view
 

@@ -1,0 +1,79 @@
+"""Compiled functions kept by key, least recently used dropped (the GPU attention paths).
+
+Each path keys its compiled functions by what its trace depends on (specs, sizes, shapes), so all
+layers of a forward pass share one trace; `call_compiled` also keeps a trace from holding a
+kernel's reference where the kernel's first launch could not be checked inside it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import mlx.core as mx
+
+from longctx import config
+from longctx.kernels import _prelude
+
+_COMPILED_MAX = 8
+
+
+def lookup(cache: OrderedDict, key):
+    """The compiled function cached under `key` (now the most recently used), or None."""
+    fn = cache.get(key)
+    if fn is not None:
+        cache.move_to_end(key)
+    return fn
+
+
+def remember(cache: OrderedDict, key, fn):
+    """Cache `fn` under `key`, dropping the least recently used past _COMPILED_MAX; returns fn."""
+    cache[key] = fn
+    while len(cache) > _COMPILED_MAX:
+        cache.popitem(last=False)
+    return fn
+
+
+def fresh(fn):
+    """A maker of new function objects that call `fn`: MLX caches a compiled function's traces
+    by the Python function's identity and drops them all when any compiled wrapper of it is
+    freed, so every cached wrapper needs a function object of its own."""
+    return lambda: (lambda *args: fn(*args))
+
+
+def call_compiled(cache: OrderedDict, key, make, eager, args: tuple):
+    """`mx.compile(make())(*args)`, the compiled function cached under `key` (`make` returns a
+    new function object each time: `fresh`).
+
+    A kernel variant is checked on its first launch (`kernels._prelude.run`), which a trace
+    cannot evaluate: a trace that met an unchecked variant holds its pure-MLX reference. Such a
+    trace is dropped and `eager(*args)` runs instead (checking the variant), so the next call
+    traces again with the kernel.
+    """
+    fn = lookup(cache, key)
+    if fn is not None:
+        return fn(*args)
+    fn = mx.compile(make())
+    before = _prelude.traced_references()
+    out = fn(*args)
+    if _prelude.traced_references() != before:
+        return eager(*args)
+    remember(cache, key, fn)
+    return out
+
+
+def executor_installed() -> bool:
+    """A test or emulation executor runs the kernels: it must see every launch, not only those
+    of a trace (`kernels._prelude.executor`)."""
+    return _prelude._EXECUTOR is not None
+
+
+# tests: compile the prefill paths with an executor installed too (its kernels' references then
+# run inside the traces, on the CPU)
+COMPILE_UNDER_EXECUTOR = False
+
+
+def prefill_compiled() -> bool:
+    """Whether the prefill paths (the fused chunk's update, the dense GPU attention) run
+    compiled: the `compile` setting is not "0" and no executor is installed (unless a test asks,
+    `COMPILE_UNDER_EXECUTOR`)."""
+    return config.get("compile") != "0" and (COMPILE_UNDER_EXECUTOR or _prelude._EXECUTOR is None)
