@@ -76,4 +76,4 @@ def prefill_compiled() -> bool:
     """Whether the prefill paths (the fused chunk's update, the dense GPU attention) run
     compiled: the `compile` setting is not "0" and no executor is installed (unless a test asks,
     `COMPILE_UNDER_EXECUTOR`)."""
-    return config.get("compile") != "0" and (COMPILE_UNDER_EXECUTOR or _prelude._EXECUTOR is None)
+    return config.get("compile") != "0" and (COMPILE_UNDER_EXECUTOR or not executor_installed())

@@ -92,10 +92,10 @@ def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.arr
            statics[2:], (mask.shape, mask.dtype) if isinstance(mask, mx.array) else None,
            backend())
 
-    def make():
-        return lambda *a: _attend(*a, *statics)
+    def eager(*a):
+        return _attend(*a, *statics)
 
-    return compiling.call_compiled(_COMPILED, key, make, lambda *a: _attend(*a, *statics), args)
+    return compiling.call_compiled(_COMPILED, key, compiling.fresh(eager), eager, args)
 
 
 _COMPILED: OrderedDict = OrderedDict()  # compiled `_attend` by shapes and specs
