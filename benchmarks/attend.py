@@ -101,8 +101,9 @@ def setup(s: int, seed: int = 0, presets=TQ, affine=True) -> dict:
                            mx.quantize(v, group_size=64, bits=bits))
     for name in presets:
         kc, vc = codecs_for(get_preset(name), D, layer=0)
+        # `plan`: the slot where a layer's step keeps its launch, as a cache's view carries it
         view = CompressedKV(kc, vc, ((kc.encode(k), vc.encode(v), s),), s,
-                            mx.zeros((B, HKV, 1, D), dtype=mx.float32))
+                            mx.zeros((B, HKV, 1, D), dtype=mx.float32), plan=[None])
         env[name] = view
     mx.eval([q, k, v] + [env[a] for a in ("a8", "a4") if a in env]
             + [list(env[n].segments[0][i].values()) for n in presets for i in (0, 1)])

@@ -9,6 +9,7 @@ kernel against its reference on the same device over a shape grid (head_dim 64/1
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
@@ -562,6 +563,84 @@ def test_gpu_decode_steps_through_a_fork(name):
         want = compressed_attention(q, view, 128 ** -0.5, fused=False)
         assert _rel(got, want) < 1e-2, step
     assert len(attend_step._COMPILED) == 1
+
+
+def _same_fields(a, b) -> bool:
+    """Two objects' fields hold the same values (arrays, nested in tuples, lists and dicts)."""
+    def same(x, y):
+        if isinstance(x, mx.array) or isinstance(y, mx.array):
+            return (isinstance(x, mx.array) and isinstance(y, mx.array) and x.shape == y.shape
+                    and x.dtype == y.dtype and mx.array_equal(x, y).item())
+        if isinstance(x, (tuple, list)):
+            return type(x) is type(y) and len(x) == len(y) and all(map(same, x, y))
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+        return x is y or x == y
+
+    return vars(a).keys() == vars(b).keys() and all(same(vars(a)[k], vars(b)[k]) for k in vars(a))
+
+
+def test_decode_step_plan_replays_and_checks(monkeypatch):
+    """A layer's decode step keeps its compiled launch with its cache (`attend_step._Plan`): later
+    steps replay it, with the outputs of the full path bit for bit and of the blocked path to
+    bf16 precision; a changed setting or tunable, a full or grown window buffer, or another
+    layout sends the step back to the full path. The kernels run as their references (on the
+    CPU, the GPU backend's code paths)."""
+    from longctx import config
+    from longctx.kernels import decode_finish as df
+    from longctx.kvcache import attend_step
+
+    def references(spec, launch, reference=None):
+        return list(reference())
+
+    for module in (da, dm, df):
+        monkeypatch.setattr(module, "run", references)
+    preset = kvcache.get_preset("tq4")
+    parent = TurboQuantCache(preset, 0)
+    kv = mx.random.normal((2, 1, 2, 300, 64), key=mx.random.key(3)).astype(mx.bfloat16)
+    parent.update_and_fetch(kv[0], kv[1])
+    parent.seal()
+    fork = TurboQuantCache.from_arrays(preset, 0, parent.arrays(), 64).fork(exact_new=300)
+    full = []
+    monkeypatch.setattr(attend_step, "attention", lambda *a, _f=attend_step.attention:
+                        full.append(1) or _f(*a))
+    attend_step._COMPILED.clear()
+    with _prelude.force_backend("cuda"):
+        question = mx.random.normal((2, 1, 2, 250, 64), key=mx.random.key(4)).astype(mx.bfloat16)
+        fork.update_and_fetch(question[0], question[1])
+        for step in range(10):  # window 251..260: its buffer of 256 fills at 256, then grows
+            new = mx.random.normal((2, 1, 2, 1, 64), key=mx.random.key(10 + step)).astype(mx.bfloat16)
+            view, _ = fork.update_and_fetch(new[0], new[1])
+            # the decode view (`_step_view`, from the last one's fields) is what view() builds
+            assert _same_fields(view, fork.view()), step
+            q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(20 + step)).astype(mx.bfloat16)
+            before = len(full)
+            got = compressed_attention(q, view, 0.125)
+            replayed = len(full) == before
+            # a step's first trace is an eager call, the next keeps the plan: steps 0 and 1; 5
+            # fills the buffer (the view has none), 6 and 7 trace the grown buffer's step
+            assert replayed == (step not in (0, 1, 5, 6, 7)), step
+            assert _rel(got, compressed_attention(q, view, 0.125, fused=False)) < 1e-2, step
+            if replayed:
+                assert mx.array_equal(got, attend_step.attention(q, view, 0.125)), step
+                with config.override(fused_max_lq=0):  # the blocked path is asked for
+                    assert attend_step.replay(q, view, 0.125) is None
+                monkeypatch.setattr(da, "MIN_SPLIT_TILES", da.MIN_SPLIT_TILES + 1)
+                assert attend_step.replay(q, view, 0.125) is None  # a tunable changed
+                monkeypatch.setattr(da, "MIN_SPLIT_TILES", da.MIN_SPLIT_TILES - 1)
+                assert attend_step.replay(q.astype(mx.float16), view, 0.125) is None
+                assert attend_step.replay(q, view, 0.125) is not None
+    with _prelude.force_backend("cpu"):  # another backend: the full path decides again
+        assert attend_step.replay(q, view, 0.125) is None
+        # a view without a window (benchmarks/attend.py's) keeps a plan too
+        bare = dataclasses.replace(fork.view(), window=None, window_buffer=None, sink=None,
+                                   plan=[None])
+    with _prelude.force_backend("cuda"):
+        n = len(full)
+        first = [compressed_attention(q, bare, 0.125) for _ in range(2)]
+        assert attend_step.replay(q, bare, 0.125) is not None and len(full) == n + 2
+        assert mx.array_equal(compressed_attention(q, bare, 0.125), first[1])
+        assert _rel(first[1], compressed_attention(q, bare, 0.125, fused=False)) < 1e-2
 
 
 @pytest.mark.parametrize("shape", [(4, 2), (4, 3), (8, 2), (8, 3)])

@@ -22,6 +22,7 @@ from collections import OrderedDict
 
 import mlx.core as mx
 
+from longctx import config
 from longctx.kernels import _prelude
 from longctx.kernels import decode_attend as da
 from longctx.kernels import decode_attend_mma as dm
@@ -102,6 +103,55 @@ def _step(kc, vc, scale, dtype, mma, queries, seg_k, seg_v, k_arrays, v_arrays, 
                             valid_array=count).reshape(B, Hq, 1, D)
 
 
+def _env() -> tuple:
+    """What a kept step (`_Plan`) was built under and must still hold: the backend and executor,
+    the kernels failed so far, the settings that choose the path and the kernels' tunables."""
+    return (_prelude.backend(), _prelude._EXECUTOR, len(_prelude._FAILED), config.get("compile"),
+            config.get("fused_step"), config.get("fused_max_lq"), compiling.COMPILE_UNDER_EXECUTOR,
+            da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS, da.SM_COUNT,
+            da.MIN_SPLIT_TILES, dm.ENABLED, dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS)
+
+
+class _Plan:
+    """One layer's decode step as its compiled call takes it, kept by the layer's cache between
+    steps (the view's `plan` slot): the compiled function and every input but the queries and
+    the window's count. It serves while the view holds the same segment, sink and window buffers
+    (MLX writes a decode step's token into the window's buffer objects in place), or no window,
+    and `_env()` is
+    unchanged, skipping the path choice, the checks and the trace key (~20 us of Python a layer
+    and token on a 2-core x86 host, `benchmarks/decode_host.py`)."""
+
+    __slots__ = ("fn", "shape", "dtype", "scale", "seg", "sink", "wbuf", "args", "mean", "env")
+
+    def matches(self, queries, kv: CompressedKV, scale) -> bool:
+        wb = kv.window_buffer
+        return ((wb[0] if wb is not None else kv.window) is self.wbuf and kv.segments[0][0] is self.seg
+                and kv.sink is self.sink and kv.dense is None and len(kv.segments) == 1
+                and queries.shape == self.shape and queries.dtype == self.dtype
+                and scale == self.scale and self.env == _env())
+
+
+def replay(queries, kv: CompressedKV, scale: float):
+    """The step through the plan the view's cache keeps, or None when there is none that fits
+    (then `compressed_attention` chooses the path as usual)."""
+    p = kv.plan[0]
+    if p is None or not p.matches(queries, kv, scale):
+        return None
+    return p.fn(queries, *p.args, df.count(kv.window[0].shape[2] if kv.window else 0), p.mean)
+
+
+def _keep_plan(kv: CompressedKV, fn, queries, scale, args) -> None:
+    # a window that is not a buffer changes its arrays at every step: no plan
+    if kv.plan is None or (kv.window is not None and kv.window_buffer is None):
+        return
+    p = _Plan()
+    p.fn, p.shape, p.dtype, p.scale = fn, queries.shape, queries.dtype, scale
+    p.seg, p.sink = kv.segments[0][0], kv.sink
+    p.wbuf = kv.window_buffer[0] if kv.window_buffer is not None else None
+    p.args, p.mean, p.env = args[1:7], args[8], _env()
+    kv.plan[0] = p
+
+
 def attention(queries, kv: CompressedKV, scale: float):
     """(B, H_q, 1, D) attention of one query token over `kv`, in the queries' dtype.
 
@@ -110,7 +160,8 @@ def attention(queries, kv: CompressedKV, scale: float):
     fraction. The compiled step takes every per-layer array as an input and the window as its
     whole buffers plus a count, so all layers and all steps until the buffers grow share one
     trace; before the first trace of a key, one eager call checks the kernels' variants
-    (`kernels._prelude.run`), as `attend_fused` does.
+    (`kernels._prelude.run`), as `attend_fused` does. The step's inputs are then kept with the
+    layer's cache (`_Plan`), so that its next steps replay it directly.
     """
     shape = queries.shape
     H = kv.value_mean.shape[1]
@@ -133,8 +184,10 @@ def attention(queries, kv: CompressedKV, scale: float):
            kv.sink[0].dtype, da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS,
            da.SM_COUNT, da.MIN_SPLIT_TILES, mma, dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS)
     dtype = queries.dtype  # the closure below must not keep this call's arrays alive
-    # An executor sees every launch, and `LONGCTX_COMPILE=0` / `question` ask for eager steps
-    eager = compiling.executor_installed() or not attend_fused.compile_wanted(1)
+    # An executor sees every launch (unless a test compiles under it), and `LONGCTX_COMPILE=0` /
+    # `question` ask for eager steps
+    eager = ((compiling.executor_installed() and not compiling.COMPILE_UNDER_EXECUTOR)
+             or not attend_fused.compile_wanted(1))
     fn = None if eager else compiling.lookup(_COMPILED, key)
     if fn is None:
         out = _step(kc, vc, scale, dtype, mma, *args)
@@ -146,4 +199,5 @@ def attention(queries, kv: CompressedKV, scale: float):
             lambda q, sk, sv, ka, va, sink, window, count, mean:
             _step(kc, vc, scale, dtype, mma, q, sk, sv, ka, va, sink, window, count, mean)))
         return out
+    _keep_plan(kv, fn, queries, scale, args)
     return fn(*args)

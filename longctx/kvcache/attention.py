@@ -110,6 +110,11 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
         for observe in _OBSERVERS:
             observe(queries, kv, scale)
     lq = queries.shape[2]
+    # a decode step whose layer kept its last step's launch (`attend_step._Plan`): replay it
+    if kv.plan is not None and lq == 1 and mask is None and fused is None and not softcap:
+        out = attend_step.replay(queries, kv, scale)
+        if out is not None:
+            return out
     path, why = choose_path(kv, mask, lq, fused, softcap,
                             queries.shape[1] // max(1, kv.value_mean.shape[1]))
     if _log.isEnabledFor(logging.DEBUG):

@@ -114,6 +114,9 @@ class CompressedKV:
     # prefill chunk's update (`kernels/prefill_encode.py`); set, it stands for `window` on the
     # dense GPU path
     after_rot: tuple | None = None
+    # [plan or None]: a slot the cache owns, where the decode step keeps its launch between steps
+    # (`attend_step._Plan`; it checks that it still fits the view)
+    plan: list | None = None
 
     def astype(self, dtype) -> "CompressedKV":
         """The view itself: attention reads compressed keys in fp32 whatever the model casts them
@@ -156,6 +159,16 @@ def _encode_chunk(keys, values, means, signs, boundaries, prev, old, window, hel
         centered.append(x.astype(mx.float32) - means[i])
     seen = [mx.concatenate([window[i], c], axis=2) if window else c for i, c in enumerate(centered)]
     return out + seen + ([c[:, :, -w:] for c in centered] if w else [])
+
+
+def _center(keys, values, k_mu, v_mu):
+    return keys.astype(mx.float32) - k_mu, values.astype(mx.float32) - v_mu
+
+
+# A decode step's new keys and values centered in one compiled call: two fused launches where
+# the eager casts and subtractions are four (a step's launches cost host time on a GPU: 32
+# layers x 2 saved per token); bit for bit the eager arithmetic
+_center_pair = mx.compile(_center)
 
 
 _MASKS: dict = {}
@@ -205,6 +218,8 @@ class TurboQuantCache:
         # else that changes the window or the tail drops it (`_drop_encoded`).
         self._rot_window: tuple[mx.array, mx.array] | None = None
         self._rot_sink: tuple[mx.array, mx.array] | None = None  # rotated_sink() in fp16, once
+        self._plan = [None]  # the decode step's kept launch (`CompressedKV.plan`)
+        self._step_base = None  # (state, fields) of the last decode view (`_step_view`)
 
     @property
     def sink_len(self) -> int:
@@ -292,8 +307,8 @@ class TurboQuantCache:
                           values.astype(mx.float32).mean(axis=2, keepdims=True))
         n = self.window_len + keys.shape[2]
         if n <= self.window_cap:  # decode steps and questions: into the window's buffers
-            self._window_write(*self._centered(keys, values))
-            view = self.view()
+            self._window_write(*_center_pair(keys, values, *self.means))
+            view = self._step_view()
             return view, view
         if self.prefix_len + self.tail_len:
             self._bound_inflight(keys, values)
@@ -435,6 +450,7 @@ class TurboQuantCache:
 
     def seal(self) -> None:
         """Compress the uncompressed window, so that every token is stored compressed."""
+        self._forget_step()
         if self.window is not None:
             if self._rot_window is not None:  # the fused prefill encoded the window already
                 self.tail_len += self.window_len
@@ -460,7 +476,38 @@ class TurboQuantCache:
         return CompressedKV(kc, vc, tuple(segments), self.offset, self.means[1], self.window, self.sink,
                             self.dense_prefix, buffer, key_mean=self.means[0], dtype=self.dtype,
                             sink_rot=self.rotated_sink16(),
-                            after_rot=after_rot if after_rot is not None else self._rot_window)
+                            after_rot=after_rot if after_rot is not None else self._rot_window,
+                            plan=self._plan if buffer is not None else None)
+
+    def _forget_step(self) -> None:
+        """Drop the decode step's kept view fields and launch (they hold the window's buffers and
+        the prefix; each checks that it still fits, so this only frees them sooner)."""
+        self._plan[0], self._step_base = None, None
+
+    def _step_view(self) -> CompressedKV:
+        """`view()` after a write into the window's buffers, from the fields of the last such view
+        where nothing but the window changed since (the same prefix, tail, sink, decoded prefix,
+        dtype and buffers): a decode step makes one view per layer and token, and building all
+        its fields was ~5 us of a step's ~15 us budget of Python per layer."""
+        buf = self._wbuf
+        if buf is None or buf[0].shape[2] <= self.window_len:
+            return self.view()
+        # objects compared by identity (every change replaces them), numbers and the dtype by value
+        same = (self.prefix, self.sink, self.dense_prefix, buf, self.means, self._rot_window)
+        equal = (self.tail_len, self.dtype, self.head_dim)
+        base = self._step_base
+        if (base is None or base[1] != equal or len(base[0]) != len(same)
+                or not all(a is b for a, b in zip(base[0], same))):
+            view = self.view()
+            self._step_base = (same, equal, dict(view.__dict__))
+            return view
+        view = object.__new__(CompressedKV)  # the dataclass's fields, without its frozen __init__
+        fields = view.__dict__
+        fields.update(base[2])
+        window = self.window
+        fields["offset"], fields["window"] = self.offset, window
+        fields["window_buffer"] = (buf[0], buf[1], _valid_mask(buf[0].shape[2], window[0].shape[2]))
+        return view
 
     def rotated_sink16(self) -> tuple[mx.array, mx.array] | None:
         """`rotated_sink()` in fp16, made once per sink (every prefill chunk's dense attention
@@ -530,6 +577,7 @@ class TurboQuantCache:
 
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
+        self._forget_step()
         self._drop_encoded()
         if n > self.window_len + self.tail_len:
             self.dense_prefix = None  # the prefix or the sink shrinks
