@@ -121,3 +121,13 @@ def test_empty_length(dim):
     assert codec.decode(enc).shape == (1, 2, 0, dim)
     q_proj = codec.qjl_project(codec.rotate(mx.ones((1, 2, 4, dim))))
     assert codec.qjl_correction(q_proj, enc).shape == (1, 2, 4, 0)
+
+
+def test_codec_key_names_dim_and_spec():
+    """`VectorCodec.key` (what compiled functions' keys hold instead of the spec) is one small int
+    per (dim, spec): the same for codecs of any seed, different for another dim or spec."""
+    a, b = VectorCodec(128, QuantSpec(4), seed=1), VectorCodec(128, QuantSpec(4), seed=2)
+    others = [VectorCodec(64, QuantSpec(4), seed=1), VectorCodec(128, QuantSpec(3), seed=1),
+              VectorCodec(128, QuantSpec(4, qjl=True), seed=1)]
+    assert a.key == b.key
+    assert len({a.key, *(c.key for c in others)}) == 4

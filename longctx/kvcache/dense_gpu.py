@@ -86,7 +86,7 @@ def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.arr
                mask if not isinstance(mask, mx.array) else None)
     if not (plain and compiling.prefill_compiled()):
         return _attend(*args, *statics)
-    key = ("dense", queries.shape, queries.dtype, kc.dim, kc.spec, vc.dim, vc.spec, float(scale),
+    key = ("dense", queries.shape, queries.dtype, kc.key, vc.key, float(scale),
            tuple((name, a.shape, a.dtype) for seg in (*args[1], *args[2]) for name, a in seg.items()),
            tuple(x.shape for x in args[5]), tuple(x.shape for x in args[6]),
            statics[2:], (mask.shape, mask.dtype) if isinstance(mask, mx.array) else None,

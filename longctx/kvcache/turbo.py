@@ -44,6 +44,7 @@ def _on_gpu() -> bool:
 
 # (arrays, bytes) queued by earlier layers' `sync` and not yet waited for, oldest first
 _PENDING: deque = deque()
+_INFLIGHT = [0]  # the bytes of _PENDING's entries
 
 
 def sync(arrays: tuple, nbytes: int, budget: int) -> None:
@@ -67,11 +68,13 @@ def sync(arrays: tuple, nbytes: int, budget: int) -> None:
         budget: most bytes in flight (`prefill_inflight`).
     """
     _queue(*arrays)
+    if not _PENDING:
+        _INFLIGHT[0] = 0
     _PENDING.append((arrays, nbytes))
-    total = sum(n for _, n in _PENDING)
-    while len(_PENDING) > 1 and total > budget:
+    _INFLIGHT[0] += nbytes
+    while len(_PENDING) > 1 and _INFLIGHT[0] > budget:
         old, n = _PENDING.popleft()
-        total -= n
+        _INFLIGHT[0] -= n
         _wait(*old)
 
 
@@ -79,6 +82,7 @@ def drain() -> None:
     """Forget the queued layers (call once their work is evaluated: after a prefill chunk), so
     that their arrays are not kept alive and their byte counts do not carry over."""
     _PENDING.clear()
+    _INFLIGHT[0] = 0
 
 
 _queue, _wait = mx.async_eval, mx.eval  # (tests count them)
@@ -396,7 +400,7 @@ class TurboQuantCache:
             out = _encode_chunk(*args)
         else:
             key = ("encode", keys.shape, keys.dtype, values.shape, values.dtype,
-                   self.means[0].shape, kc.dim, kc.spec, vc.dim, vc.spec, held,
+                   self.means[0].shape, kc.key, vc.key, held,
                    None if self.tail is None else self.tail[0]["idx"].shape,
                    None if self._rot_window is None else self._rot_window[0].shape,
                    None if self.window is None else self.window[0].shape, w, _backend())

@@ -61,6 +61,9 @@ class QuantSpec:
             raise ValueError(f"bits2 must be in 0..{MAX_BITS}, got {self.bits2}")
 
 
+_KEYS: dict = {}  # (dim, spec) -> VectorCodec.key
+
+
 class VectorCodec:
     """Encode/decode vectors of size `dim` under `spec`, with seeded rotation and projection.
 
@@ -132,10 +135,23 @@ class VectorCodec:
         and a scalar spec (no RVQ, no QJL) of an unpadded dim the kernel takes (64/128/256).
         Its codes equal the MLX path's except for a coordinate within ~1e-6 of a boundary."""
         from longctx.kernels import backend
+
+        return self._fused_shape and backend() != "cpu"
+
+    @functools.cached_property
+    def _fused_shape(self) -> bool:
+        # (the spec and dims of `_fused_encode`, once: a prefill chunk asks it at every layer)
         from longctx.kernels.hadamard_quant import DIMS
 
         return (self.rvq is None and self.qjl is None and self.padded_dim == self.dim
-                and self.dim in DIMS and backend() != "cpu")
+                and self.dim in DIMS)
+
+    @functools.cached_property
+    def key(self) -> int:
+        """A small int for (dim, spec), the same for every codec of them in this process: what a
+        compiled function's key holds instead of the spec (hashing the spec dataclass at every
+        layer cost more than the rest of the key)."""
+        return _KEYS.setdefault((self.dim, self.spec), len(_KEYS))
 
     @functools.cached_property
     def _boundaries(self) -> mx.array:
