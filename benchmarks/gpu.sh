@@ -10,6 +10,7 @@
 #            GPU busy vs wall, host graph building), fp16 vs tq4 (PTIMELINE_ARGS)
 #   ncu      Nsight Compute profile of the decode step's tensor-core kernel at 128k
 #   prefill  benchmarks/prefill_shapes.py: random-weight models of real shapes, fp16 vs tq4
+#            (PREFILL_ARGS="--queue-every 4 8 30": also queueing the graph every k layers)
 #   profile  benchmarks/prefill_profile.py: one layer's prefill chunk, part by part
 #   answer   benchmarks/answer_shapes.py: Llama-3.1-8B shape, 32k / 128k cached tokens, fp16 vs tq4
 #   restore  benchmarks/restore.py: restore + first token vs mlx-lm's prompt cache (8k-32k)

@@ -9,7 +9,8 @@ before `kvcache.dense_gpu`); `--sync-ab` with no bound on the layers a chunk kee
 layer (a 1-byte budget).
 
 Usage: python benchmarks/prefill_shapes.py [--shapes smollm2-135m llama-3.1-8b] [--tokens 8192 32768]
-       [--kv fp16 tq4] [--bits 0] [--blocked] [--sync-ab] [--name prefill_gpu]
+       [--kv fp16 tq4] [--bits 0] [--blocked] [--sync-ab] [--queue-every 4 8]
+       [--host-profile] [--name prefill_gpu]
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def host_profile(model, ids, preset, chunk, label, dense, budget) -> None:
         prefill_once(model, ids, preset, chunk)
         prof.disable()
     print(f"--- host profile: {label}, {len(ids)} tokens")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(35)
 
 
 def main() -> None:
@@ -80,6 +81,9 @@ def main() -> None:
     ap.add_argument("--sync-ab", action="store_true",
                     help="also each compressed preset with no bound on the layers in flight "
                          "(prefill_inflight 0) and with a wait at every layer (1 byte)")
+    ap.add_argument("--queue-every", type=int, nargs="*", default=[],
+                    help="also each compressed preset queueing its graph every k layers "
+                         "(prefill_queue_every k), e.g. 4 8 30")
     ap.add_argument("--host-profile", action="store_true",
                     help="also one more prefill per compressed preset under cProfile (printed: "
                          "where the host's time goes, evaluation included)")
@@ -102,9 +106,15 @@ def main() -> None:
                 variants += [(kv + suffix, True, budget) for kv in args.kv if kv != "fp16"
                              for suffix, budget in ((":unbounded", 0), (":everylayer", 1),
                                                         (":4gib", 4 * 2**30))]
+            # queue the graph every k layers (`prefill_queue_every`), the default budget
+            variants += [(f"{kv}:queue{k}", True, inflight) for kv in args.kv if kv != "fp16"
+                         for k in args.queue_every]
             for label, dense, budget in variants:
                 preset = kvcache.get_preset(label.split(":")[0])
-                with config.override(dense_gpu=dense, prefill_inflight=budget):
+                every = int(label.split(":queue")[1]) if ":queue" in label else config.get(
+                    "prefill_queue_every")
+                with config.override(dense_gpu=dense, prefill_inflight=budget,
+                                     prefill_queue_every=every):
                     # twice: the first run meets every chunk's shapes for the first time (MLX
                     # kernels, cuDNN graphs keyed by shape and strides), as one ingest does;
                     # the second is the steady rate, the same for every variant whatever ran
@@ -119,7 +129,8 @@ def main() -> None:
                 print(f"{shape:>14} {label:>16} {n:>7} {s:>7.2f} {n / s:>8.0f} "
                       f"{peak / 2**30:>9.2f} {longest:>10.3f}  first run {s0:.2f} s", flush=True)
                 if args.host_profile:
-                    host_profile(model, ids, preset, args.chunk, label, dense, budget)
+                    with config.override(prefill_queue_every=every):
+                        host_profile(model, ids, preset, args.chunk, label, dense, budget)
         del model
         gc.collect()
         mx.clear_cache()

@@ -103,6 +103,10 @@ SETTINGS: dict[str, Setting] = {
                                 "GPU: most MiB of dequantized cache rows a compressed prefill "
                                 "chunk keeps queued (past it, each layer waits for older ones; "
                                 "0: no bound)"),
+    "prefill_queue_every": Setting("LONGCTX_PREFILL_QUEUE_EVERY", _count, 1,
+                                   "GPU: a compressed prefill chunk queues its graph for the GPU "
+                                   "every this many layers (each queueing costs host time; the "
+                                   "in-flight bound still waits as prefill_inflight says)"),
     "dense_gpu": Setting("LONGCTX_DENSE_GPU", _flag, True,
                          "GPU: prefill chunks dequantize the cache and run fp16 SDPA (0: the "
                          "blocked MLX path)"),

@@ -173,3 +173,43 @@ def test_the_inflight_bound_waits_for_older_layers_and_changes_nothing(tiny_mode
         for t in range(3):
             lm.model(mx.array([[5 + t]]), cache=caches[1])
             assert queued == []
+
+
+def test_the_inflight_bound_queues_every_few_layers(tiny_model, monkeypatch):
+    """`prefill_queue_every` k: a compressed prefill chunk queues its graph at every k-th layer
+    only (each `mx.async_eval` costs host time), waits for older layers past the byte budget as
+    before, and stores the same cache as queueing at every layer."""
+    from collections import deque
+
+    from longctx import config
+    from longctx.kvcache import turbo
+
+    lm = models.load(models.resolve(str(tiny_model)))
+    ids = [3 + i % 200 for i in range(397)]
+    queued, waited = [], []
+    monkeypatch.setattr(turbo, "_PENDING", deque())
+    monkeypatch.setattr(turbo, "_on_gpu", lambda: True)
+    monkeypatch.setattr(turbo, "_queue", lambda *a: (queued.append(len(a)), mx.async_eval(*a)))
+    monkeypatch.setattr(turbo, "_wait", lambda *a: (waited.append(len(a)), mx.eval(*a)))
+    caches, counts = [], []
+    for every in (1, 3):
+        for budget in (2**40, 1):
+            queued.clear()
+            waited.clear()
+            cache = kvcache.make(lm.model, kvcache.get_preset("tq4"))
+            with config.override(prefill_inflight=budget, fused_max_lq=64,
+                                 prefill_queue_every=every):
+                engine.prefill(lm.model, ids, cache, chunk=128)
+            assert not turbo._PENDING
+            caches.append(cache)
+            counts.append((len(queued), len(waited)))
+    layers = len(caches[0])
+    chunks = counts[0][0] // layers  # chunks that queue (a compressed prefix exists)
+    assert counts[0] == (chunks * layers, 0)
+    assert counts[2] == (chunks * (layers // 3), 0)  # every third layer of each chunk
+    # a 1-byte budget still waits for every layer but the newest of each chunk
+    assert counts[1][1] == counts[3][1] == chunks * (layers - 1)
+    for c in caches[1:]:
+        for a, b in zip(c, caches[0]):
+            for x, y in zip(a.state, b.state):
+                assert mx.array_equal(x, y)
