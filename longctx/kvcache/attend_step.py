@@ -115,18 +115,19 @@ def _env() -> tuple:
 class _Plan:
     """One layer's decode step as its compiled call takes it, kept by the layer's cache between
     steps (the view's `plan` slot): the compiled function and every input but the queries and
-    the window's count. It serves while the view holds the same segment, sink and window buffers
-    (MLX writes a decode step's token into the window's buffer objects in place), or no window,
-    and `_env()` is
-    unchanged, skipping the path choice, the checks and the trace key (~20 us of Python a layer
-    and token on a 2-core x86 host, `benchmarks/decode_host.py`)."""
+    the window's count. It serves while the view holds the same segment, sink, value mean and
+    window buffers (MLX writes a decode step's token into the window's buffer objects in place),
+    or no window, and `_env()` is unchanged. It skips the path choice, the checks and the trace
+    key: ~10-15 us of Python a layer and token on a 2-core x86 host (`benchmarks/decode_host.py`).
+    """
 
     __slots__ = ("fn", "shape", "dtype", "scale", "seg", "sink", "wbuf", "args", "mean", "env")
 
     def matches(self, queries, kv: CompressedKV, scale) -> bool:
         wb = kv.window_buffer
-        return ((wb[0] if wb is not None else kv.window) is self.wbuf and kv.segments[0][0] is self.seg
-                and kv.sink is self.sink and kv.dense is None and len(kv.segments) == 1
+        return ((wb[0] if wb is not None else kv.window) is self.wbuf
+                and kv.segments[0][0] is self.seg and kv.sink is self.sink
+                and kv.value_mean is self.mean and kv.dense is None and len(kv.segments) == 1
                 and queries.shape == self.shape and queries.dtype == self.dtype
                 and scale == self.scale and self.env == _env())
 
