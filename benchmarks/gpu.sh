@@ -10,7 +10,7 @@
 #            GPU busy vs wall, host graph building), fp16 vs tq4 (PTIMELINE_ARGS)
 #   ncu      Nsight Compute profile of the decode step's tensor-core kernel at 128k
 #   prefill  benchmarks/prefill_shapes.py: random-weight models of real shapes, fp16 vs tq4
-#            (PREFILL_ARGS="--queue-every 4 8 30": also queueing the graph every k layers)
+#            and tq4 queueing its graph every 4 and 30 layers (PREFILL_QUEUE="4 30")
 #   profile  benchmarks/prefill_profile.py: one layer's prefill chunk, part by part
 #   answer   benchmarks/answer_shapes.py: Llama-3.1-8B shape, 32k / 128k cached tokens, fp16 vs tq4
 #   restore  benchmarks/restore.py: restore + first token vs mlx-lm's prompt cache (8k-32k)
@@ -78,8 +78,11 @@ for phase in "${phases[@]}"; do
         --section WarpStateStats --section InstructionStats \
         python3 benchmarks/attend.py --profile --lengths ${NCU_LENGTH:-131072} ;;
     prefill)
+      # the tq4:queueK rows queue a chunk's graph every K layers (`prefill_queue_every`; the
+      # default queues every layer); PREFILL_QUEUE="" leaves them out
       run prefill 400 python3 benchmarks/prefill_shapes.py --shapes smollm2-135m llama-3.1-8b \
-        --tokens 8192 32768 --kv fp16 tq4 ${PREFILL_ARGS:-} --name prefill_gpu
+        --tokens 8192 32768 --kv fp16 tq4 --queue-every ${PREFILL_QUEUE-4 30} ${PREFILL_ARGS:-} \
+        --name prefill_gpu
       keep benchmarks/results/prefill_gpu.json ;;
     profile)
       run profile 200 python3 benchmarks/prefill_profile.py --name prefill_profile_gpu
