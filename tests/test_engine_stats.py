@@ -124,6 +124,21 @@ def test_a_pair_bound_prefill_fills_the_same_cache(tiny_model):
             assert err < 1e-5, err
 
 
+def _count_queueing(monkeypatch) -> tuple[list, list]:
+    """The in-flight bound as on a GPU, with its queueing and waits recorded: ([arrays per
+    `mx.async_eval`], [arrays per wait]), cleared by the caller between prefills."""
+    from collections import deque
+
+    from longctx.kvcache import turbo
+
+    queued, waited = [], []
+    monkeypatch.setattr(turbo, "_PENDING", deque())
+    monkeypatch.setattr(turbo, "_on_gpu", lambda: True)
+    monkeypatch.setattr(turbo, "_queue", lambda *a: (queued.append(len(a)), mx.async_eval(*a)))
+    monkeypatch.setattr(turbo, "_wait", lambda *a: (waited.append(len(a)), mx.eval(*a)))
+    return queued, waited
+
+
 def test_the_inflight_bound_waits_for_older_layers_and_changes_nothing(tiny_model, monkeypatch):
     """`prefill_inflight`: on a GPU a compressed prefill queues each layer's incoming keys once
     the cache holds compressed tokens and waits for older layers past the byte budget (1 byte:
@@ -131,15 +146,9 @@ def test_the_inflight_bound_waits_for_older_layers_and_changes_nothing(tiny_mode
     from longctx import config
     from longctx.kvcache import turbo
 
-    from collections import deque
-
     lm = models.load(models.resolve(str(tiny_model)))
     ids = [3 + i % 200 for i in range(397)]
-    queued, waited = [], []
-    monkeypatch.setattr(turbo, "_PENDING", deque())
-    monkeypatch.setattr(turbo, "_on_gpu", lambda: True)
-    monkeypatch.setattr(turbo, "_queue", lambda *a: (queued.append(len(a)), mx.async_eval(*a)))
-    monkeypatch.setattr(turbo, "_wait", lambda *a: (waited.append(len(a)), mx.eval(*a)))
+    queued, waited = _count_queueing(monkeypatch)
     caches = []
     for budget in (0, 1, 2**40):
         queued.clear()
@@ -179,18 +188,12 @@ def test_the_inflight_bound_queues_every_few_layers(tiny_model, monkeypatch):
     """`prefill_queue_every` k: a compressed prefill chunk queues its graph at every k-th layer
     only (each `mx.async_eval` costs host time), waits for older layers past the byte budget as
     before, and stores the same cache as queueing at every layer."""
-    from collections import deque
-
     from longctx import config
     from longctx.kvcache import turbo
 
     lm = models.load(models.resolve(str(tiny_model)))
     ids = [3 + i % 200 for i in range(397)]
-    queued, waited = [], []
-    monkeypatch.setattr(turbo, "_PENDING", deque())
-    monkeypatch.setattr(turbo, "_on_gpu", lambda: True)
-    monkeypatch.setattr(turbo, "_queue", lambda *a: (queued.append(len(a)), mx.async_eval(*a)))
-    monkeypatch.setattr(turbo, "_wait", lambda *a: (waited.append(len(a)), mx.eval(*a)))
+    queued, waited = _count_queueing(monkeypatch)
     caches, counts = [], []
     for every in (1, 3):
         for budget in (2**40, 1):

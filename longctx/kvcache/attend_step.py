@@ -54,12 +54,8 @@ class _Codecs:
                      and (self.mma or da.rotates_queries(p, rows, vc.spec.bits)))
         self.k_arrays = (kernel_table(kc), kc.rotation.signs)
         self.v_arrays = (kernel_table(vc), vc.rotation.signs)
-        # the specs as one small int for the trace's key (hashing the spec dataclasses at every
-        # step cost more than the rest of the key)
-        self.spec = _SPEC_IDS.setdefault((kc.dim, kc.spec, vc.spec), len(_SPEC_IDS))
-
-
-_SPEC_IDS: dict = {}  # (dim, key spec, value spec) -> a small int, for the lifetime of the process
+        # the specs as small ints for the trace's key (`VectorCodec.key`)
+        self.spec = (kc.key, vc.key)
 
 
 def _codecs(kc, vc, rows: int) -> _Codecs:
@@ -103,13 +99,18 @@ def _step(kc, vc, scale, dtype, mma, queries, seg_k, seg_v, k_arrays, v_arrays, 
                             valid_array=count).reshape(B, Hq, 1, D)
 
 
+def _tunables() -> tuple:
+    """The kernels' tunables a step's trace depends on (benchmarks and tests change them)."""
+    return (da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS, da.SM_COUNT,
+            da.MIN_SPLIT_TILES, dm.ENABLED, dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS)
+
+
 def _env() -> tuple:
     """What a kept step (`_Plan`) was built under and must still hold: the backend and executor,
     the kernels failed so far, the settings that choose the path and the kernels' tunables."""
     return (_prelude.backend(), _prelude._EXECUTOR, len(_prelude._FAILED), config.get("compile"),
             config.get("fused_step"), config.get("fused_max_lq"), compiling.COMPILE_UNDER_EXECUTOR,
-            da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS, da.SM_COUNT,
-            da.MIN_SPLIT_TILES, dm.ENABLED, dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS)
+            _tunables())
 
 
 class _Plan:
@@ -182,8 +183,7 @@ def attention(queries, kv: CompressedKV, scale: float):
     mma = codecs.mma and not _prelude.failed(dm.NAME)
     key = (codecs.spec, float(scale), queries.dtype, shape, H, length,
            tuple([a.shape for a in sink]), tuple([a.shape for a in window]), kv.sink is not None and
-           kv.sink[0].dtype, da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS,
-           da.SM_COUNT, da.MIN_SPLIT_TILES, mma, dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS)
+           kv.sink[0].dtype, mma, _tunables())
     dtype = queries.dtype  # the closure below must not keep this call's arrays alive
     # An executor sees every launch (unless a test compiles under it), and `LONGCTX_COMPILE=0` /
     # `question` ask for eager steps

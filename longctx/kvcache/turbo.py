@@ -344,7 +344,7 @@ class TurboQuantCache:
         return view, view
 
     def _centered(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return keys.astype(mx.float32) - self.means[0], values.astype(mx.float32) - self.means[1]
+        return _center(keys, values, *self.means)
 
     def _drop_encoded(self) -> None:
         """Forget the fused prefill's window state: the window or the tail changes otherwise."""
@@ -510,8 +510,7 @@ class TurboQuantCache:
         same = (self.prefix, self.sink, self.dense_prefix, buf, self.means, self._rot_window)
         equal = (self.tail_len, self.dtype, self.head_dim)
         base = self._step_base
-        if (base is None or base[1] != equal or len(base[0]) != len(same)
-                or not all(a is b for a, b in zip(base[0], same))):
+        if base is None or base[1] != equal or not all(a is b for a, b in zip(base[0], same)):
             view = self.view()
             self._step_base = (same, equal, dict(view.__dict__))
             return view
