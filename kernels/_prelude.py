@@ -381,17 +381,29 @@ def force_backend(which: str):
 
 _CONSTANTS: dict = {}
 
+# MLX's CUDA allocator serves arrays of <= 8 bytes from a small pool of managed memory advised
+# read-mostly, whose device copy every host write into the pool (any new scalar) invalidates: a
+# kernel's first read of such an array could then wait for a page fault. ncu on the H200 (MLX
+# 0.32.4) found one 8-byte `scales` read stalling the decode step's tensor-core kernel for about
+# half of its 29 us at 8k; a 12-byte `params` array beside it read in a few hundred cycles.
+MIN_CONSTANT_BYTES = 16
+
 
 def constant(values: tuple, dtype) -> mx.array:
     """A small array of `values` (a kernel's parameters, scales or a count), made once per
     (values, dtype) and reused: every layer of a decode step, and every step, passes the same
-    ones (a new array per call is a host-to-device copy each time). Up to 4096 are kept."""
+    ones (a new array per call is a host-to-device copy each time). Up to 4096 are kept.
+
+    Zeros pad it to MIN_CONSTANT_BYTES (kernels read its first len(values) entries; a pure-MLX
+    reader takes `[:len(values)]`), so that it never lands in MLX's CUDA small-size pool."""
     key = (values, dtype)
-    if key not in _CONSTANTS:
+    arr = _CONSTANTS.get(key)
+    if arr is None:
         if len(_CONSTANTS) > 4096:
             _CONSTANTS.clear()
-        _CONSTANTS[key] = mx.array(values, dtype=dtype)
-    return _CONSTANTS[key]
+        pad = max(0, -(-MIN_CONSTANT_BYTES // dtype.size) - len(values))
+        arr = _CONSTANTS[key] = mx.array(tuple(values) + (0,) * pad, dtype=dtype)
+    return arr
 
 
 def groups(n: int, size: int) -> int:

@@ -156,6 +156,9 @@ _SPEC = KernelSpec(
   const int L = params[0];
   const int chunk = params[1];
   const int S = params[2];
+  // read first, beside params: its first use is after q's rotation and its barriers, which a
+  // later load cannot be hoisted across
+  const float qs_all = scales[0] * scales[1];  // scale * log2(e) / sqrt(P)
   const int H = q_shape[1];
   const int tid = (int)lc_tid;
   const int lane = (int)lc_lane;
@@ -208,7 +211,6 @@ _SPEC = KernelSpec(
   }
   LC_BARRIER();
   LC_WHT_ROWS(qst, R, P, NT, tid)
-  const float qs_all = scales[0] * scales[1];  // scale * log2(e) / sqrt(P)
   uint32_t qf[KS][2];
   LC_UNROLL for (int s = 0; s < KS; ++s) {
     const int d = g * P + 16 * s + 2 * t;

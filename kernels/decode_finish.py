@@ -16,7 +16,7 @@ linear, so it commutes with the merge), in one launch instead of ~12.
 Shapes: m_p, l_p (N, S, R), acc_p (N, S, R, P) float32 (N = B * H); q (B, H, R, P) any float
 (rows grouped per KV head, as the partials); sink_k, sink_v (B, H, Ns, P) and win_k, win_v
 (B, H, W, P) any float, any strides (the window is the valid prefix of its buffers, a view);
-win_n (1,) int32: the window's valid slots (the first win_n of its buffers, so that a compiled
+win_n int32 (first entry): the window's valid slots (the first win_n of its buffers, so that a compiled
 step's input shapes stay the same while the window fills); signs (P,) float32;
 mean (B, H, 1, P) float32 -> out (B, H, R, P) in `out_dtype`.
 
@@ -265,7 +265,7 @@ def decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale
                             count=None):
     """Pure-MLX oracle (and CPU path): the same steps as `attend_blocked.attend` after its
     compressed segments, for one query token, no mask. Arguments as `decode_finish`; `count`:
-    the window's valid slots as a (1,) int32 array (None: all), read as an array, so that a
+    the window's valid slots as the first entry of an int32 array (None: all), read as an array, so that a
     compiled step's trace serves every count."""
     B, H, R, P = q.shape
     m, l, acc = split_combine_reference(m_p, l_p, acc_p)  # (N, R), (N, R), (N, R, P)
@@ -279,7 +279,7 @@ def decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale
         if window is not None and window[0].shape[2] and count is not None:
             ns = keys.shape[2] - window[0].shape[2]
             slot = mx.arange(keys.shape[2]) - ns  # window slot of each key (sink: negative)
-            s = mx.where(slot < count, s, -mx.inf)
+            s = mx.where(slot < count[:1], s, -mx.inf)  # (count: zero-padded, `constant`)
         m_e = s.max(axis=-1, keepdims=True)
         m_e = mx.where(m_e == -mx.inf, 0.0, m_e)  # no valid exact token: p = 0
         p = mx.exp(s - m_e)
@@ -308,7 +308,8 @@ def _dummy() -> mx.array:
 
 
 def count(n: int) -> mx.array:
-    """The (1,) int32 array holding n (the window's valid slots), shared by every layer."""
+    """The int32 array whose first entry is n (the window's valid slots), shared by every layer
+    (zero-padded to 4 entries: `_prelude.constant`)."""
     return constant((n,), mx.int32)
 
 
@@ -326,7 +327,7 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
         mean: (B, H, 1, P) float32, the values' centering mean.
         scale: the score scale.
         out_dtype: of the result (default q's).
-        valid_array: the window's valid slots as a (1,) int32 array, when `window` holds
+        valid_array: the window's valid slots as the first entry of an int32 array (`count`), when `window` holds
             preallocated buffers (a compiled step's input: the kernel and the reference read the
             count from it, so the trace does not depend on it); default: all of `window`.
 

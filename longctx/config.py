@@ -103,7 +103,7 @@ SETTINGS: dict[str, Setting] = {
                                 "GPU: most MiB of dequantized cache rows a compressed prefill "
                                 "chunk keeps queued (past it, each layer waits for older ones; "
                                 "0: no bound)"),
-    "prefill_queue_every": Setting("LONGCTX_PREFILL_QUEUE_EVERY", _count, 1,
+    "prefill_queue_every": Setting("LONGCTX_PREFILL_QUEUE_EVERY", _count, 4,
                                    "GPU: a compressed prefill chunk queues its graph for the GPU "
                                    "every this many layers (each queueing costs host time; the "
                                    "in-flight bound still waits as prefill_inflight says)"),

@@ -160,7 +160,7 @@ def _references():
         launched.append(spec.name)
         ins = launch.inputs
         if spec.name == "lc_prefill_encode":
-            w, t = (int(v) for v in np.array(ins[7]))
+            w, t = (int(v) for v in np.array(ins[7])[:2])
             return list(pe.prefill_encode_reference(*ins[:4], ins[4] if w else None,
                                                     ins[5] if t else None, ins[6] if t else None))
         if spec.name == "lc_rotate":
@@ -169,7 +169,7 @@ def _references():
                                         mean=ins[2] if tpl["HAS_MEAN"] else None,
                                         out_dtype=tpl["OT"])]
         if spec.name == "lc_dequant":
-            s, w = (int(v) for v in np.array(ins[6]))
+            s, w = (int(v) for v in np.array(ins[6])[:2])
             tpl = dict(launch.template)
             enc = {"idx": ins[0], "norm": ins[2]}
             if tpl["B2"]:
