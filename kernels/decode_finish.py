@@ -20,12 +20,14 @@ win_n int32 (first entry): the window's valid slots (the first win_n of its buff
 step's input shapes stay the same while the window fills); signs (P,) float32;
 mean (B, H, 1, P) float32 -> out (B, H, R, P) in `out_dtype`.
 
-Thread plan: one threadgroup of P threads per (b, h); thread d owns dim d of every row.
+Thread plan: one threadgroup of P threads per (b, h, group of ROWS_PER_GROUP rows); thread d
+owns dim d of each of the group's rows (template R: the group's rows, RA: all rows).
   1. merge the S splits into threadgroup memory: the row maxima and the weights e^(m_s - m_c)
      computed with the splits spread over the threads, then each thread sums the weighted acc
      of its dim over blocks of P splits, 64 / R splits' loads issued together (consecutive
-     reads across threads; the launch is B * H threadgroups, so memory latency is its cost:
-     one round trip per split made it 30-35 us on the H200, now 12-15);
+     reads across threads; the launch is B * H * RA / R threadgroups, so memory latency is
+     its cost: one round trip per split made it 30-35 us on the H200, then 11-13 with all rows
+     in one threadgroup);
   2. the inverse butterfly over each row (read both, barrier, write, barrier);
   3. the exact tokens in tiles of P keys: thread t scores key t against the R rows (q staged,
      scaled by scale * log2 e, in threadgroup memory), tile max through simdgroup max and the
@@ -47,6 +49,10 @@ LOG2E = 1.4426950408889634
 DIMS = (32, 64, 128, 256)
 MAX_ROWS = 16
 MAX_ROW_DIMS = 2048  # rows x P: 3 x 2048 floats = 24 KiB of threadgroup memory
+# rows of a KV head each threadgroup finishes (0: all): the launch is B * H * rows / this
+# threadgroups, and memory latency is its cost (8 threadgroups at one token of Llama-3.1-8B:
+# 10.6-12.6 us on the H200 whatever the length)
+ROWS_PER_GROUP = 1
 
 _SPEC = KernelSpec(
     name="lc_decode_finish",
@@ -62,7 +68,9 @@ _SPEC = KernelSpec(
   LC_SHARED float red[NW * R];
   LC_SHARED float mlc[2 * R];   // m_c (base 2), l_c
 
-  const int n = (int)lc_tg;  // b * H + h
+  // threadgroup lc_tg: rows r0 .. r0 + R - 1 (of RA) of KV head n = b * H + h
+  const int n = (int)lc_tg / (RA / R);
+  const int r0 = ((int)lc_tg % (RA / R)) * R;
   const int d = (int)lc_tid;
   const int H = q_shape[1];
   const int hh = n % H;
@@ -82,13 +90,13 @@ _SPEC = KernelSpec(
   float m0[R];  // split d's m and l, kept for the weights (the first block of P splits)
   float l0[R];
   LC_UNROLL for (int r = 0; r < R; ++r) {
-    m0[r] = d < S ? m_p[mo + d * m_p_strides[1] + r * m_p_strides[2]] : -LC_INF;
-    l0[r] = d < S ? l_p[lpo + d * l_p_strides[1] + r * l_p_strides[2]] : 0.0f;
+    m0[r] = d < S ? m_p[mo + d * m_p_strides[1] + (r0 + r) * m_p_strides[2]] : -LC_INF;
+    l0[r] = d < S ? l_p[lpo + d * l_p_strides[1] + (r0 + r) * l_p_strides[2]] : 0.0f;
     mx_r[r] = m0[r];
   }
   for (int s = d + P; s < S; s += P) {
     LC_UNROLL for (int r = 0; r < R; ++r)
-      mx_r[r] = LC_MAX(mx_r[r], m_p[mo + s * m_p_strides[1] + r * m_p_strides[2]]);
+      mx_r[r] = LC_MAX(mx_r[r], m_p[mo + s * m_p_strides[1] + (r0 + r) * m_p_strides[2]]);
   }
   LC_UNROLL for (int r = 0; r < R; ++r) {
     const float tm = lc_simd_max(mx_r[r]);
@@ -108,16 +116,16 @@ _SPEC = KernelSpec(
     lt[r] = 0.0f;
   }
   // NB splits' acc loads are issued together (NB x R independent loads per thread, ~64): the
-  // merge is a few memory round trips, not one per split (this launch is B * H threadgroups,
-  // all the GPU runs meanwhile, so latency is its whole cost)
+  // merge is a few memory round trips, not one per split (this launch is a few threadgroups a
+  // KV head, all the GPU runs meanwhile, so latency is its whole cost)
   constexpr int NB = R >= 64 ? 1 : 64 / R;
   for (int s0 = 0; s0 < S; s0 += P) {
     const int s = s0 + d;
     if (s < S) {
       LC_UNROLL for (int r = 0; r < R; ++r) {
         const float Mu = mx_r[r] == -LC_INF ? 0.0f : mx_r[r];
-        const float ms = s0 == 0 ? m0[r] : m_p[mo + s * m_p_strides[1] + r * m_p_strides[2]];
-        const float ls = s0 == 0 ? l0[r] : l_p[lpo + s * l_p_strides[1] + r * l_p_strides[2]];
+        const float ms = s0 == 0 ? m0[r] : m_p[mo + s * m_p_strides[1] + (r0 + r) * m_p_strides[2]];
+        const float ls = s0 == 0 ? l0[r] : l_p[lpo + s * l_p_strides[1] + (r0 + r) * l_p_strides[2]];
         const float w = LC_EXP(ms - Mu);
         wts[d * R + r] = w;
         lt[r] += ls * w;
@@ -130,7 +138,7 @@ _SPEC = KernelSpec(
       LC_UNROLL for (int b = 0; b < NB; ++b) {
         const int64_t so = ao + (int64_t)(s0 + k + b) * acc_p_strides[1] + d * acc_p_strides[3];
         LC_UNROLL for (int r = 0; r < R; ++r)
-          v[b][r] = k + b < ns_ ? acc_p[so + r * acc_p_strides[2]] : 0.0f;
+          v[b][r] = k + b < ns_ ? acc_p[so + (r0 + r) * acc_p_strides[2]] : 0.0f;
       }
       LC_UNROLL for (int b = 0; b < NB; ++b) {
         if (k + b < ns_) {
@@ -153,7 +161,7 @@ _SPEC = KernelSpec(
       mlc[r] = mx_r[r] * 1.4426950408889634f;  // -inf stays -inf
       mlc[R + r] = l_sum;
     }
-    const int64_t qo = bb * q_strides[0] + hh * q_strides[1] + r * q_strides[2] + d * q_strides[3];
+    const int64_t qo = bb * q_strides[0] + hh * q_strides[1] + (r0 + r) * q_strides[2] + d * q_strides[3];
     qs[r * P + d] = LC_TOF(q[qo]) * qscale;
   }
   LC_BARRIER();
@@ -254,7 +262,7 @@ _SPEC = KernelSpec(
     const float c1 = LC_EXP2(mc - Mu);
     const float c2 = LC_EXP2(m_e[r] - Mu);
     const float den = mlc[R + r] * c1 + le * c2;
-    out[((int64_t)n * R + r) * P + d] =
+    out[((int64_t)n * RA + r0 + r) * P + d] =
         static_cast<OT>((acc_c[r] * c1 + acc_e[r] * c2) / LC_MAX(den, 1e-30f) + mean_d);
   }
 """,
@@ -352,10 +360,11 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
     wk, wv = window if window is not None else (dummy, dummy)
     scales = constant((scale * LOG2E, 1.0 / math.sqrt(P)), mx.float32)
     inputs = [m_p, l_p, acc_p, q, sk, sv, wk, wv, window_count, signs, mean, scales]
-    template = [("P", P), ("R", R), ("HAS_SINK", int(sink is not None)),
+    rt = ROWS_PER_GROUP if ROWS_PER_GROUP and R % ROWS_PER_GROUP == 0 else R
+    template = [("P", P), ("R", rt), ("RA", R), ("HAS_SINK", int(sink is not None)),
                 ("HAS_WIN", int(window is not None)), ("OT", out_dtype),
                 # input dtypes: MLX versions that key compiled modules by name and template
                 # values only must not share one module between dtypes
                 ("QT", q.dtype), ("ST", sk.dtype), ("WT", wk.dtype)]
-    return run(_SPEC, Launch(inputs, template, (B * H * P, 1, 1), (P, 1, 1), [(B, H, R, P)],
+    return run(_SPEC, Launch(inputs, template, (B * H * (R // rt) * P, 1, 1), (P, 1, 1), [(B, H, R, P)],
                              [out_dtype]), reference=reference)[0]

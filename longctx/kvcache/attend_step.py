@@ -102,7 +102,8 @@ def _step(kc, vc, scale, dtype, mma, queries, seg_k, seg_v, k_arrays, v_arrays, 
 def _tunables() -> tuple:
     """The kernels' tunables a step's trace depends on (benchmarks and tests change them)."""
     return (da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS, da.SM_COUNT,
-            da.MIN_SPLIT_TILES, dm.ENABLED, dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS)
+            da.MIN_SPLIT_TILES, dm.ENABLED, dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS,
+            df.ROWS_PER_GROUP)
 
 
 def _env() -> tuple:
