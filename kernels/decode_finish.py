@@ -16,8 +16,8 @@ linear, so it commutes with the merge), in one launch instead of ~12.
 Shapes: m_p, l_p (N, S, R), acc_p (N, S, R, P) float32 (N = B * H); q (B, H, R, P) any float
 (rows grouped per KV head, as the partials); sink_k, sink_v (B, H, Ns, P) and win_k, win_v
 (B, H, W, P) any float, any strides (the window is the valid prefix of its buffers, a view);
-win_n int32 (first entry): the window's valid slots (the first win_n of its buffers, so that a compiled
-step's input shapes stay the same while the window fills); signs (P,) float32;
+win_n int32 (first entry): the window's valid slots (the first win_n of its buffers, so that a
+compiled step's input shapes stay the same while the window fills); signs (P,) float32;
 mean (B, H, 1, P) float32 -> out (B, H, R, P) in `out_dtype`.
 
 Thread plan: one threadgroup of P threads per (b, h, group of ROWS_PER_GROUP rows); thread d
@@ -124,8 +124,10 @@ _SPEC = KernelSpec(
     if (s < S) {
       LC_UNROLL for (int r = 0; r < R; ++r) {
         const float Mu = mx_r[r] == -LC_INF ? 0.0f : mx_r[r];
-        const float ms = s0 == 0 ? m0[r] : m_p[mo + s * m_p_strides[1] + (r0 + r) * m_p_strides[2]];
-        const float ls = s0 == 0 ? l0[r] : l_p[lpo + s * l_p_strides[1] + (r0 + r) * l_p_strides[2]];
+        const float ms =
+            s0 == 0 ? m0[r] : m_p[mo + s * m_p_strides[1] + (r0 + r) * m_p_strides[2]];
+        const float ls =
+            s0 == 0 ? l0[r] : l_p[lpo + s * l_p_strides[1] + (r0 + r) * l_p_strides[2]];
         const float w = LC_EXP(ms - Mu);
         wts[d * R + r] = w;
         lt[r] += ls * w;
@@ -161,7 +163,8 @@ _SPEC = KernelSpec(
       mlc[r] = mx_r[r] * 1.4426950408889634f;  // -inf stays -inf
       mlc[R + r] = l_sum;
     }
-    const int64_t qo = bb * q_strides[0] + hh * q_strides[1] + (r0 + r) * q_strides[2] + d * q_strides[3];
+    const int64_t qo =
+        bb * q_strides[0] + hh * q_strides[1] + (r0 + r) * q_strides[2] + d * q_strides[3];
     qs[r * P + d] = LC_TOF(q[qo]) * qscale;
   }
   LC_BARRIER();
@@ -273,8 +276,8 @@ def decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale
                             count=None):
     """Pure-MLX oracle (and CPU path): the same steps as `attend_blocked.attend` after its
     compressed segments, for one query token, no mask. Arguments as `decode_finish`; `count`:
-    the window's valid slots as the first entry of an int32 array (None: all), read as an array, so that a
-    compiled step's trace serves every count."""
+    the window's valid slots as the first entry of an int32 array (None: all), read as an
+    array, so that a compiled step's trace serves every count."""
     B, H, R, P = q.shape
     m, l, acc = split_combine_reference(m_p, l_p, acc_p)  # (N, R), (N, R), (N, R, P)
     m, l = m.reshape(B, H, R, 1), l.reshape(B, H, R, 1)
@@ -335,9 +338,10 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
         mean: (B, H, 1, P) float32, the values' centering mean.
         scale: the score scale.
         out_dtype: of the result (default q's).
-        valid_array: the window's valid slots as the first entry of an int32 array (`count`), when `window` holds
-            preallocated buffers (a compiled step's input: the kernel and the reference read the
-            count from it, so the trace does not depend on it); default: all of `window`.
+        valid_array: the window's valid slots as the first entry of an int32 array (`count`),
+            when `window` holds preallocated buffers (a compiled step's input: the kernel and
+            the reference read the count from it, so the trace does not depend on it);
+            default: all of `window`.
 
     Returns:
         (B, H, R, P) attention output in `out_dtype`.
@@ -366,5 +370,5 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
                 # input dtypes: MLX versions that key compiled modules by name and template
                 # values only must not share one module between dtypes
                 ("QT", q.dtype), ("ST", sk.dtype), ("WT", wk.dtype)]
-    return run(_SPEC, Launch(inputs, template, (B * H * (R // rt) * P, 1, 1), (P, 1, 1), [(B, H, R, P)],
-                             [out_dtype]), reference=reference)[0]
+    return run(_SPEC, Launch(inputs, template, (B * H * (R // rt) * P, 1, 1), (P, 1, 1),
+                             [(B, H, R, P)], [out_dtype]), reference=reference)[0]
