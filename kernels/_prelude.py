@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
+import types
 import warnings
 from dataclasses import dataclass, field
 
@@ -181,7 +183,29 @@ COMMON = r"""
 PRELUDES = {"cuda": (CUDA_HEADER, CUDA_IDS), "metal": (METAL_HEADER, METAL_IDS)}
 
 
-_GPU_KIND: list = []  # what the GPU device is, asked once: "metal", "cuda" or "cpu"
+# Bumped by every assignment to a watched module's attribute (`watch`: the kernels' tunables,
+# which benchmarks and tests set) and by `executor` / `force_backend`: a decode step's kept
+# launch compares this one number instead of reading ~15 settings per layer and token.
+GENERATION = [0]
+
+
+class _Watched(types.ModuleType):
+    def __setattr__(self, name, value):
+        GENERATION[0] += 1
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        GENERATION[0] += 1
+        super().__delattr__(name)
+
+
+def watch(module_name: str) -> None:
+    """Count every later assignment to the module's attributes in `GENERATION`."""
+    sys.modules[module_name].__class__ = _Watched
+
+
+_GPU_KIND: list = []
+_GPU_TYPE = mx.DeviceType.gpu  # (a nanobind enum's attribute lookups: ~0.3 us a call)  # what the GPU device is, asked once: "metal", "cuda" or "cpu"
 
 
 def backend() -> str:
@@ -189,7 +213,7 @@ def backend() -> str:
     (asked at every call: a decode step asks a few times, so what the GPU is, is asked once)."""
     if _FORCED is not None:
         return _FORCED
-    if mx.default_device().type != mx.DeviceType.gpu:
+    if mx.default_device().type != _GPU_TYPE:
         return "cpu"
     if not _GPU_KIND:
         cuda = getattr(mx, "cuda", None)
@@ -355,12 +379,14 @@ def executor(fn, as_backend: str = "cuda"):
     global _EXECUTOR, _FORCED
     saved = _EXECUTOR, _FORCED, dict(_FAILED), set(_VERIFIED)
     _EXECUTOR, _FORCED = fn, as_backend
+    GENERATION[0] += 1
     _FAILED.clear()
     _VERIFIED.clear()
     try:
         yield
     finally:
         _EXECUTOR, _FORCED = saved[:2]
+        GENERATION[0] += 1
         _FAILED.clear()
         _FAILED.update(saved[2])  # an executor's failures stay inside its block
         _VERIFIED.clear()
@@ -373,10 +399,12 @@ def force_backend(which: str):
     global _FORCED
     saved = _FORCED
     _FORCED = which
+    GENERATION[0] += 1
     try:
         yield
     finally:
         _FORCED = saved
+        GENERATION[0] += 1
 
 
 _CONSTANTS: dict = {}

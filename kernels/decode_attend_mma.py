@@ -65,8 +65,9 @@ import math
 
 import mlx.core as mx
 
-from ._prelude import KernelSpec, Launch, backend, constant, groups, run
+from ._prelude import KernelSpec, Launch, backend, constant, failed, groups, run, watch
 from . import decode_attend as da
+from . import decode_finish as df
 
 LOG2E = 1.4426950408889634
 WARPS = 4  # warps per threadgroup (each owns every WARPS-th block of its split)
@@ -76,6 +77,9 @@ DIMS = (64, 128, 256)
 MAX_ROWS = 8  # the MMA's N
 MIN_WARP_BLOCKS = 1  # fewest 16-key blocks each warp of a split walks (more: fewer splits)
 ENABLED = True  # benchmarks/attend.py turns it off for the portable kernel's rows
+# the whole step in one launch where it applies (`decode_step_mma`; False: the partials, then
+# `decode_finish`, two launches)
+FUSE_FINISH = True
 SMEM_PER_SM = 233472  # bytes of shared memory an H200 SM gives its threadgroups (228 KiB)
 
 _HEADER = r"""
@@ -116,6 +120,14 @@ LC_FN uint32_t lc_lds_u32(uint32_t addr) {
   return v;
 }
 LC_FN float lc_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
+// the whole-step variant's count of finished threadgroups per KV head (an input it updates)
+#define LC_FENCE() __threadfence()
+LC_FN int lc_atomic_add(const int32_t* p, int v) {
+  return atomicAdd(reinterpret_cast<int*>(const_cast<int32_t*>(p)), v);
+}
+LC_FN void lc_atomic_zero(const int32_t* p) {
+  atomicExch(reinterpret_cast<int*>(const_cast<int32_t*>(p)), 0);
+}
 LC_FN bool lc_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
 #endif
 """
@@ -547,3 +559,164 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale):
                                 [(B * H, n_split, R), (B * H, n_split, R),
                                  (B * H, n_split, R, P)], [f32] * 3),
                reference=reference)
+
+
+# The whole decode step in one launch: the partials above, then the last threadgroup of each KV
+# head to finish runs `decode_finish`'s body over the head's splits (the split merge, the
+# rotation back, the exact tokens, the value mean). A count per head says which is last: every
+# threadgroup makes its partials visible device-wide (fence) and adds one; the one that reads
+# S - 1 zeroes the count for the next launch and, after a second fence, reads the partials of
+# all the head's splits from the outputs they were written to (volatile: past L1). The count is
+# an input the kernel updates and also an output of zeros (`counter_out`): the caller passes
+# each launch's output to the next launch, so MLX orders any two launches that share counts
+# (its CUDA graph orders kernels by the buffers they read and write, not by issue order).
+# The finish's arrays live in the dynamic shared memory, after the partials are written; its
+# body wants one thread per dim: P = NT (128 at 4 warps).
+_TAIL = r"""
+  LC_SHARED int lc_last[1];
+  LC_FENCE();
+  LC_BARRIER();
+  if (tid == 0) {
+    const int seen = lc_atomic_add(counter + bh, 1);
+    lc_last[0] = seen == S - 1 ? 1 : 0;
+    if (seen == S - 1) {
+      lc_atomic_zero(counter + bh);
+      counter_out[bh] = 0;
+      if (bh == 0) {
+        for (int i = q_shape[0] * H; i < counter_shape[0]; ++i) counter_out[i] = 0;
+      }
+    }
+  }
+  LC_BARRIER();
+  if (lc_last[0] == 0) return;
+  LC_FENCE();
+  {
+    static_assert(P == NT, "the finish's body runs one thread per dim");
+    static_assert(3 * R * P + (P / 32 + 2) * R <= TAB, "the finish's arrays fit the table's space");
+    constexpr int NW = P / 32;
+    constexpr int RA = R;
+    float* buf = reinterpret_cast<float*>(lc_smem);
+    float* qs = buf + R * P;
+    float* wts = qs + R * P;
+    float* red = wts + P * R;
+    float* mlc = red + NW * R;
+    const volatile float* m_p = m_out;
+    const volatile float* l_p = l_out;
+    const volatile float* acc_p = acc_out;
+    const int64_t m_p_strides[3] = {(int64_t)S * R, R, 1};
+    const int64_t l_p_strides[3] = {(int64_t)S * R, R, 1};
+    const int64_t acc_p_strides[4] = {(int64_t)S * R * P, (int64_t)R * P, P, 1};
+    const int m_p_shape[2] = {0, S};
+    const int n = bh;
+    const int r0 = 0;
+    const int d = tid;
+"""
+
+STEP_NAME = "lc_decode_step_mma"
+
+_STEP_SPEC = KernelSpec(
+    name=STEP_NAME,
+    inputs=_SPEC.inputs + ("sink_k", "sink_v", "win_k", "win_v", "win_n", "signs", "mean",
+                           "counter"),
+    outputs=_SPEC.outputs + ("out", "counter_out"),
+    row_contiguous=False,
+    header=_HEADER,
+    source=_SPEC.source + _TAIL + df.BODY + "  }\n",
+)
+
+_COUNTERS: dict = {}  # B * H -> the count array the next whole-step launch takes
+
+
+def fuses_finish(p: int, rows: int) -> bool:
+    """Whether `decode_step_mma` takes a step of head dim p and `rows` query rows per KV head
+    (where `applies` holds): FUSE_FINISH, one thread per dim (P = 32 WARPS), rows the finish
+    takes, and the variant has not failed in this process."""
+    return (FUSE_FINISH and p == 32 * WARPS and df.supported(p, rows)
+            and not failed(STEP_NAME))
+
+
+def counter(n: int) -> mx.array:
+    """The count array for a whole-step launch over n = B * H KV heads: zeros, or the previous
+    launch's `counter_out` (see `keep_counter`)."""
+    c = _COUNTERS.get(n)
+    if c is None:
+        c = _COUNTERS[n] = mx.zeros((max(n, 4),), dtype=mx.int32)  # > 8 bytes: `constant`
+    return c
+
+
+def keep_counter(n: int, c: mx.array) -> None:
+    """Pass a launch's `counter_out` on to the next launch over n heads."""
+    _COUNTERS[n] = c
+
+
+def _step_spec(p: int) -> KernelSpec:
+    key = ("step", p, WARPS, STAGES)
+    if key not in _SPECS:
+        base = _spec(p)
+        _SPECS[key] = dataclasses.replace(_STEP_SPEC, shared_memory=base.shared_memory,
+                                          header=base.header)
+    return _SPECS[key]
+
+
+def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs, mean, scale,
+                    out_dtype, valid_array, count_in):
+    """One decode step's attention in one launch: `decode_attend_mma_partials` then
+    `decode_finish.decode_finish` (see there for the arguments; `valid_array`: the window's
+    valid slots, `decode_finish.count`), for the shapes `fuses_finish` takes.
+
+    Args:
+        count_in: `counter(B * H)`: int32 counts of finished threadgroups per KV head, zeros.
+
+    Returns:
+        (out (B, H, R, P) in out_dtype, the count array for the next launch: pass it to
+        `keep_counter`).
+    """
+    B, H, R, P = queries.shape
+    L = keys["norm"].shape[2]
+    sink = sink if sink is not None and sink[0].shape[2] else None
+    window = window if window is not None and window[0].shape[2] else None
+
+    def reference():
+        parts = da.decode_attend_partials(queries, keys, values, table, table, k_signs,
+                                          key_bits=4, value_bits=4, scale=scale)
+        out = df.decode_finish_reference(*parts, queries, sink, window, v_signs, mean, scale,
+                                         out_dtype, valid_array)
+        return [*parts, out, count_in]
+
+    if backend() == "cpu" or L == 0:
+        return tuple(reference()[3:])
+    if not fuses_finish(P, R) or not applies_shape(queries, keys, values, table):
+        raise ValueError(f"decode_step_mma does not take q {queries.shape} at {WARPS} warps")
+    chunk, n_split = splits(L, B * H, P)
+    params = constant((L, chunk, n_split), mx.int32)
+    scales = constant((scale * LOG2E, 1.0 / math.sqrt(P)), mx.float32)
+    u32, f16, f32 = mx.uint32, mx.float16, mx.float32
+    dummy = df._dummy()
+    sk, sv = sink if sink is not None else (dummy, dummy)
+    wk, wv = window if window is not None else (dummy, dummy)
+    inputs = [queries, da._as(keys["idx"], u32), da._as(keys["norm"], f16),
+              da._as(values["idx"], u32), da._as(values["norm"], f16), da._as(table, f32),
+              params, scales, da._as(k_signs, f32), sk, sv, wk, wv, valid_array,
+              da._as(v_signs, f32), mean, count_in]
+    nt = 32 * WARPS
+    template = [("P", P), ("R", R), ("NT", nt), ("NST", STAGES), ("BLK", BLOCK),
+                ("SC", 2 if P == 256 else 1), ("QT", queries.dtype),
+                ("HAS_SINK", int(sink is not None)), ("HAS_WIN", int(window is not None)),
+                ("OT", out_dtype), ("ST", sk.dtype), ("WT", wk.dtype)]
+    n = B * H * n_split
+    outs = run(_step_spec(P), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1),
+                                     [(B * H, n_split, R), (B * H, n_split, R),
+                                      (B * H, n_split, R, P), (B, H, R, P), count_in.shape],
+                                     [f32, f32, f32, out_dtype, mx.int32]),
+               reference=reference)
+    return outs[3], outs[4]
+
+
+def applies_shape(queries, keys, values, table) -> bool:
+    _, _, R, P = queries.shape
+    return (P in DIMS and 1 <= R <= MAX_ROWS and keys["idx"].shape[-1] == P // 8
+            and values["idx"].shape[-1] == P // 8 and table.shape == (16,))
+
+
+# a decode step's kept launch depends on this module's tunables (`attend_step._env`)
+watch(__name__)

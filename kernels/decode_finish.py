@@ -42,7 +42,7 @@ import math
 
 import mlx.core as mx
 
-from ._prelude import KernelSpec, Launch, backend, constant, run
+from ._prelude import KernelSpec, Launch, backend, constant, run, watch
 from .split_combine import split_combine_reference
 
 LOG2E = 1.4426950408889634
@@ -54,13 +54,10 @@ MAX_ROW_DIMS = 2048  # rows x P: 3 x 2048 floats = 24 KiB of threadgroup memory
 # 10.6-12.6 us on the H200 whatever the length)
 ROWS_PER_GROUP = 1
 
-_SPEC = KernelSpec(
-    name="lc_decode_finish",
-    inputs=("m_p", "l_p", "acc_p", "q", "sink_k", "sink_v", "win_k", "win_v", "win_n", "signs",
-            "mean", "scales"),
-    outputs=("out",),
-    row_contiguous=False,
-    source=r"""
+# The kernel in three parts: its threadgroup arrays, which rows a threadgroup takes, and the body,
+# which `decode_attend_mma`'s whole-step variant runs as its last threadgroup's tail (arrays
+# there in its dynamic shared memory, the partials its own outputs)
+_DECLS = r"""
   constexpr int NW = P / 32;
   LC_SHARED float buf[R * P];   // the compressed part's acc (rotated, then original frame)
   LC_SHARED float qs[R * P];    // q * scale * log2(e)
@@ -68,10 +65,16 @@ _SPEC = KernelSpec(
   LC_SHARED float red[NW * R];
   LC_SHARED float mlc[2 * R];   // m_c (base 2), l_c
 
+"""
+
+_ROWS = r"""
   // threadgroup lc_tg: rows r0 .. r0 + R - 1 (of RA) of KV head n = b * H + h
   const int n = (int)lc_tg / (RA / R);
   const int r0 = ((int)lc_tg % (RA / R)) * R;
   const int d = (int)lc_tid;
+"""
+
+BODY = r"""
   const int H = q_shape[1];
   const int hh = n % H;
   const int bb = n / H;
@@ -268,7 +271,15 @@ _SPEC = KernelSpec(
     out[((int64_t)n * RA + r0 + r) * P + d] =
         static_cast<OT>((acc_c[r] * c1 + acc_e[r] * c2) / LC_MAX(den, 1e-30f) + mean_d);
   }
-""",
+"""
+
+_SPEC = KernelSpec(
+    name="lc_decode_finish",
+    inputs=("m_p", "l_p", "acc_p", "q", "sink_k", "sink_v", "win_k", "win_v", "win_n", "signs",
+            "mean", "scales"),
+    outputs=("out",),
+    row_contiguous=False,
+    source=_DECLS + _ROWS + BODY,
 )
 
 
@@ -372,3 +383,7 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
                 ("QT", q.dtype), ("ST", sk.dtype), ("WT", wk.dtype)]
     return run(_SPEC, Launch(inputs, template, (B * H * (R // rt) * P, 1, 1), (P, 1, 1),
                              [(B, H, R, P)], [out_dtype]), reference=reference)[0]
+
+
+# a decode step's kept launch depends on this module's tunables (`attend_step._env`)
+watch(__name__)

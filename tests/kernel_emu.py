@@ -3,8 +3,9 @@
 - `emulator()`: an executor for `longctx.kernels._prelude.executor`. Each kernel body is compiled
   with g++ under an emulation prelude: the threads of a threadgroup are OS threads meeting at a
   std::barrier, threadgroup memory is function-static (threadgroups run one after another), warp
-  operations go through a per-warp exchange buffer. Inputs of kernels that read strides are
-  embedded in larger buffers, so the strides are not the contiguous ones. Outputs start poisoned.
+  operations go through a per-warp exchange buffer; threadgroups run in a shuffled order. Inputs
+  of kernels that read strides are embedded in larger buffers, so the strides are not the
+  contiguous ones. Outputs start poisoned.
   This checks indexing, layout, barriers placement and the arithmetic, not GPU speed.
 - `cuda_source()` / `nvcc_check()`: the exact source `mx.fast.cuda_kernel` hands NVRTC (the
   signature MLX generates around the body), compiled for sm_90 with nvcc against a stub of MLX's
@@ -173,6 +174,14 @@ static inline uint32_t lc_pack_h2(float lo, float hi) {
 }
 static inline float lc_shfl_xor(float x, int m) { return lc_xchg(x, (lc_e_tid & 31u) ^ (uint32_t)m); }
 static inline bool lc_any(bool p) { return lc_simd_ballot(p, lc_e_tid & 31u) != 0u; }
+// decode_attend_mma's whole-step variant: a count per KV head in an input it updates
+#define LC_FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+static inline int lc_atomic_add(const int32_t* p, int v) {
+  return __atomic_fetch_add(const_cast<int32_t*>(p), v, __ATOMIC_SEQ_CST);
+}
+static inline void lc_atomic_zero(const int32_t* p) {
+  __atomic_store_n(const_cast<int32_t*>(p), 0, __ATOMIC_SEQ_CST);
+}
 """
 
 EMU_IDS = r"""
@@ -212,7 +221,7 @@ def _emu_source(spec, launch) -> str:
                      else f"  constexpr int {k} = {int(v)};\n" for k, v in launch.template)
     return (f"{header}\nstatic void lc_kernel({', '.join(params)}) {{\n{consts}{body}\n}}\n"
             "extern \"C\" void lc_launch(void** bufs, const int32_t* shapes, const int64_t* strides,"
-            " int n_tg, int nt) {\n"
+            " int n_tg, int nt, const int32_t* order) {\n"
             "  std::barrier<> gb(nt);\n  lc_group_bar = &gb;\n"
             "  std::vector<std::unique_ptr<std::barrier<>>> wb;\n"
             "  for (int w = 0; w < nt / 32; ++w) {\n"
@@ -221,7 +230,8 @@ def _emu_source(spec, launch) -> str:
             "  for (int t = 0; t < nt; ++t) ts.emplace_back([=, &gb]() {\n"
             "    lc_e_tid = (uint32_t)t;\n"
             "    for (int g = 0; g < n_tg; ++g) {\n"
-            "      lc_e_tg = (uint32_t)g;\n      lc_e_gid = (uint32_t)(g * nt + t);\n"
+            "      lc_e_tg = (uint32_t)order[g];\n"
+            "      lc_e_gid = (uint32_t)(order[g] * nt + t);\n"
             f"      lc_kernel({', '.join(call)});\n"
             "      gb.arrive_and_wait();\n    }\n  });\n"
             "  for (auto& th : ts) th.join();\n}\n")
@@ -248,7 +258,7 @@ def _compile(src: str):
         tmp.rename(so)
     lib = ctypes.CDLL(str(so))
     lib.lc_launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p,
-                              ctypes.c_int, ctypes.c_int]
+                              ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     _LIBS[digest] = lib
     return lib
 
@@ -296,7 +306,11 @@ def emulator(strided: bool = True, odd_rows: bool = False):
             *[x.ctypes.data for x in ins], *[o.ctypes.data for o in outs])
         tx = launch.threadgroup[0]
         assert tx % 32 == 0 and launch.threadgroup[1:] == (1, 1) and launch.grid[1:] == (1, 1)
-        lib.lc_launch(bufs, shapes.ctypes.data, strides.ctypes.data, -(-launch.grid[0] // tx), tx)
+        n_tg = -(-launch.grid[0] // tx)
+        # threadgroups in a shuffled order, as a GPU may run them (one after another here)
+        order = np.random.default_rng(n_tg).permutation(n_tg).astype(np.int32)
+        lib.lc_launch(bufs, shapes.ctypes.data, strides.ctypes.data, n_tg, tx,
+                      order.ctypes.data)
         return [mx.array(o).view(mx.bfloat16) if d == mx.bfloat16 else mx.array(o)
                 for o, d in zip(outs, launch.output_dtypes)]
 

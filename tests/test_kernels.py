@@ -538,6 +538,57 @@ def test_gpu_decode_attend_mma(shape, qdt, warps, stages, monkeypatch):
 
 
 @gpu
+@pytest.mark.skipif(_prelude.backend() != "cuda", reason="the tensor-core kernel is CUDA only")
+@pytest.mark.parametrize("shape", [(8, 4, 128, 131072, 4), (4, 7, 128, 32768, 4),
+                                   (2, 8, 256, 3001, 8), (2, 1, 128, 17, 4),
+                                   (8, 4, 128, 4095, 4)])
+@pytest.mark.parametrize("qdt", ["bfloat16", "float32"])
+def test_gpu_decode_step_mma_whole(shape, qdt, monkeypatch):
+    """On the device, the whole step in one launch (the last threadgroup of each KV head runs
+    the finish) equals the partials' and the finish's references within fp16 rounding, with a
+    sink and a window as the valid prefix of its buffers; ten launches chained through their
+    count outputs (as `attend_step` passes them) give the same output each time, and the counts
+    stay zeros."""
+    from longctx.kernels import decode_finish as dfin
+    from longctx.quant.rotation import rademacher_signs
+
+    H, r, P, L, warps = shape
+    monkeypatch.setattr(dm, "WARPS", warps)
+    q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=L,
+                                               capacity=L + 300)
+    q = q.astype(getattr(mx, qdt))
+    rng = np.random.default_rng(L)
+
+    def normal(*s):
+        return mx.array(rng.normal(size=s).astype(np.float32))
+
+    sink = (normal(1, H, 4, P), normal(1, H, 4, P))
+    window = (normal(1, H, 64, P)[:, :, :37], normal(1, H, 64, P)[:, :, :37])
+    k_signs, v_signs = mx.array(rademacher_signs(P, 9)), mx.array(rademacher_signs(P, 10))
+    mean = normal(1, H, 1, P)
+    count = dfin.count(37)
+    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5, q.dtype, count)
+    assert dm.fuses_finish(P, r)
+    counts = dm.counter(H)
+    outs = []
+    for _ in range(10):
+        out, counts = dm.decode_step_mma(*args, counts)
+        outs.append(out)
+    mx.eval(outs, counts)
+    assert not _prelude.failed(dm.STEP_NAME)
+    assert not np.array(counts).any() and not np.array(dm.counter(H)).any()
+    with _prelude.force_backend("cpu"):
+        parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
+                                          value_bits=4, scale=P ** -0.5)
+        want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
+                                            mx.float32, count)
+    tol = {"bfloat16": 1e-2, "float32": 2e-3}[qdt]
+    assert _rel(outs[0], want) < tol
+    for o in outs[1:]:
+        assert np.array_equal(np.array(o.astype(mx.float32)), np.array(outs[0].astype(mx.float32)))
+
+
+@gpu
 @pytest.mark.parametrize("name", ["tq4", "tq3"])
 def test_gpu_decode_steps_through_a_fork(name):
     """The product's flow: a restored prefix, an answering fork, a question, then decode steps
@@ -629,6 +680,10 @@ def test_decode_step_plan_replays_and_checks(monkeypatch):
                 assert attend_step.replay(q, view, 0.125) is None  # a tunable changed
                 monkeypatch.setattr(da, "MIN_SPLIT_TILES", da.MIN_SPLIT_TILES - 1)
                 assert attend_step.replay(q.astype(mx.float16), view, 0.125) is None
+                # a setting or tunable set again, even to its old value, retires the kept plan
+                # (`_env` compares generations); the next step keeps a new one
+                assert attend_step.replay(q, view, 0.125) is None
+                assert mx.array_equal(got, attend_step.attention(q, view, 0.125)), step
                 assert attend_step.replay(q, view, 0.125) is not None
     with _prelude.force_backend("cpu"):  # another backend: the full path decides again
         assert attend_step.replay(q, view, 0.125) is None

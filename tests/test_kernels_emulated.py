@@ -242,12 +242,13 @@ def _step_view(H, R, P, L, name, n_sink, n_win, seed):
                         window if n_win else None, sink if n_sink else None)
 
 
-@pytest.mark.parametrize("mma", [True, False], ids=["mma", "portable"])
+@pytest.mark.parametrize("kernel", ["whole", "mma", "portable"])
 @pytest.mark.parametrize("case", STEP_CASES, ids=lambda c: f"{c[4]}-P{c[2]}-R{c[1]}-L{c[3]}")
-def test_decode_step(monkeypatch, case, mma):
-    """The two-launch decode step (q rotated in the decode-attend kernel, or the tensor-core
-    kernel where it applies, then the finish kernel: split merge, rotation back, sink and window,
-    mean) equals the pure-MLX blocked path."""
+def test_decode_step(monkeypatch, case, kernel):
+    """The decode step equals the pure-MLX blocked path: in one launch (`whole`: the tensor-core
+    kernel whose last threadgroup per KV head runs the finish, where it applies), or in two (q
+    rotated in the decode-attend kernel, or the tensor-core kernel where it applies, then the
+    finish kernel: split merge, rotation back, sink and window, mean)."""
     from longctx.kvcache import attend_step, attention
 
     H, R, P, L, name, n_sink, n_win, target, qdt = case
@@ -255,17 +256,21 @@ def test_decode_step(monkeypatch, case, mma):
     q = mx.array(np.random.default_rng(R).normal(size=(1, H * R, 1, P)).astype(qdt)) * 2
     if target:
         monkeypatch.setattr(da, "TARGET_GROUPS", target)
-    monkeypatch.setattr(dm, "ENABLED", mma)
+    monkeypatch.setattr(dm, "ENABLED", kernel != "portable")
+    monkeypatch.setattr(dm, "FUSE_FINISH", kernel == "whole")
     want = attention.compressed_attention(q, view, P ** -0.5, fused=False)
     launched = []
     with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
         assert attention.choose_path(view, None, 1, True, rows=R)[0] == "fused-step"
         got = attend_step.attention(q, view, P ** -0.5)
-    assert (dm.NAME in launched) == (mma and name == "tq4" and P in dm.DIMS and R <= 8)
+    mma = kernel != "portable" and name == "tq4" and P in dm.DIMS and R <= 8
+    whole = mma and kernel == "whole" and P == 32 * dm.WARPS
+    assert launched == ([dm.STEP_NAME] if whole else
+                        [dm.NAME if mma else "lc_decode_attend", "lc_decode_finish"])
     assert got.dtype == q.dtype and got.shape == q.shape
     a, b = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     # the tensor-core kernel's products are fp16 (fp32 accumulation)
-    tol = 2e-3 if qdt == "float16" or dm.NAME in launched else 2e-5
+    tol = 2e-3 if qdt == "float16" or mma else 2e-5
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < tol
     if n_win:  # the window as the valid prefix of longer buffers (a decode step's view)
         import dataclasses
@@ -365,9 +370,66 @@ def test_decode_attend_mma(monkeypatch, case, odd_rows, shape):
     assert np.abs(m_g.max(axis=1) - np.array(m_r)[..., 0]).max() < 3e-3
 
 
-def test_decode_step_falls_back_to_the_portable_kernel(monkeypatch):
+WHOLE_CASES = [  # B, H, R, P, L, n_sink, n_win (of a 2x longer buffer), q dtype, SM_COUNT, warps
+    (1, 2, 4, 128, 999, 2, 9, "float32", 1, 4),  # several splits a head, in a shuffled order
+    (2, 1, 8, 128, 300, 0, 0, "float16", None, 4),  # GQA 8, no exact tokens
+    (1, 3, 1, 128, 77, 1, 0, "bfloat16", None, 4),  # fewer keys than one split's tile
+    (1, 1, 5, 256, 1500, 0, 40, "float32", None, 8),  # P = 256 at 8 warps
+]
+
+
+@pytest.mark.parametrize("case", WHOLE_CASES, ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}-{c[7]}")
+def test_decode_step_mma_whole(monkeypatch, case):
+    """The whole-step variant (the tensor-core kernel whose last threadgroup per KV head runs
+    the finish) equals its reference, the partials' reference then the finish's, within fp16
+    rounding; its count output is zeros, which the next launch takes, and that launch gives the
+    same output (threadgroups in another order: the emulator shuffles them per grid size)."""
+    from longctx.kernels import decode_finish as dfin
+    from longctx.quant.rotation import rademacher_signs
+
+    B, H, R, P, L, n_sink, n_win, qdt, sm, warps = case
+    if sm:
+        monkeypatch.setattr(da, "SM_COUNT", sm)
+    monkeypatch.setattr(dm, "WARPS", warps)
+    q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + R)
+    q = q.astype(getattr(mx, qdt))
+    rng = np.random.default_rng(L)
+
+    def normal(*shape):
+        return mx.array(rng.normal(size=shape).astype(np.float32))
+
+    sink = (normal(B, H, n_sink, P), normal(B, H, n_sink, P)) if n_sink else None
+    window = ((normal(B, H, 2 * n_win, P)[:, :, :n_win], normal(B, H, 2 * n_win, P)[:, :, :n_win])
+              if n_win else None)
+    k_signs, v_signs = mx.array(rademacher_signs(P, 5)), mx.array(rademacher_signs(P, 6))
+    mean = normal(B, H, 1, P)
+    count = dfin.count(n_win)
+    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5, mx.float32,
+            count)
+    parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
+                                      value_bits=4, scale=P ** -0.5)
+    want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
+                                        mx.float32, count)
+    assert dm.fuses_finish(P, R)
+    launched = []
+    with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
+        got, counts = dm.decode_step_mma(*args, dm.counter(B * H))
+        again, counts2 = dm.decode_step_mma(*args, counts)
+    assert launched == [dm.STEP_NAME] * 2 and not _prelude.failed(dm.STEP_NAME)
+    assert dm.splits(L, B * H, P)[1] > 1 or L < 64 * warps
+    assert counts.shape == (max(4, B * H),) and not np.array(counts).any()
+    assert not np.array(counts2).any()
+    a, b = np.array(got), np.array(want)
+    assert np.isfinite(a).all() and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-3
+    assert np.array_equal(np.array(again), a)
+
+
+@pytest.mark.parametrize("broken", [dm.STEP_NAME, dm.NAME])
+def test_decode_step_falls_back_to_the_portable_kernel(monkeypatch, broken):
     """A tensor-core variant that fails to build (one KernelFallbackWarning) costs its first step
-    the reference; every later step takes the portable kernel, not the reference."""
+    the reference; every later step takes the next kernels, not the reference: the tensor-core
+    kernel and the finish after the whole-step variant, the portable kernel after the
+    tensor-core kernel."""
     import warnings
 
     from longctx.kvcache import attend_step, attention
@@ -380,23 +442,26 @@ def test_decode_step_falls_back_to_the_portable_kernel(monkeypatch):
 
     def failing(spec, launch):
         launched.append(spec.name)
-        if spec.name == dm.NAME:
+        if spec.name == broken:
             raise RuntimeError("nvrtc: simulated build failure")
         return inner(spec, launch)
 
+    monkeypatch.setattr(dm, "FUSE_FINISH", broken == dm.STEP_NAME)
     attend_step._COMPILED.clear()
     with _prelude.executor(failing):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             first = attend_step.attention(q, view, P ** -0.5)
         assert [w.category.__name__ for w in caught] == ["KernelFallbackWarning"]
-        assert _prelude.failed(dm.NAME)
+        assert _prelude.failed(broken)
         launched.clear()
         second = attend_step.attention(q, view, P ** -0.5)
-        assert dm.NAME not in launched and da._SPEC.name in launched
-    for got in (first, second):
+        assert launched == [dm.NAME if broken == dm.STEP_NAME else da._SPEC.name,
+                            "lc_decode_finish"]
+    # the tensor-core kernel's products are fp16
+    for got, tol in ((first, 2e-5), (second, 2e-3 if broken == dm.STEP_NAME else 2e-5)):
         a, b = np.array(got), np.array(want)
-        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-5
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < tol
 
 
 @pytest.mark.parametrize("dim,bits,dtype", [(64, 3, mx.float32), (128, 4, mx.bfloat16),

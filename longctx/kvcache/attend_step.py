@@ -1,4 +1,6 @@
-"""One decode step on the GPU in two kernel launches: the decode-attend kernel, then the finish.
+"""One decode step on the GPU in one or two kernel launches: the decode-attend kernel, then the
+finish (on CUDA at 4-bit keys and values and P = 128, both in one launch: `decode_step_mma`, the
+tensor-core kernel whose last threadgroup per KV head runs the finish's body).
 
 A decode step (one query token, no mask) over a cache whose compressed tokens are one segment
 (what `ask` holds after a restore: the document's prefix; the question and answer stay exact in
@@ -82,11 +84,19 @@ def applies(kv: CompressedKV, mask, lq: int, rows: int) -> bool:
 _COMPILED: OrderedDict = OrderedDict()  # key -> compiled step (compiling.lookup / remember)
 
 
-def _step(kc, vc, scale, dtype, mma, queries, seg_k, seg_v, k_arrays, v_arrays, sink, window,
-          count, mean):
+def _step(kc, vc, scale, dtype, mma, whole, queries, seg_k, seg_v, k_arrays, v_arrays, sink,
+          window, count, mean, counts):
+    """(the step's output, the count array for the next whole-step launch: `counts` itself
+    when the step takes two launches)."""
     B, Hq, _, D = queries.shape
     H = mean.shape[1]
     q = queries.reshape(B, H, Hq // H, D)  # rows grouped per KV head
+    if whole:  # one launch: the tensor-core kernel and the finish (`decode_step_mma`)
+        out, counts = dm.decode_step_mma(q, seg_k, seg_v, k_arrays[0], k_arrays[1],
+                                         tuple(sink) if sink else None,
+                                         tuple(window) if window else None, v_arrays[1], mean,
+                                         scale, dtype, count, counts)
+        return out.reshape(B, Hq, 1, D), counts
     if mma:  # the tensor-core kernel (`decode_attend_mma`)
         partials = dm.decode_attend_mma_partials(q, seg_k, seg_v, k_arrays[0], k_arrays[1],
                                                  scale=scale)
@@ -96,22 +106,25 @@ def _step(kc, vc, scale, dtype, mma, queries, seg_k, seg_v, k_arrays, v_arrays, 
                                              value_bits=vc.spec.bits, scale=scale)
     return df.decode_finish(*partials, q, tuple(sink) if sink else None,
                             tuple(window) if window else None, v_arrays[1], mean, scale, dtype,
-                            valid_array=count).reshape(B, Hq, 1, D)
+                            valid_array=count).reshape(B, Hq, 1, D), counts
 
 
 def _tunables() -> tuple:
     """The kernels' tunables a step's trace depends on (benchmarks and tests change them)."""
     return (da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS, da.SM_COUNT,
             da.MIN_SPLIT_TILES, dm.ENABLED, dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS,
-            df.ROWS_PER_GROUP)
+            dm.FUSE_FINISH, df.ROWS_PER_GROUP)
 
 
 def _env() -> tuple:
-    """What a kept step (`_Plan`) was built under and must still hold: the backend and executor,
-    the kernels failed so far, the settings that choose the path and the kernels' tunables."""
-    return (_prelude.backend(), _prelude._EXECUTOR, len(_prelude._FAILED), config.get("compile"),
-            config.get("fused_step"), config.get("fused_max_lq"), compiling.COMPILE_UNDER_EXECUTOR,
-            _tunables())
+    """What a kept step (`_Plan`) was built under and must still hold: the backend, the kernels
+    failed so far, the settings that choose the path (their overrides' generation and their
+    variables as the environment holds them), and the generation of the executor, the forced
+    backend and the kernels' and `compiling`'s tunables (`_prelude.watch`): a few reads, where
+    the settings and tunables themselves were ~5 us of a step's host time on the H200's VM."""
+    return (_prelude.backend(), _prelude.GENERATION[0], len(_prelude._FAILED),
+            config.GENERATION[0], config.raw("compile"), config.raw("fused_step"),
+            config.raw("fused_max_lq"))
 
 
 class _Plan:
@@ -123,7 +136,8 @@ class _Plan:
     key: ~10-15 us of Python a layer and token on a 2-core x86 host (`benchmarks/decode_host.py`).
     """
 
-    __slots__ = ("fn", "shape", "dtype", "scale", "seg", "sink", "wbuf", "args", "mean", "env")
+    __slots__ = ("fn", "shape", "dtype", "scale", "seg", "sink", "wbuf", "args", "mean", "env",
+                 "heads")
 
     def matches(self, queries, kv: CompressedKV, scale) -> bool:
         wb = kv.window_buffer
@@ -140,10 +154,13 @@ def replay(queries, kv: CompressedKV, scale: float):
     p = kv.plan[0]
     if p is None or not p.matches(queries, kv, scale):
         return None
-    return p.fn(queries, *p.args, df.count(kv.window[0].shape[2] if kv.window else 0), p.mean)
+    out, counts = p.fn(queries, *p.args, df.count(kv.window[0].shape[2] if kv.window else 0),
+                       p.mean, dm.counter(p.heads))
+    dm.keep_counter(p.heads, counts)
+    return out
 
 
-def _keep_plan(kv: CompressedKV, fn, queries, scale, args) -> None:
+def _keep_plan(kv: CompressedKV, fn, queries, scale, args, heads: int) -> None:
     # a window that is not a buffer changes its arrays at every step: no plan
     if kv.plan is None or (kv.window is not None and kv.window_buffer is None):
         return
@@ -151,7 +168,7 @@ def _keep_plan(kv: CompressedKV, fn, queries, scale, args) -> None:
     p.fn, p.shape, p.dtype, p.scale = fn, queries.shape, queries.dtype, scale
     p.seg, p.sink = kv.segments[0][0], kv.sink
     p.wbuf = kv.window_buffer[0] if kv.window_buffer is not None else None
-    p.args, p.mean, p.env = args[1:7], args[8], _env()
+    p.args, p.mean, p.env, p.heads = args[1:7], args[8], _env(), heads
     kv.plan[0] = p
 
 
@@ -177,14 +194,17 @@ def attention(queries, kv: CompressedKV, scale: float):
         window, valid = kv.window, (kv.window[0].shape[2] if kv.window is not None else 0)
     sink = list(kv.sink) if kv.sink is not None and kv.sink[0].shape[2] else []
     window = list(window) if window is not None and valid else []
+    heads = shape[0] * H
     args = (queries, seg_k, seg_v, codecs.k_arrays, codecs.v_arrays, sink, window, df.count(valid),
-            kv.value_mean)
-    # the tensor-core kernel where it applies and has not failed in this process (decided
-    # here, once: the trace and its key follow it)
+            kv.value_mean, dm.counter(heads))
+    # the tensor-core kernel where it applies and has not failed in this process, with the
+    # finish in the same launch where that applies (decided here, once: the trace and its key
+    # follow them)
     mma = codecs.mma and not _prelude.failed(dm.NAME)
+    whole = mma and dm.fuses_finish(kc.padded_dim, shape[1] // H)
     key = (codecs.spec, float(scale), queries.dtype, shape, H, length,
            tuple([a.shape for a in sink]), tuple([a.shape for a in window]), kv.sink is not None and
-           kv.sink[0].dtype, mma, _tunables())
+           kv.sink[0].dtype, mma, whole, _tunables())
     dtype = queries.dtype  # the closure below must not keep this call's arrays alive
     # An executor sees every launch (unless a test compiles under it), and `LONGCTX_COMPILE=0` /
     # `question` ask for eager steps
@@ -192,14 +212,18 @@ def attention(queries, kv: CompressedKV, scale: float):
              or not attend_fused.compile_wanted(1))
     fn = None if eager else compiling.lookup(_COMPILED, key)
     if fn is None:
-        out = _step(kc, vc, scale, dtype, mma, *args)
+        out, counts = _step(kc, vc, scale, dtype, mma, whole, *args)
+        dm.keep_counter(heads, counts)
         if eager:
             return out
-        mx.eval(out)
+        mx.eval(out, counts)
         # the kernels and the references read the window's count from its array input
         compiling.remember(_COMPILED, key, mx.compile(
-            lambda q, sk, sv, ka, va, sink, window, count, mean:
-            _step(kc, vc, scale, dtype, mma, q, sk, sv, ka, va, sink, window, count, mean)))
+            lambda q, sk, sv, ka, va, sink, window, count, mean, counts:
+            _step(kc, vc, scale, dtype, mma, whole, q, sk, sv, ka, va, sink, window, count, mean,
+                  counts)))
         return out
-    _keep_plan(kv, fn, queries, scale, args)
-    return fn(*args)
+    _keep_plan(kv, fn, queries, scale, args, heads)
+    out, counts = fn(*args)
+    dm.keep_counter(heads, counts)
+    return out

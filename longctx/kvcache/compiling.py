@@ -77,3 +77,7 @@ def prefill_compiled() -> bool:
     compiled: the `compile` setting is not "0" and no executor is installed (unless a test asks,
     `COMPILE_UNDER_EXECUTOR`)."""
     return config.get("compile") != "0" and (COMPILE_UNDER_EXECUTOR or not executor_installed())
+
+
+# a decode step's kept launch depends on this module's tunables (`attend_step._env`)
+_prelude.watch(__name__)
