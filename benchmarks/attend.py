@@ -10,7 +10,10 @@ at S = 4k, 8k, 32k, 128k cached tokens. Methods, all measured in one run:
 - fused_tq4/tq3/...: `compressed_attention` on the GPU, the whole step: for scalar presets two
   launches (`attend_step`: the decode-attend kernel rotating q itself, then `decode_finish`:
   split merge, rotation back, exact tokens, value mean); the others the compiled fused path;
-- fused_tq4_portable: the same two-launch step with the portable decode-attend kernel instead of
+- fused_tq4_two_launch: the tensor-core kernel then the finish kernel, two launches (on CUDA
+  fused_tq4 is one: `decode_attend_mma.decode_step_mma`, the last threadgroup per KV head
+  finishing the step);
+- fused_tq4_portable: the two-launch step with the portable decode-attend kernel instead of
   the tensor-core one (`decode_attend_mma`, CUDA, 4-bit keys and values, <= 8 rows);
 - compiled_tq4: the compiled fused path for tq4 (rotate q, kernel, split merge, rotate back, add
   the value mean as separate launches under mx.compile; LONGCTX_FUSED_STEP=0);
@@ -137,6 +140,8 @@ def methods(env: dict, s: int) -> dict:
                                 cache_bytes)
         if name == "tq4":  # the compiled fused path the two-launch step replaced, side by side
             out["fused_tq4_portable"] = (lambda view=view: _portable(q, view, scale), cache_bytes)
+            out["fused_tq4_two_launch"] = (lambda view=view: two_launch(q, view, scale),
+                                           cache_bytes)
             out["compiled_tq4"] = (lambda view=view: _compiled(q, view, scale), cache_bytes)
         if name in ("tq4", "tq3"):
             out[f"dequant_sdpa_{name}"] = (lambda view=view: _dequant_sdpa(q, view, scale),
@@ -159,6 +164,15 @@ def _portable(q, view, scale):
         return compressed_attention(q, view, scale)
     finally:
         dm.ENABLED = saved
+
+
+def two_launch(q, view, scale):
+    """The tensor-core kernel, then the finish kernel (the whole-step variant off)."""
+    saved, dm.FUSE_FINISH = dm.FUSE_FINISH, False
+    try:
+        return compressed_attention(q, view, scale)
+    finally:
+        dm.FUSE_FINISH = saved
 
 
 def _dequant_sdpa(q, view, scale):

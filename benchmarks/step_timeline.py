@@ -138,6 +138,8 @@ def main() -> None:
         for x in args.mma_variants:
             w, st, b = (x.split(",") + [str(saved[2])])[:3]
             methods.append((f"fused_tq4_w{w}s{st}b{b}", methods[1][1], (int(w), int(st), int(b))))
+        methods.append(("fused_tq4_two_launch", lambda: attend.two_launch(q, view, scale),
+                        saved))
         methods.append(("fused_tq4_portable", lambda: attend._portable(q, view, scale), saved))
         for label, fn, knobs in methods:
             if knobs:
