@@ -35,6 +35,7 @@ Usage: python benchmarks/attend.py [--lengths 4096 8192 32768 131072] [--heads 3
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -139,9 +140,9 @@ def methods(env: dict, s: int) -> dict:
         out[f"fused_{name}"] = (lambda view=view: compressed_attention(q, view, scale),
                                 cache_bytes)
         if name == "tq4":  # the compiled fused path the two-launch step replaced, side by side
-            out["fused_tq4_portable"] = (lambda view=view: _portable(q, view, scale), cache_bytes)
-            out["fused_tq4_two_launch"] = (lambda view=view: two_launch(q, view, scale),
-                                           cache_bytes)
+            # (the kernels `KNOBS` sets around their timings)
+            for variant in ("fused_tq4_portable", "fused_tq4_two_launch"):
+                out[variant] = out["fused_tq4"]
             out["compiled_tq4"] = (lambda view=view: _compiled(q, view, scale), cache_bytes)
         if name in ("tq4", "tq3"):
             out[f"dequant_sdpa_{name}"] = (lambda view=view: _dequant_sdpa(q, view, scale),
@@ -157,22 +158,24 @@ def _compiled(q, view, scale):
         return compressed_attention(q, view, scale)
 
 
-def _portable(q, view, scale):
-    """The two-launch step with the portable decode-attend kernel (the tensor-core one off)."""
-    saved, dm.ENABLED = dm.ENABLED, False
-    try:
-        return compressed_attention(q, view, scale)
-    finally:
-        dm.ENABLED = saved
+# Tunables set around a method's timings, not per call: a kept decode step retires when any
+# kernel tunable is assigned (`attend_step._env`), so toggling one per call would time the full
+# path choice instead of the replay
+KNOBS = {"fused_tq4_portable": {"ENABLED": False},  # the portable kernel, then the finish
+         "fused_tq4_two_launch": {"FUSE_FINISH": False}}  # the tensor-core kernel, the finish
 
 
-def two_launch(q, view, scale):
-    """The tensor-core kernel, then the finish kernel (the whole-step variant off)."""
-    saved, dm.FUSE_FINISH = dm.FUSE_FINISH, False
+@contextlib.contextmanager
+def knobs(method: str):
+    """`decode_attend_mma`'s tunables as `KNOBS[method]` sets them, for the block."""
+    saved = {k: getattr(dm, k) for k in KNOBS.get(method, {})}
+    for k, v in KNOBS.get(method, {}).items():
+        setattr(dm, k, v)
     try:
-        return compressed_attention(q, view, scale)
+        yield
     finally:
-        dm.FUSE_FINISH = saved
+        for k, v in saved.items():
+            setattr(dm, k, v)
 
 
 def _dequant_sdpa(q, view, scale):
@@ -267,10 +270,10 @@ def main() -> None:
     if args.profile:  # the whole tq4 step, tensor-core kernel then portable (8 steps each)
         env = setup(max(args.lengths), presets=("tq4",), affine=False)
         view, q = env["tq4"], env["q"]
-        for fn in (lambda: compressed_attention(q, view, D ** -0.5),
-                   lambda: _portable(q, view, D ** -0.5)):
-            for _ in range(8):
-                mx.eval(fn())
+        for method in ("fused_tq4", "fused_tq4_portable"):
+            with knobs(method):
+                for _ in range(8):
+                    mx.eval(compressed_attention(q, view, D ** -0.5))
         return
     if args.mma_variants:
         mma_variants(args)
@@ -280,7 +283,8 @@ def main() -> None:
         env = setup(s)
         checks[s] = check(env)
         for name, (fn, cache_bytes) in methods(env, s).items():
-            t_sync, t_pipe = sync_ms(fn), pipelined_ms(fn)
+            with knobs(name):
+                t_sync, t_pipe = sync_ms(fn), pipelined_ms(fn)
             rows.append({"S": s, "method": name, "sync_ms": t_sync, "pipelined_ms": t_pipe,
                          "cache_bytes": cache_bytes,
                          "gbs_sync": cache_bytes / t_sync / 1e6,

@@ -138,20 +138,21 @@ def main() -> None:
         for x in args.mma_variants:
             w, st, b = (x.split(",") + [str(saved[2])])[:3]
             methods.append((f"fused_tq4_w{w}s{st}b{b}", methods[1][1], (int(w), int(st), int(b))))
-        methods.append(("fused_tq4_two_launch", lambda: attend.two_launch(q, view, scale),
-                        saved))
-        methods.append(("fused_tq4_portable", lambda: attend._portable(q, view, scale), saved))
+        # (attend.KNOBS sets their kernels around the timings)
+        methods.append(("fused_tq4_two_launch", methods[1][1], saved))
+        methods.append(("fused_tq4_portable", methods[1][1], saved))
         for label, fn, knobs in methods:
             if knobs:
                 dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS = knobs
             try:
-                for per_eval, tag in ((1, ""), (32, "layers32_")):
-                    r = timeline(fn, args.steps if per_eval == 1 else 4, per_eval)
-                    rows.append({"S": s, "method": tag + label, **r})
-                    print(f"S={s:>6} {tag + label:<30} wall {r['wall_ms']:.4f} build "
-                          f"{r['build_ms']:.4f} gpu {r['gpu_busy_ms']:.4f} ms  " +
-                          ", ".join(f"{n} {x['per_call']:.0f}x{x['mean_us']:.1f}us"
-                                    for n, x in r["kernels"].items()), flush=True)
+                with attend.knobs(label):
+                    for per_eval, tag in ((1, ""), (32, "layers32_")):
+                        r = timeline(fn, args.steps if per_eval == 1 else 4, per_eval)
+                        rows.append({"S": s, "method": tag + label, **r})
+                        print(f"S={s:>6} {tag + label:<30} wall {r['wall_ms']:.4f} build "
+                              f"{r['build_ms']:.4f} gpu {r['gpu_busy_ms']:.4f} ms  " +
+                              ", ".join(f"{n} {x['per_call']:.0f}x{x['mean_us']:.1f}us"
+                                        for n, x in r["kernels"].items()), flush=True)
             finally:
                 dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS = saved
         if args.host_profile:
