@@ -10,7 +10,8 @@ question) and decode tokens/s over the answer: the median of three warm answers 
 in the JSON).
 
 Usage: python benchmarks/answer_shapes.py [--shape llama-3.1-8b] [--tokens 32768 131072]
-       [--bits 0 4] [--host-profile] [--name answer_gpu]
+       [--bits 0 4] [--variants tq4:two_launch] [--variants-at 32768 131072] [--host-profile]
+       [--name answer_gpu]
 """
 
 from __future__ import annotations
@@ -59,14 +60,21 @@ def host_profile(model, cache, question, label, n) -> None:
 
 
 def run(model, ids, label, rng, profile=False):
-    """One row; `label` is a preset, or `tq4:nocompile` / `tq4:blocked` (the fused decode path
-    without mx.compile / the blocked MLX path instead of the fused kernel: where time goes)."""
+    """One row; `label` is a preset, or `tq4:nocompile` / `tq4:blocked` / `tq4:two_launch` (the
+    fused decode path without mx.compile / the blocked MLX path instead of the fused kernel / the
+    tensor-core kernel then the finish kernel instead of the one-launch step: where time goes)."""
+    from longctx.kernels import decode_attend_mma as dm
     from longctx import config
 
     preset_name, _, variant = label.partition(":")
     settings = {"nocompile": {"compile": "0"}, "blocked": {"fused_max_lq": 0}}.get(variant, {})
-    with config.override(**settings):
-        return _run(model, ids, preset_name, rng, profile) | {"kv": label}
+    saved = dm.FUSE_FINISH
+    dm.FUSE_FINISH = saved and variant != "two_launch"  # set for the whole row, not per call
+    try:
+        with config.override(**settings):
+            return _run(model, ids, preset_name, rng, profile) | {"kv": label}
+    finally:
+        dm.FUSE_FINISH = saved
 
 
 def _run(model, ids, preset_name, rng, profile=False):
@@ -112,7 +120,9 @@ def main() -> None:
     ap.add_argument("--bits", type=int, nargs="+", default=[0, 4])
     ap.add_argument("--kv", nargs="+", default=["fp16", "tq4"])
     ap.add_argument("--variants", nargs="*", default=[],
-                    help="extra tq4 rows at the shortest length: tq4:nocompile tq4:blocked")
+                    help="extra tq4 rows: tq4:nocompile tq4:blocked tq4:two_launch")
+    ap.add_argument("--variants-at", type=int, nargs="*", default=None,
+                    help="the lengths the --variants rows run at (default: the shortest)")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile one more warm answer per row and print its top functions")
     ap.add_argument("--name", default="answer_gpu")
@@ -125,7 +135,8 @@ def main() -> None:
             _run(model, mx.random.randint(0, 32000, (1024,)).tolist(), kv, mx.random)
         for n in args.tokens:
             ids = mx.random.randint(0, 32000, (n,)).tolist()
-            for kv in args.kv + (args.variants if n == min(args.tokens) else []):
+            at = args.variants_at if args.variants_at is not None else [min(args.tokens)]
+            for kv in args.kv + (args.variants if n in at else []):
                 r = {"shape": args.shape, "weights": f"{bits}-bit" if bits else "bf16",
                      **run(model, ids, kv, mx.random, args.host_profile)}
                 rows.append(r)
