@@ -94,7 +94,8 @@ SETTINGS: dict[str, Setting] = {
                        "questions only, or never (0)"),
     "fused_step": Setting("LONGCTX_FUSED_STEP", _flag, True,
                           "GPU: a decode step over one scalar-coded segment runs as two kernel "
-                          "launches (0: the compiled fused path)"),
+                          "launches, one on CUDA's tensor-core path (0: the compiled fused "
+                          "path)"),
     "prefill_pairs": Setting("LONGCTX_PREFILL_PAIRS", _count, 0,
                              "query-key pairs one prefill chunk may score per head; past it "
                              "chunks shrink (20971520: 128 tokens at 128k; bounds one "
