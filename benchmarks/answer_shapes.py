@@ -63,18 +63,15 @@ def run(model, ids, label, rng, profile=False):
     """One row; `label` is a preset, or `tq4:nocompile` / `tq4:blocked` / `tq4:two_launch` (the
     fused decode path without mx.compile / the blocked MLX path instead of the fused kernel / the
     tensor-core kernel then the finish kernel instead of the one-launch step: where time goes)."""
-    from longctx.kernels import decode_attend_mma as dm
+    from attend import tunables
     from longctx import config
 
     preset_name, _, variant = label.partition(":")
     settings = {"nocompile": {"compile": "0"}, "blocked": {"fused_max_lq": 0}}.get(variant, {})
-    saved = dm.FUSE_FINISH
-    dm.FUSE_FINISH = saved and variant != "two_launch"  # set for the whole row, not per call
-    try:
-        with config.override(**settings):
-            return _run(model, ids, preset_name, rng, profile) | {"kv": label}
-    finally:
-        dm.FUSE_FINISH = saved
+    # kernel tunables are set for the whole row, not per call (a kept step retires on each)
+    knobs = {"two_launch": {"FUSE_FINISH": False}}.get(variant, {})
+    with config.override(**settings), tunables(knobs):
+        return _run(model, ids, preset_name, rng, profile) | {"kv": label}
 
 
 def _run(model, ids, preset_name, rng, profile=False):

@@ -166,16 +166,21 @@ KNOBS = {"fused_tq4_portable": {"ENABLED": False},  # the portable kernel, then 
 
 
 @contextlib.contextmanager
-def knobs(method: str):
-    """`decode_attend_mma`'s tunables as `KNOBS[method]` sets them, for the block."""
-    saved = {k: getattr(dm, k) for k in KNOBS.get(method, {})}
-    for k, v in KNOBS.get(method, {}).items():
+def tunables(values: dict):
+    """`decode_attend_mma`'s tunables set to `values` (name -> value) for the block."""
+    saved = {k: getattr(dm, k) for k in values}
+    for k, v in values.items():
         setattr(dm, k, v)
     try:
         yield
     finally:
         for k, v in saved.items():
             setattr(dm, k, v)
+
+
+def knobs(method: str):
+    """`tunables` as `KNOBS[method]` sets them (none for the other methods)."""
+    return tunables(KNOBS.get(method, {}))
 
 
 def _dequant_sdpa(q, view, scale):
