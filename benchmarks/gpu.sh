@@ -8,7 +8,11 @@
 #            kernels, GPU busy vs wall, host graph building), fp16 vs tq4, 4k-128k
 #   ptimeline benchmarks/prefill_timeline.py: a steady prefill's GPU timeline per chunk (kernels,
 #            GPU busy vs wall, host graph building), fp16 vs tq4 (PTIMELINE_ARGS)
+#   atimeline benchmarks/answer_timeline.py: answer tokens' GPU timeline after a long prefix
+#            (kernels, GPU busy vs wall, host graph building), fp16 vs tq4 (ATIMELINE_ARGS)
 #   ncu      Nsight Compute profile of the decode step's tensor-core kernel at 128k
+#   ncusass  Nsight Compute's per-instruction stall samples of the one-launch decode step at 128k
+#            (NCU_LENGTH): ncu_sass.txt (benchmarks/ncu_sass.py's summary) and the SASS as CSV
 #   prefill  benchmarks/prefill_shapes.py: random-weight models of real shapes, fp16 vs tq4
 #            and tq4 queueing its graph every 4 and 30 layers (PREFILL_QUEUE="4 30")
 #   profile  benchmarks/prefill_profile.py: one layer's prefill chunk, part by part
@@ -69,6 +73,9 @@ for phase in "${phases[@]}"; do
     ptimeline)
       run ptimeline 300 python3 benchmarks/prefill_timeline.py ${PTIMELINE_ARGS:-}
       keep benchmarks/results/prefill_timeline_h200.json ;;
+    atimeline)
+      run atimeline 400 python3 benchmarks/answer_timeline.py ${ATIMELINE_ARGS:-}
+      keep benchmarks/results/answer_timeline_h200.json ;;
     ncu)
       # the tensor-core kernel's 4th launch (NCU_KERNEL=regex:lc_decode_attend_[0-9a-f]: the
       # portable one's)
@@ -77,6 +84,16 @@ for phase in "${phases[@]}"; do
         --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
         --section WarpStateStats --section InstructionStats \
         python3 benchmarks/attend.py --profile --lengths ${NCU_LENGTH:-131072} ;;
+    ncusass)
+      run ncusass 300 ncu --clock-control none --kernel-name ${NCU_KERNEL:-regex:lc_decode_step_mma} \
+        --launch-skip ${NCU_SKIP:-3} --launch-count 1 --section SourceCounters \
+        --section WarpStateStats --section LaunchStats --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis -f -o /tmp/lc_step \
+        python3 benchmarks/attend.py --profile --lengths ${NCU_LENGTH:-131072}
+      ncu -i /tmp/lc_step.ncu-rep > "$out/ncusass_details.txt" 2>&1
+      ncu -i /tmp/lc_step.ncu-rep --page source --csv --print-source sass > "$out/ncusass.csv" 2>&1
+      python3 benchmarks/ncu_sass.py "$out/ncusass.csv" --top 40 > "$out/ncu_sass.txt" 2>&1
+      tail -60 "$out/ncu_sass.txt" ;;
     prefill)
       # the tq4:queueK rows queue a chunk's graph every K layers (`prefill_queue_every`; the
       # default queues every layer); PREFILL_QUEUE="" leaves them out

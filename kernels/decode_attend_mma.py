@@ -119,6 +119,13 @@ LC_FN uint32_t lc_lds_u32(uint32_t addr) {
   asm("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
   return v;
 }
+// 2^x for the online softmax: MUFU.EX2 with subnormals flushed (exp2f adds a range fix-up)
+LC_FN float lc_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+#define LC_MIN_I(a, b) min((a), (b))
 LC_FN float lc_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 // the whole-step variant's count of finished threadgroups per KV head (an input it updates)
 #define LC_FENCE() __threadfence()
@@ -134,13 +141,9 @@ LC_FN bool lc_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
 
 NAME = "lc_decode_attend_mma"
 
-_SPEC = KernelSpec(
-    name=NAME,
-    inputs=("q", "k_idx", "k_norm", "v_idx", "v_norm", "table", "params", "scales", "q_signs"),
-    outputs=("m_out", "l_out", "acc_out"),
-    row_contiguous=False,
-    header=_HEADER,
-    source=r"""
+# The body around its main loop; the loop (`_LOOP`) is instantiated twice, for 16-byte copies
+# of the staged rows and for word copies (`_source`).
+_PRE = r"""
   constexpr int WK = P / 8;          // words of a packed 4-bit row
   constexpr int RS = WK + 4;         // staged row stride: 16-byte rows, 8 rows' LDS.64 conflict-free
   constexpr int KS = P / 16;         // 16-dim steps of the score MMA = 16-dim tiles of the output
@@ -162,7 +165,7 @@ _SPEC = KernelSpec(
   uint32_t* stg = lc_smem + TAB;                   // [warp][NST][STG]
   uint32_t* ptb = stg + NWP * NST * STG;           // [warp][64 words]: P' fp16 [row 0..7][key 0..15]
   float* mlb = (float*)(ptb + NWP * 64);           // m [warp][8], then l [warp][8]
-  float* qst = (float*)stg;                        // q staging, before the first copy
+  float* qst = (float*)tab;                        // q staging, before the table
   float* red = (float*)tab;                        // [warp][8][P], after the loop
 
   const int L = params[0];
@@ -200,21 +203,68 @@ _SPEC = KernelSpec(
                    && reinterpret_cast<uintptr_t>(kip) % 16 == 0
                    && reinterpret_cast<uintptr_t>(vip) % 16 == 0;
 
-  // 1. The pair table: entry x = (T[x & 15], T[x >> 4]) as fp16, copy l at word 32 x + l,
-  // written 4 copies per 16-byte store: quad e (words 4 e .. 4 e + 3) holds entry e / 8, and
-  // thread tid writes quads tid + NT i, so its entries share x & 15 (NT a multiple of 128) and
-  // walk x >> 4 (TAB / 4 / NT stores a thread, 16 at 4 warps; one store per entry copy was 64,
-  // most of a short split's time)
-  static_assert(NT % 128 == 0, "a thread's pair-table entries share their low code");
-  {
-    const float lo = table[(tid >> 3) & 15];
-    LC_UNROLL for (int i = 0; i < TAB / 4 / NT; ++i) {
-      const int x = (tid + NT * i) >> 3;
-      LC_ST_X4(tab + 4 * (tid + NT * i), lc_pack_h2(lo, table[x >> 4]));
+  // 0. The first blocks' rows and norms are requested first: their latency (DRAM, at a
+  // decode step's cold L2) passes while q is rotated and the pair table is written.
+  // Copy block kb's key and value rows (keys past the split read the split's last row, masked
+  // below) into this warp's stage buf.
+  // Lane l copies chunk (l % CH) of rows l / CH + RPJ j: key rows for j < CH / 2, value rows
+  // after; a block that ends past the split clamps its rows to the split's last.
+  constexpr int STEP = BLK * NWP;
+  constexpr int RPJ = 32 / CH;
+  const int crow = lane / CH;
+  const int cpart = lane - crow * CH;
+  // (two variants: 16-byte `cp.async` copies where strides and alignment allow, `vec`, else word
+  // by word; the main loop below is instantiated once per variant, so neither carries the
+  // other's address arithmetic)
+  auto stage_vec = [&](int kb, int buf) {
+    uint32_t* dst = stg + (warp * NST + buf) * STG + crow * RS + 4 * cpart;
+    const bool full = kb + BLK <= k1;
+    LC_UNROLL for (int j = 0; j < CH; ++j) {
+      const bool isv = j >= CH / 2;
+      const int kr = crow + RPJ * (isv ? j - CH / 2 : j);  // key within the block
+      const int key = full ? kb + kr : LC_MIN_I(kb + kr, k1 - 1);
+      uint32_t* d = dst + (isv ? 16 * RS : 0) + RPJ * (isv ? j - CH / 2 : j) * RS;
+      lc_cp_async16(d, isv ? vip + (key * vis + 4 * cpart) : kip + (key * kis + 4 * cpart));
     }
+  };
+  auto stage_words = [&](int kb, int buf) {
+    uint32_t* dst = stg + (warp * NST + buf) * STG + crow * RS + 4 * cpart;
+    const bool full = kb + BLK <= k1;
+    LC_UNROLL for (int j = 0; j < CH; ++j) {
+      const bool isv = j >= CH / 2;
+      const int kr = crow + RPJ * (isv ? j - CH / 2 : j);
+      const int key = full ? kb + kr : LC_MIN_I(kb + kr, k1 - 1);
+      uint32_t* d = dst + (isv ? 16 * RS : 0) + RPJ * (isv ? j - CH / 2 : j) * RS;
+      LC_UNROLL for (int w = 0; w < 4; ++w)
+        d[w] = isv ? vip[key * vis + (4 * cpart + w) * viw]
+                   : kip[key * kis + (4 * cpart + w) * kiw];
+    }
+  };
+
+  // The norms of keys g and g + 8 of a block (past the split: the split's last key, masked),
+  // loaded a block ahead like the rows, converted when used.
+  auto norms = [&](int kb, LC_HALF* n) {
+    const int ka = LC_MIN_I(kb + g, k1 - 1);
+    const int kc = LC_MIN_I(kb + g + 8, k1 - 1);
+    n[0] = knp[ka * kns];
+    n[1] = knp[kc * kns];
+    n[2] = vnp[ka * vns];
+    n[3] = vnp[kc * vns];
+  };
+  int kb = k0 + BLK * warp;
+  LC_HALF nc[4];
+  if (kb < k1) norms(kb, nc);
+  LC_UNROLL for (int b = 0; b < NST - 1; ++b) {  // the first NST - 1 blocks' rows
+    if (kb + b * STEP < k1) {
+      if (vec) stage_vec(kb + b * STEP, b);
+      else stage_words(kb + b * STEP, b);
+    }
+    LC_CP_COMMIT();
   }
-  // 2. q: signs, the Walsh-Hadamard butterfly over each row, scale; then the score MMA's B
-  // fragments (row g, dims 16 s + 2 t, +1, +8, +9), kept in registers.
+
+  // 1. q, staged in the pair table's space: signs, the Walsh-Hadamard butterfly over each row,
+  // scale; then the score MMA's B fragments (row g, dims 16 s + 2 t, +1, +8, +9), kept in
+  // registers.
   const int64_t qo = bb * q_strides[0] + hh * q_strides[1];
   for (int i = tid; i < R * P; i += NT) {
     const int r = i / P;
@@ -229,32 +279,22 @@ _SPEC = KernelSpec(
     qf[s][0] = g < R ? lc_pack_h2(qst[d] * qs_all, qst[d + 1] * qs_all) : 0u;
     qf[s][1] = g < R ? lc_pack_h2(qst[d + 8] * qs_all, qst[d + 9] * qs_all) : 0u;
   }
-  LC_BARRIER();  // the stages overwrite qst
+  LC_BARRIER();  // the table overwrites qst
 
-  // Copy block kb's key and value rows (keys past the split read the split's first row, masked
-  // below) into this warp's stage buf.
-  // Lane l copies chunk (l % CH) of rows l / CH + RPJ j: key rows for j < CH / 2, value rows
-  // after; a block that ends past the split clamps its rows to the split's first.
-  constexpr int RPJ = 32 / CH;
-  const int crow = lane / CH;
-  const int cpart = lane - crow * CH;
-  auto stage = [&](int kb, int buf) {
-    uint32_t* dst = stg + (warp * NST + buf) * STG + crow * RS + 4 * cpart;
-    const bool full = kb + BLK <= k1;
-    LC_UNROLL for (int j = 0; j < CH; ++j) {
-      const bool isv = j >= CH / 2;
-      const int kr = crow + RPJ * (isv ? j - CH / 2 : j);  // key within the block
-      const int key = full || kb + kr < k1 ? kb + kr : k0;
-      uint32_t* d = dst + (isv ? 16 * RS : 0) + RPJ * (isv ? j - CH / 2 : j) * RS;
-      if (vec) {
-        lc_cp_async16(d, isv ? vip + (key * vis + 4 * cpart) : kip + (key * kis + 4 * cpart));
-      } else {
-        LC_UNROLL for (int w = 0; w < 4; ++w)
-          d[w] = isv ? vip[key * vis + (4 * cpart + w) * viw]
-                     : kip[key * kis + (4 * cpart + w) * kiw];
-      }
+  // 2. The pair table: entry x = (T[x & 15], T[x >> 4]) as fp16, copy l at word 32 x + l,
+  // written 4 copies per 16-byte store: quad e (words 4 e .. 4 e + 3) holds entry e / 8, and
+  // thread tid writes quads tid + NT i, so its entries share x & 15 (NT a multiple of 128) and
+  // walk x >> 4 (TAB / 4 / NT stores a thread, 16 at 4 warps; one store per entry copy was 64,
+  // most of a short split's time)
+  static_assert(NT % 128 == 0, "a thread's pair-table entries share their low code");
+  {
+    const float lo = table[(tid >> 3) & 15];
+    LC_UNROLL for (int i = 0; i < TAB / 4 / NT; ++i) {
+      const int x = (tid + NT * i) >> 3;
+      LC_ST_X4(tab + 4 * (tid + NT * i), lc_pack_h2(lo, table[x >> 4]));
     }
-  };
+  }
+  LC_BARRIER();  // the table is written
 
   float m0 = -LC_INF, m1 = -LC_INF, l0 = 0.0f, l1 = 0.0f;  // rows 2t, 2t+1
   float acc[KS][4];  // O^T [dims VDIM(j, g), VDIM(j, g + 8)] x [rows 2t, 2t + 1]
@@ -274,27 +314,11 @@ _SPEC = KernelSpec(
 #endif
   uint32_t* ptw = ptb + warp * 64;
   uint16_t* pth = reinterpret_cast<uint16_t*>(ptw);
-  constexpr int STEP = BLK * NWP;
-  // The norms of keys g and g + 8 of a block (past the split: the split's first key, masked),
-  // loaded a block ahead like the rows, converted when used.
-  auto norms = [&](int kb, LC_HALF* n) {
-    const int ka = kb + g < k1 ? kb + g : k0;
-    const int kc = kb + g + 8 < k1 ? kb + g + 8 : k0;
-    n[0] = knp[ka * kns];
-    n[1] = knp[kc * kns];
-    n[2] = vnp[ka * vns];
-    n[3] = vnp[kc * vns];
-  };
-  int kb = k0 + BLK * warp;
-  LC_HALF nc[4];
-  if (kb < k1) norms(kb, nc);
-  LC_UNROLL for (int b = 0; b < NST - 1; ++b) {  // the first NST - 1 blocks' rows
-    if (kb + b * STEP < k1) stage(kb + b * STEP, b);
-    LC_CP_COMMIT();
-  }
-  for (int it = 0; kb < k1; ++it, kb += STEP) {
+"""
+
+_LOOP = r"""  for (int it = 0; kb < k1; ++it, kb += STEP) {
     LC_HALF nn[4] = {nc[0], nc[1], nc[2], nc[3]};  // (the last block: never read)
-    if (kb + (NST - 1) * STEP < k1) stage(kb + (NST - 1) * STEP, (it + NST - 1) % NST);
+    if (kb + (NST - 1) * STEP < k1) LC_STAGE(kb + (NST - 1) * STEP, (it + NST - 1) % NST);
     if (kb + STEP < k1) norms(kb + STEP, nn);
     LC_CP_COMMIT();  // (an empty group past the split: the count stays in step)
     LC_CP_WAIT(NST - 1);  // this block's rows have landed (this lane's copies)
@@ -323,10 +347,13 @@ _SPEC = KernelSpec(
       if (SC == 2 && (s & 1)) lc_mma_16816(sb, a, qf[s]);
       else lc_mma_16816(sa, a, qf[s]);
     }
-    float s0 = (sa[0] + sb[0]) * nka;
-    float s1 = (sa[1] + sb[1]) * nka;
-    float s2 = (sa[2] + sb[2]) * nkc;
-    float s3 = (sa[3] + sb[3]) * nkc;
+    if (SC == 2) {
+      LC_UNROLL for (int i = 0; i < 4; ++i) sa[i] += sb[i];
+    }
+    float s0 = sa[0] * nka;
+    float s1 = sa[1] * nka;
+    float s2 = sa[2] * nkc;
+    float s3 = sa[3] * nkc;
     if (ka >= k1) { s0 = -LC_INF; s1 = -LC_INF; }
     if (kc >= k1) { s2 = -LC_INF; s3 = -LC_INF; }
 
@@ -342,8 +369,8 @@ _SPEC = KernelSpec(
     const float u0 = n0 == -LC_INF ? 0.0f : n0;
     const float u1 = n1 == -LC_INF ? 0.0f : n1;
     if (lc_any(n0 > m0 || n1 > m1)) {
-      const float c0 = LC_EXP2(m0 - u0);  // m = -inf: 0
-      const float c1 = LC_EXP2(m1 - u1);
+      const float c0 = lc_ex2(m0 - u0);  // m = -inf: 0
+      const float c1 = lc_ex2(m1 - u1);
       l0 *= c0;
       l1 *= c1;
       LC_UNROLL for (int j = 0; j < KS; ++j) {
@@ -355,10 +382,10 @@ _SPEC = KernelSpec(
       m0 = n0;
       m1 = n1;
     }
-    const float p0 = LC_EXP2(s0 - u0);
-    const float p1 = LC_EXP2(s1 - u1);
-    const float p2 = LC_EXP2(s2 - u0);
-    const float p3 = LC_EXP2(s3 - u1);
+    const float p0 = lc_ex2(s0 - u0);
+    const float p1 = lc_ex2(s1 - u1);
+    const float p2 = lc_ex2(s2 - u0);
+    const float p3 = lc_ex2(s3 - u1);
     l0 += p0 + p2;
     l1 += p1 + p3;
     // P' (keys g, g + 8 x rows 2t, 2t + 1) -> [row][key] fp16 -> the PV MMA's B fragment
@@ -407,7 +434,9 @@ _SPEC = KernelSpec(
     }
     LC_SYNCWARP();  // the stage and P' are rewritten by the next blocks
   }
-  LC_CP_WAIT0();
+"""
+
+_POST = r"""  LC_CP_WAIT0();
 
   // 3. The 4 warps' states merged: l over the 8 lanes of a row, then through shared memory.
   LC_UNROLL for (int o = 4; o < 32; o <<= 1) {
@@ -459,7 +488,22 @@ _SPEC = KernelSpec(
     m_out[so * R + tid] = M == -LC_INF ? -LC_INF : M * 0.6931471805599453f;  // natural log
     l_out[so * R + tid] = l;
   }
-""",
+"""
+
+
+def _source() -> str:
+    """The body: the main loop once per staging variant, chosen by `vec` at run time."""
+    return (_PRE + "  if (vec) {\n" + _LOOP.replace("LC_STAGE(", "stage_vec(")
+            + "  } else {\n" + _LOOP.replace("LC_STAGE(", "stage_words(") + "  }\n" + _POST)
+
+
+_SPEC = KernelSpec(
+    name=NAME,
+    inputs=("q", "k_idx", "k_norm", "v_idx", "v_norm", "table", "params", "scales", "q_signs"),
+    outputs=("m_out", "l_out", "acc_out"),
+    row_contiguous=False,
+    header=_HEADER,
+    source=_source(),
 )
 
 _SPECS: dict = {}

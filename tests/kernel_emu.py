@@ -31,6 +31,7 @@ BUILD = Path(tempfile.gettempdir()) / "longctx_kernel_emu"
 
 EMU_HEADER = r"""
 #include <cstdint>
+#include <algorithm>
 #include <cmath>
 #include <math.h>
 #include <barrier>
@@ -172,6 +173,8 @@ static inline void lc_st_x4(uint32_t* p, uint32_t v) {
 static inline uint32_t lc_pack_h2(float lo, float hi) {
   return lc_f2h_bits(lo) | (lc_f2h_bits(hi) << 16);
 }
+#define LC_MIN_I(a, b) std::min((a), (b))
+static inline float lc_ex2(float x) { return exp2f(x); }
 static inline float lc_shfl_xor(float x, int m) { return lc_xchg(x, (lc_e_tid & 31u) ^ (uint32_t)m); }
 static inline bool lc_any(bool p) { return lc_simd_ballot(p, lc_e_tid & 31u) != 0u; }
 // decode_attend_mma's whole-step variant: a count per KV head in an input it updates
