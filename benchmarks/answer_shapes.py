@@ -4,8 +4,8 @@ shapes (benchmarks/shapes.py), side by side in one run.
 For each weight format (bf16, 4-bit) and prefix length N: prefill N tokens (ingest's chunked
 prefill; time and peak memory), then as `ask` does: fp16 answers from its cache as is; tq4 seals
 the cache, rebuilds it from its arrays (what a restore from disk yields) and forks it. Then a
-16-token question and 64 greedy answer tokens: time to the first answer token (the first
-question also pays first-use compilation: reported apart, as the difference to a second, warm
+16-token question and 256 greedy answer tokens (ask's default): time to the first answer token
+(the first question also pays first-use compilation: reported apart, as the difference to a second, warm
 question) and decode tokens/s over the answer: the median of three warm answers (all three are
 in the JSON).
 
@@ -31,7 +31,7 @@ from shapes import random_model  # noqa: E402
 
 from longctx import engine, kvcache  # noqa: E402
 
-QUESTION, ANSWER = 16, 64
+QUESTION, ANSWER = 16, 256  # ask's default answer length (--max-tokens)
 REPEATS = 3  # warm answers per row, each on its own fork: the median rate is reported
 
 

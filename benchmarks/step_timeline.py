@@ -75,6 +75,41 @@ def timeline(fn, steps: int, per_eval: int = 1) -> dict:
     return {"wall_ms": 1e3 * wall / calls, "build_ms": 1e3 * build, **summary(ks, calls)}
 
 
+def answer_steps(k, v, q, scale) -> list:
+    """[(kv, step)]: a layer's decode step while answering (its cache update, then attention)
+    after a prefix of k / v's tokens and a 16-token question: mlx-lm's fp16 KVCache + SDPA, and
+    tq4 as `ask` holds it (sealed, rebuilt from its arrays, forked; its window takes the question
+    and the answer)."""
+    from mlx_lm.models.cache import KVCache
+
+    from longctx.kvcache.presets import get_preset
+    from longctx.kvcache.turbo import TurboQuantCache
+
+    question = mx.random.normal((1, k.shape[1], 16, k.shape[3])).astype(k.dtype)
+    one = mx.random.normal((1, k.shape[1], 1, k.shape[3])).astype(k.dtype)
+    fp16 = KVCache()
+    fp16.update_and_fetch(k, v)
+    fp16.update_and_fetch(question, question)
+    preset = get_preset("tq4")
+    c = TurboQuantCache(preset, 0)
+    c.update_and_fetch(k, v)
+    c.seal()
+    tq = TurboQuantCache.from_arrays(preset, 0, c.arrays(), k.shape[3]).fork(exact_new=1024)
+    tq.update_and_fetch(question, question)
+    mx.eval(fp16.state, tq.state, one)
+    del c
+
+    def fp16_step():
+        keys, values = fp16.update_and_fetch(one, one)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
+
+    def tq_step():
+        view, _ = tq.update_and_fetch(one, one)
+        return compressed_attention(q, view, scale)
+
+    return [("fp16", fp16_step), ("tq4", tq_step)]
+
+
 def trace_kernels(prof) -> list:
     """[(start us, end us, short name)] of every GPU kernel a torch profiler recorded, in order."""
     with tempfile.TemporaryDirectory() as d:
@@ -141,12 +176,16 @@ def main() -> None:
         # (attend.KNOBS sets their kernels around the timings)
         methods.append(("fused_tq4_two_launch", methods[1][1], saved))
         methods.append(("fused_tq4_portable", methods[1][1], saved))
+        # as a model's layer steps while answering: the cache update (one token into the window
+        # after a 16-token question) and attention, fp16 vs tq4 (one layer; no layers32 row)
+        methods += [(f"answer_{kv}", fn, None) for kv, fn in answer_steps(k, v, q, scale)]
         for label, fn, knobs in methods:
             if knobs:
                 dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS = knobs
             try:
                 with attend.knobs(label):
-                    for per_eval, tag in ((1, ""), (32, "layers32_")):
+                    for per_eval, tag in ((1, ""),) + (() if label.startswith("answer_")
+                                                        else ((32, "layers32_"),)):
                         r = timeline(fn, args.steps if per_eval == 1 else 4, per_eval)
                         rows.append({"S": s, "method": tag + label, **r})
                         print(f"S={s:>6} {tag + label:<30} wall {r['wall_ms']:.4f} build "

@@ -209,14 +209,15 @@ BODY = r"""
     const int key = t0 + d;
     float s[R];
     LC_UNROLL for (int r = 0; r < R; ++r) s[r] = 0.0f;
+    // (8 dims' loads in flight: a thread walks its key's row)
     if (key < ns) {
-      for (int i = 0; i < P; ++i) {
+      LC_UNROLL_N(8) for (int i = 0; i < P; ++i) {
         const float kv = LC_TOF(sink_k[sko + key * sink_k_strides[2] + i * sink_k_strides[3]]);
         LC_UNROLL for (int r = 0; r < R; ++r) s[r] += qs[r * P + i] * kv;
       }
     } else if (key < E) {
       const int w = key - ns;
-      for (int i = 0; i < P; ++i) {
+      LC_UNROLL_N(8) for (int i = 0; i < P; ++i) {
         const float kv = LC_TOF(win_k[wko + w * win_k_strides[2] + i * win_k_strides[3]]);
         LC_UNROLL for (int r = 0; r < R; ++r) s[r] += qs[r * P + i] * kv;
       }
@@ -242,11 +243,17 @@ BODY = r"""
     }
     LC_BARRIER();
     const int nk = E - t0 < P ? E - t0 : P;
-    for (int k = 0; k < nk; ++k) {
-      const int kk = t0 + k;
-      const float vv = kk < ns
-          ? LC_TOF(sink_v[svo + kk * sink_v_strides[2] + d * sink_v_strides[3]])
-          : LC_TOF(win_v[wvo + (kk - ns) * win_v_strides[2] + d * win_v_strides[3]]);
+    // the tile's sink keys, then its window keys: 8 keys' value loads in flight in each loop
+    // (they come from L2; one round trip per key made the exact tokens most of a step once a
+    // window held an answer's tokens)
+    const int nks = ns - t0 < 0 ? 0 : (ns - t0 < nk ? ns - t0 : nk);
+    LC_UNROLL_N(8) for (int k = 0; k < nks; ++k) {
+      const float vv = LC_TOF(sink_v[svo + (t0 + k) * sink_v_strides[2] + d * sink_v_strides[3]]);
+      LC_UNROLL for (int r = 0; r < R; ++r) acc_e[r] += wts[k * R + r] * vv;
+    }
+    LC_UNROLL_N(8) for (int k = nks; k < nk; ++k) {
+      const float vv =
+          LC_TOF(win_v[wvo + (t0 + k - ns) * win_v_strides[2] + d * win_v_strides[3]]);
       LC_UNROLL for (int r = 0; r < R; ++r) acc_e[r] += wts[k * R + r] * vv;
     }
     LC_BARRIER();  // wts and red are rewritten by the next tile

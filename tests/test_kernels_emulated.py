@@ -285,7 +285,8 @@ def test_decode_step(monkeypatch, case, kernel):
 
 @pytest.mark.parametrize("S,R,P,n_sink,n_win", [(1, 4, 128, 0, 0), (200, 4, 64, 2, 9),
                                                 (66, 4, 128, 0, 0), (67, 16, 128, 1, 3),
-                                                (300, 3, 32, 0, 40), (129, 1, 128, 1, 0)])
+                                                (300, 3, 32, 0, 40), (129, 1, 128, 1, 0),
+                                                (50, 2, 32, 40, 30)])  # a sink over two tiles
 def test_decode_finish_merges_many_splits(emulated, S, R, P, n_sink, n_win):
     """The finish kernel's split merge over more splits than threads (blocks of P splits), with
     empty splits (m = -inf, l = 0, acc = 0) among them and a row whose splits are all empty,
