@@ -260,6 +260,9 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 32768, 131072])
     ap.add_argument("--name", default=None, help="results file name (default attend_<backend>)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--methods", nargs="+", metavar="NAME",
+                    help="time only these methods (plus torch's anchors); the other rows of the "
+                         "results file are kept, marked carried_over with their run's date")
     ap.add_argument("--heads", nargs=2, type=int, default=[HQ, HKV], metavar=("Q", "KV"),
                     help="query and KV heads (default Llama-3.1-8B's 32 8; Qwen2.5-7B: 28 4)")
     ap.add_argument("--profile", action="store_true",
@@ -288,6 +291,8 @@ def main() -> None:
         env = setup(s)
         checks[s] = check(env)
         for name, (fn, cache_bytes) in methods(env, s).items():
+            if args.methods and name not in args.methods:
+                continue
             with knobs(name):
                 t_sync, t_pipe = sync_ms(fn), pipelined_ms(fn)
             rows.append({"S": s, "method": name, "sync_ms": t_sync, "pipelined_ms": t_pipe,
@@ -299,14 +304,18 @@ def main() -> None:
             print(f"S={s:>6} {name:<20} sync {t_sync:7.3f} ms  pipelined {t_pipe:7.3f} ms  "
                   f"{r['gbs_pipelined']:7.0f} GB/s ({100 * r['gbs_pipelined'] / PEAK_GBS:4.1f}% "
                   f"of {PEAK_GBS:.0f})", flush=True)
-        if backend != "cpu":
+        if backend != "cpu" and not args.methods:
             rows += split_rows(env, s)
         if backend == "cuda":
             rows += torch_rows(s)
         if s == max(args.lengths) and not args.no_sweep and backend != "cpu":
             sweeps[s] = sweep(env)
         del env
-    ratios = _ratios(rows)
+    if args.methods:
+        rows += _carried(args.name or f"attend_{backend}", rows)
+        if not sweeps:
+            sweeps = _carried_sweep(args.name or f"attend_{backend}")
+    ratios = _ratios([r for r in rows if "carried_over" not in r])
     _table(rows, ratios)
     path = write(args.name or f"attend_{backend}", {
         "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "batch": B, "query_tokens": 1},
@@ -317,6 +326,38 @@ def main() -> None:
                   "MIN_BLOCKS": da.MIN_BLOCKS, "STAGE_WORDS": da.STAGE_WORDS,
                   "MMA_ENABLED": dm.ENABLED, "MMA_WARPS": dm.WARPS, "MMA_STAGES": dm.STAGES}})
     print(f"wrote {path}")
+
+
+def _carried(name: str, rows: list) -> list:
+    """The rows of the results file `name` whose (S, method) this run did not time, each marked
+    `carried_over` with the date of the run that measured it (their ratios are not recomputed)."""
+    import json
+
+    from _common import RESULTS
+
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    done = {(r["S"], r["method"]) for r in rows}
+    date = old.get("environment", {}).get("date", "unknown")
+    return [{**r, "carried_over": r.get("carried_over", date)} for r in old.get("rows", [])
+            if (r["S"], r["method"]) not in done]
+
+
+def _carried_sweep(name: str) -> dict:
+    """The results file's knob sweep, marked with its run's date (a --methods run has none)."""
+    import json
+
+    from _common import RESULTS
+
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    sweep = old.get("sweep") or {}
+    date = old.get("environment", {}).get("date", "unknown")
+    return {**sweep, "carried_over": date} if sweep else {}
 
 
 def mma_variants(args) -> None:

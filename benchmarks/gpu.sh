@@ -63,6 +63,8 @@ for phase in "${phases[@]}"; do
         tests/test_kernel_fallback.py ;;
     attend)
       # ATTEND_ARGS="--heads 28 4 --name attend_h200_qwen2.5-7b": another shape, its own file;
+      # ATTEND_ARGS="--methods fp16_sdpa fused_tq4 ...": those rows only (and torch's anchors),
+      # the file's other rows kept and marked carried_over;
       # ATTEND_ARGS="--mma-variants 4,2 8,3 8,2 4,3 --lengths 32768 131072": the tensor-core
       # kernel's threadgroup shapes (warps, row stages), merged into attend_h200.json
       run attend 300 python3 benchmarks/attend.py --no-sweep --name attend_h200 ${ATTEND_ARGS:-}
