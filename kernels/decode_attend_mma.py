@@ -34,22 +34,24 @@ Thread plan. One threadgroup of WARPS warps (4) per (b, h, split); a split is a 
 16 x WARPS keys, the launch about one wave (4 threadgroups per SM: 55 KiB of shared memory and
 128 registers a thread at P = 128; 3 at P = 256). Each warp owns every WARPS-th block of 16 keys
 of its split and keeps its own online softmax state; it stages its blocks' packed key and value
-rows with 16-byte `cp.async` copies (word by word where strides or alignment forbid), STAGES
-blocks deep (2: double-buffered), and loads their norms a block ahead, so the next block is in flight while this one computes (warp-private: no threadgroup
-barrier in the loop). Per block: the score MMAs, norms and mask, the row maxima over the 16 keys
-(3 shuffles), the accumulator rescale only when a maximum moved (warp vote), P' through 256 bytes
-of shared memory into the PV operand layout, the PV MMAs. At the end the 4 warps' states are
-merged in shared memory (the pair table's space) and the split's (m, l, acc) written, m in
-natural-log units as `decode_attend` writes it.
+rows with 16-byte `cp.async` copies (word by word where strides or alignment forbid: the main
+loop is instantiated once per way), STAGES blocks deep (2: double-buffered), and loads their
+norms a block ahead, so the next block is in flight while this one computes (warp-private: no
+threadgroup barrier in the loop). The first blocks are requested before q's rotation and the
+pair table (q is staged in the table's space), so their latency overlaps that work. Per block: the
+score MMAs, norms and mask, the row maxima over the 16 keys (3 shuffles), the accumulator rescale
+only when a maximum moved (warp vote), P' through 256 bytes of shared memory into the PV operand
+layout, the PV MMAs. At the end the 4 warps' states are merged in shared memory (the pair table's
+space) and the split's (m, l, acc) written, m in natural-log units as `decode_attend` writes it.
 
-Measured (H200, MLX 0.32.4 CUDA, Llama-3.1-8B shapes, 128k, tq4; ncu in
-benchmarks/results/attend_h200_ncu.txt): 91.8 us (the portable kernel: 141 us), 40.7M warp
-instructions (86M), 128 registers, 16 warps per SM. Bound by latency now, not issue: 0.43
-instructions per scheduler-cycle, the top stalls long scoreboard (2.0 cycles per instruction,
-the staged rows' arrival) and fixed-latency waits (1.3, the score MMAs' dependent chain); DRAM
-at 32%. The whole step at 128k: 0.103 ms vs MLX fp16 SDPA 0.143 (benchmarks/attend.py; the
-kernel 81 us in benchmarks/step_timeline.py). At 4k a warp walks one block and the fixed costs
-dominate (2,547 instructions per warp, 25 us; the portable kernel takes 12 there).
+Measured (H200, MLX 0.32.4 CUDA, Llama-3.1-8B shapes, 128k, tq4, the one-launch step; ncu in
+benchmarks/results/attend_h200_ncu_step.txt): 68.4 us, 128 registers, 16 warps per SM, DRAM at
+43%, 5.6 cycles between a warp's instructions; the SMs are active 82% of the elapsed cycles
+(the rest: the heads' last threadgroups finishing, and the wave's ramp). The main loop is 453
+SASS instructions per 16-key block (nvcc sm_90), 192 of them the 64 table lookups (byte
+extract, address, shared load); it was 562 while it also carried the word-by-word staging.
+The whole step at 128k: 0.076 ms vs MLX fp16 SDPA 0.142 (benchmarks/attend.py). At 4k a warp
+walks one block and the fixed costs dominate (18 us of kernel).
 
 CUDA only: `mma.sync` and `cp.async` have no Metal spelling in the prelude (a
 `simdgroup_matrix` port is the Metal counterpart still to write). Metal, and every shape this
@@ -145,7 +147,8 @@ NAME = "lc_decode_attend_mma"
 # of the staged rows and for word copies (`_source`).
 _PRE = r"""
   constexpr int WK = P / 8;          // words of a packed 4-bit row
-  constexpr int RS = WK + 4;         // staged row stride: 16-byte rows, 8 rows' LDS.64 conflict-free
+  constexpr int RS = WK + 4;         // staged row stride: 16-byte rows; 8 rows' LDS.64 free of
+                                     // bank conflicts
   constexpr int KS = P / 16;         // 16-dim steps of the score MMA = 16-dim tiles of the output
   constexpr int CH = WK / 4;         // 16-byte chunks per row
   constexpr int NWP = NT / 32;
@@ -163,7 +166,8 @@ _PRE = r"""
   LC_DYN_SHARED(lc_smem);
   uint32_t* tab = lc_smem;
   uint32_t* stg = lc_smem + TAB;                   // [warp][NST][STG]
-  uint32_t* ptb = stg + NWP * NST * STG;           // [warp][64 words]: P' fp16 [row 0..7][key 0..15]
+  uint32_t* ptb = stg + NWP * NST * STG;           // [warp][64 words]: P' fp16
+                                                   // [row 0..7][key 0..15]
   float* mlb = (float*)(ptb + NWP * 64);           // m [warp][8], then l [warp][8]
   float* qst = (float*)tab;                        // q staging, before the table
   float* red = (float*)tab;                        // [warp][8][P], after the loop
