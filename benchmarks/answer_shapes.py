@@ -5,9 +5,9 @@ For each weight format (bf16, 4-bit) and prefix length N: prefill N tokens (inge
 prefill; time and peak memory), then as `ask` does: fp16 answers from its cache as is; tq4 seals
 the cache, rebuilds it from its arrays (what a restore from disk yields) and forks it. Then a
 16-token question and 256 greedy answer tokens (ask's default): time to the first answer token
-(the first question also pays first-use compilation: reported apart, as the difference to a second, warm
-question) and decode tokens/s over the answer: the median of three warm answers (all three are
-in the JSON).
+(the first question also pays first-use compilation: reported apart, as the difference to a
+second, warm question) and decode tokens/s over the answer: the median of three warm answers
+(all three are in the JSON).
 
 Usage: python benchmarks/answer_shapes.py [--shape llama-3.1-8b] [--tokens 32768 131072]
        [--bits 0 4] [--variants tq4:two_launch] [--variants-at 32768 131072] [--host-profile]
