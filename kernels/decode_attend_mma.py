@@ -143,8 +143,8 @@ LC_FN bool lc_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
 
 NAME = "lc_decode_attend_mma"
 
-# The body around its main loop; the loop (`_LOOP`) is instantiated twice, for 16-byte copies
-# of the staged rows and for word copies (`_source`).
+# The body around its main loop; the loop (`_LOOP`) is instantiated twice, LC_VEC_PATH true for
+# 16-byte copies of the staged rows and false for word copies (`_source`).
 _PRE = r"""
   constexpr int WK = P / 8;          // words of a packed 4-bit row
   constexpr int RS = WK + 4;         // staged row stride: 16-byte rows; 8 rows' LDS.64 free of
@@ -217,10 +217,10 @@ _PRE = r"""
   constexpr int RPJ = 32 / CH;
   const int crow = lane / CH;
   const int cpart = lane - crow * CH;
-  // (two variants: 16-byte `cp.async` copies where strides and alignment allow, `vec`, else word
-  // by word; the main loop below is instantiated once per variant, so neither carries the
-  // other's address arithmetic)
-  auto stage_vec = [&](int kb, int buf) {
+  // (`vec_path`: 16-byte `cp.async` copies where strides and alignment allow, `vec`, else word
+  // by word; the main loop below is instantiated once per way with a literal `vec_path`, so
+  // neither instance carries the other's address arithmetic)
+  auto stage = [&](int kb, int buf, bool vec_path) {
     uint32_t* dst = stg + (warp * NST + buf) * STG + crow * RS + 4 * cpart;
     const bool full = kb + BLK <= k1;
     LC_UNROLL for (int j = 0; j < CH; ++j) {
@@ -228,20 +228,13 @@ _PRE = r"""
       const int kr = crow + RPJ * (isv ? j - CH / 2 : j);  // key within the block
       const int key = full ? kb + kr : LC_MIN_I(kb + kr, k1 - 1);
       uint32_t* d = dst + (isv ? 16 * RS : 0) + RPJ * (isv ? j - CH / 2 : j) * RS;
-      lc_cp_async16(d, isv ? vip + (key * vis + 4 * cpart) : kip + (key * kis + 4 * cpart));
-    }
-  };
-  auto stage_words = [&](int kb, int buf) {
-    uint32_t* dst = stg + (warp * NST + buf) * STG + crow * RS + 4 * cpart;
-    const bool full = kb + BLK <= k1;
-    LC_UNROLL for (int j = 0; j < CH; ++j) {
-      const bool isv = j >= CH / 2;
-      const int kr = crow + RPJ * (isv ? j - CH / 2 : j);
-      const int key = full ? kb + kr : LC_MIN_I(kb + kr, k1 - 1);
-      uint32_t* d = dst + (isv ? 16 * RS : 0) + RPJ * (isv ? j - CH / 2 : j) * RS;
-      LC_UNROLL for (int w = 0; w < 4; ++w)
-        d[w] = isv ? vip[key * vis + (4 * cpart + w) * viw]
-                   : kip[key * kis + (4 * cpart + w) * kiw];
+      if (vec_path) {
+        lc_cp_async16(d, isv ? vip + (key * vis + 4 * cpart) : kip + (key * kis + 4 * cpart));
+      } else {
+        LC_UNROLL for (int w = 0; w < 4; ++w)
+          d[w] = isv ? vip[key * vis + (4 * cpart + w) * viw]
+                     : kip[key * kis + (4 * cpart + w) * kiw];
+      }
     }
   };
 
@@ -259,10 +252,7 @@ _PRE = r"""
   LC_HALF nc[4];
   if (kb < k1) norms(kb, nc);
   LC_UNROLL for (int b = 0; b < NST - 1; ++b) {  // the first NST - 1 blocks' rows
-    if (kb + b * STEP < k1) {
-      if (vec) stage_vec(kb + b * STEP, b);
-      else stage_words(kb + b * STEP, b);
-    }
+    if (kb + b * STEP < k1) stage(kb + b * STEP, b, vec);
     LC_CP_COMMIT();
   }
 
@@ -322,7 +312,8 @@ _PRE = r"""
 
 _LOOP = r"""  for (int it = 0; kb < k1; ++it, kb += STEP) {
     LC_HALF nn[4] = {nc[0], nc[1], nc[2], nc[3]};  // (the last block: never read)
-    if (kb + (NST - 1) * STEP < k1) LC_STAGE(kb + (NST - 1) * STEP, (it + NST - 1) % NST);
+    if (kb + (NST - 1) * STEP < k1)
+      stage(kb + (NST - 1) * STEP, (it + NST - 1) % NST, LC_VEC_PATH);
     if (kb + STEP < k1) norms(kb + STEP, nn);
     LC_CP_COMMIT();  // (an empty group past the split: the count stays in step)
     LC_CP_WAIT(NST - 1);  // this block's rows have landed (this lane's copies)
@@ -497,8 +488,8 @@ _POST = r"""  LC_CP_WAIT0();
 
 def _source() -> str:
     """The body: the main loop once per staging variant, chosen by `vec` at run time."""
-    return (_PRE + "  if (vec) {\n" + _LOOP.replace("LC_STAGE(", "stage_vec(")
-            + "  } else {\n" + _LOOP.replace("LC_STAGE(", "stage_words(") + "  }\n" + _POST)
+    return (_PRE + "  if (vec) {\n" + _LOOP.replace("LC_VEC_PATH", "true")
+            + "  } else {\n" + _LOOP.replace("LC_VEC_PATH", "false") + "  }\n" + _POST)
 
 
 _SPEC = KernelSpec(
