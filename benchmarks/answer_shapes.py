@@ -74,8 +74,9 @@ def run(model, ids, label, rng, profile=False):
         return _run(model, ids, preset_name, rng, profile) | {"kv": label}
 
 
-def _run(model, ids, preset_name, rng, profile=False):
-    """`profile`: also cProfile one more warm answer (`host_profile`)."""
+def prefilled(model, ids, preset_name):
+    """(cache, prefill stats) after `ids`, as `ask` holds it: fp16 as prefilled; compressed
+    presets sealed and rebuilt from their arrays (what a restore from disk yields)."""
     preset = kvcache.get_preset(preset_name)
     cache = kvcache.make(model, preset)
     stats = engine.prefill(model, ids, cache)
@@ -87,6 +88,12 @@ def _run(model, ids, preset_name, rng, profile=False):
         cache = kvcache.from_arrays(arrays, model, preset, mx.bfloat16)
         del arrays
     gc.collect()
+    return cache, stats
+
+
+def _run(model, ids, preset_name, rng, profile=False):
+    """`profile`: also cProfile one more warm answer (`host_profile`)."""
+    cache, stats = prefilled(model, ids, preset_name)
     stored = sum(c.nbytes for c in cache)
     out = {"kv": preset_name, "tokens": len(ids), "prefill_seconds": stats.seconds,
            "prefill_tok_s": stats.tokens_per_second, "prefill_peak_bytes": stats.peak_bytes,

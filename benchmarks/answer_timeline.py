@@ -31,10 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write  # noqa: E402  (imports longctx first: OpenBLAS before mlx)
 
 import mlx.core as mx  # noqa: E402
+from answer_shapes import prefilled  # noqa: E402
 from shapes import random_model  # noqa: E402
 from step_timeline import summary, trace_kernels  # noqa: E402
 
-from longctx import engine, kvcache  # noqa: E402
+from longctx import kvcache  # noqa: E402
 
 QUESTION = 16
 
@@ -59,21 +60,6 @@ def decode(model, cache, question: list[int], n: int) -> tuple[float, float]:
         y = nxt
     y.item()
     return time.perf_counter() - t0, build
-
-
-def prepared(model, ids, preset_name: str):
-    preset = kvcache.get_preset(preset_name)
-    cache = kvcache.make(model, preset)
-    engine.prefill(model, ids, cache)
-    if preset.kind != "fp16":
-        kvcache.seal(cache)
-        arrays = kvcache.to_arrays(cache, preset)
-        mx.eval(arrays)
-        del cache
-        cache = kvcache.from_arrays(arrays, model, preset, mx.bfloat16)
-        del arrays
-    gc.collect()
-    return cache
 
 
 def _profiler():
@@ -116,7 +102,7 @@ def main() -> None:
         ids = mx.random.randint(0, 32000, (n,)).tolist()
         question = mx.random.randint(0, 32000, (QUESTION,)).tolist()
         for kv in args.kv:
-            cache = prepared(model, ids, kv)
+            cache, _ = prefilled(model, ids, kv)
             for _ in range(2):  # first use (traces, kernel builds), then a warm unprofiled pass
                 fork = kvcache.fork(cache)
                 wall0, build0 = decode(model, fork, question, args.answer)

@@ -312,9 +312,9 @@ def main() -> None:
             sweeps[s] = sweep(env)
         del env
     if args.methods:
-        rows += _carried(args.name or f"attend_{backend}", rows)
-        if not sweeps:
-            sweeps = _carried_sweep(args.name or f"attend_{backend}")
+        kept, old_sweep = _carried(args.name or f"attend_{backend}", rows)
+        rows += kept
+        sweeps = sweeps or old_sweep
     ratios = _ratios([r for r in rows if "carried_over" not in r])
     _table(rows, ratios)
     path = write(args.name or f"attend_{backend}", {
@@ -328,36 +328,24 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-def _carried(name: str, rows: list) -> list:
-    """The rows of the results file `name` whose (S, method) this run did not time, each marked
-    `carried_over` with the date of the run that measured it (their ratios are not recomputed)."""
+def _carried(name: str, rows: list) -> tuple[list, dict]:
+    """From the results file `name`: its rows whose (S, method) this run did not time, and its
+    knob sweep, each marked `carried_over` with the date of the run that measured it (their
+    ratios are not recomputed)."""
     import json
 
     from _common import RESULTS
 
     path = RESULTS / f"{name}.json"
     if not path.exists():
-        return []
+        return [], {}
     old = json.loads(path.read_text())
     done = {(r["S"], r["method"]) for r in rows}
     date = old.get("environment", {}).get("date", "unknown")
-    return [{**r, "carried_over": r.get("carried_over", date)} for r in old.get("rows", [])
+    kept = [{**r, "carried_over": r.get("carried_over", date)} for r in old.get("rows", [])
             if (r["S"], r["method"]) not in done]
-
-
-def _carried_sweep(name: str) -> dict:
-    """The results file's knob sweep, marked with its run's date (a --methods run has none)."""
-    import json
-
-    from _common import RESULTS
-
-    path = RESULTS / f"{name}.json"
-    if not path.exists():
-        return {}
-    old = json.loads(path.read_text())
     sweep = old.get("sweep") or {}
-    date = old.get("environment", {}).get("date", "unknown")
-    return {**sweep, "carried_over": date} if sweep else {}
+    return kept, ({**sweep, "carried_over": sweep.get("carried_over", date)} if sweep else {})
 
 
 def mma_variants(args) -> None:
