@@ -162,7 +162,11 @@ def _compiled(q, view, scale):
 # kernel tunable is assigned (`attend_step._env`), so toggling one per call would time the full
 # path choice instead of the replay
 KNOBS = {"fused_tq4_portable": {"ENABLED": False},  # the portable kernel, then the finish
-         "fused_tq4_two_launch": {"FUSE_FINISH": False}}  # the tensor-core kernel, the finish
+         "fused_tq4_two_launch": {"FUSE_FINISH": False},  # the tensor-core kernel, the finish
+         # (step_timeline's answer rows) the whole step with the exact tokens in its last
+         # threadgroups' tail, not spread over the splits; and in two launches
+         "answer_tq4_tail_exact": {"EXACT_IN_SPLITS": False},
+         "answer_tq4_two_launch": {"FUSE_FINISH": False}}
 
 
 @contextlib.contextmanager

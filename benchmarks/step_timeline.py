@@ -75,29 +75,40 @@ def timeline(fn, steps: int, per_eval: int = 1) -> dict:
     return {"wall_ms": 1e3 * wall / calls, "build_ms": 1e3 * build, **summary(ks, calls)}
 
 
-def answer_steps(k, v, q, scale) -> list:
-    """[(kv, step)]: a layer's decode step while answering (its cache update, then attention)
-    after a prefix of k / v's tokens and a 16-token question: mlx-lm's fp16 KVCache + SDPA, and
-    tq4 as `ask` holds it (sealed, rebuilt from its arrays, forked; its window takes the question
-    and the answer)."""
+def answer_step(kind, k, v, q, scale):
+    """A layer's decode step while answering (its cache update, then attention) after a prefix
+    of k / v's tokens and a 16-token question, on a cache of its own: mlx-lm's fp16 KVCache +
+    SDPA ("fp16"), or tq4 as `ask` holds it ("tq4": sealed, rebuilt from its arrays, forked;
+    its window takes the question and the answer)."""
+    return dict(answer_steps(k, v, q, scale, kinds=(kind,)))[kind]
+
+
+def answer_steps(k, v, q, scale, kinds=("fp16", "tq4")) -> list:
+    """[(kv, step)] of `answer_step` for each of `kinds`."""
     from mlx_lm.models.cache import KVCache
 
     from longctx.kvcache.presets import get_preset
     from longctx.kvcache.turbo import TurboQuantCache
 
-    question = mx.random.normal((1, k.shape[1], 16, k.shape[3])).astype(k.dtype)
-    one = mx.random.normal((1, k.shape[1], 1, k.shape[3])).astype(k.dtype)
-    fp16 = KVCache()
-    fp16.update_and_fetch(k, v)
-    fp16.update_and_fetch(question, question)
-    preset = get_preset("tq4")
-    c = TurboQuantCache(preset, 0)
-    c.update_and_fetch(k, v)
-    c.seal()
-    tq = TurboQuantCache.from_arrays(preset, 0, c.arrays(), k.shape[3]).fork(exact_new=1024)
-    tq.update_and_fetch(question, question)
-    mx.eval(fp16.state, tq.state, one)
-    del c
+    question = mx.random.normal((1, k.shape[1], 16, k.shape[3]), key=mx.random.key(1))
+    question = question.astype(k.dtype)
+    one = mx.random.normal((1, k.shape[1], 1, k.shape[3]), key=mx.random.key(2)).astype(k.dtype)
+    fp16 = tq = None
+    if "fp16" in kinds:
+        fp16 = KVCache()
+        fp16.update_and_fetch(k, v)
+        fp16.update_and_fetch(question, question)
+        mx.eval(fp16.state)
+    if "tq4" in kinds:
+        preset = get_preset("tq4")
+        c = TurboQuantCache(preset, 0)
+        c.update_and_fetch(k, v)
+        c.seal()
+        tq = TurboQuantCache.from_arrays(preset, 0, c.arrays(), k.shape[3]).fork(exact_new=1024)
+        tq.update_and_fetch(question, question)
+        mx.eval(tq.state)
+        del c
+    mx.eval(one)
 
     def fp16_step():
         keys, values = fp16.update_and_fetch(one, one)
@@ -107,7 +118,7 @@ def answer_steps(k, v, q, scale) -> list:
         view, _ = tq.update_and_fetch(one, one)
         return compressed_attention(q, view, scale)
 
-    return [("fp16", fp16_step), ("tq4", tq_step)]
+    return [(kv, {"fp16": fp16_step, "tq4": tq_step}[kv]) for kv in kinds]
 
 
 def trace_kernels(prof) -> list:
@@ -177,9 +188,14 @@ def main() -> None:
         methods.append(("fused_tq4_two_launch", methods[1][1], saved))
         methods.append(("fused_tq4_portable", methods[1][1], saved))
         # as a model's layer steps while answering: the cache update (one token into the window
-        # after a 16-token question) and attention, fp16 vs tq4 (one layer; no layers32 row)
-        methods += [(f"answer_{kv}", fn, None) for kv, fn in answer_steps(k, v, q, scale)]
+        # after a 16-token question) and attention, fp16 vs tq4 (one layer; no layers32 row),
+        # each on a cache of its own (its window grows by the calls' tokens); tq4 also with the
+        # exact tokens in the whole step's tail, and in two launches (attend.KNOBS)
+        methods += [(f"answer_{x}", x.split("_")[0], None)
+                    for x in ("fp16", "tq4", "tq4_tail_exact", "tq4_two_launch")]
         for label, fn, knobs in methods:
+            if isinstance(fn, str):
+                fn = answer_step(fn, k, v, q, scale)
             if knobs:
                 dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS = knobs
             try:

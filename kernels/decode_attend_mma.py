@@ -82,6 +82,9 @@ ENABLED = True  # benchmarks/attend.py turns it off for the portable kernel's ro
 # the whole step in one launch where it applies (`decode_step_mma`; False: the partials, then
 # `decode_finish`, two launches)
 FUSE_FINISH = True
+# the whole step's exact tokens (sink, window) spread over the head's splits, each folding its
+# share into its state (False: the last threadgroup attends them all in the finish's body)
+EXACT_IN_SPLITS = True
 SMEM_PER_SM = 233472  # bytes of shared memory an H200 SM gives its threadgroups (228 KiB)
 
 _HEADER = r"""
@@ -465,6 +468,11 @@ _POST = r"""  LC_CP_WAIT0();
 #undef LC_TAB
   LC_BARRIER();
   const int64_t so = (int64_t)bh * S + split;
+"""
+
+# The partials' kernel writes the split's state as it is; the whole step's first adds its share
+# of the exact tokens (`_EXACT_SPLIT`)
+_WRITE = r"""
   for (int i = tid; i < R * P; i += NT) {
     const int r = i / P;
     const int d = i - r * P;
@@ -486,10 +494,138 @@ _POST = r"""  LC_CP_WAIT0();
 """
 
 
-def _source() -> str:
-    """The body: the main loop once per staging variant, chosen by `vec` at run time."""
+# The whole step's write: this split's share of the exact tokens (sink, then window; centered, in
+# the original frame) joins its state, so that the exact tokens are spread over every split of
+# the head and attended while the others' blocks stream (the last threadgroup's tail only merges).
+# Split s takes exact keys s * per .. (s + 1) * per - 1 of the E, per = ceil(E / S), in rounds
+# of XK: warp w scores keys w, w + NWP, ... of a round (its lanes split the dims: whole-row
+# loads, one warp sum per row) and turns their values into the value codec's frame
+# (R_v v = H (signs v) / sqrt(P): the butterfly's low five stages across lanes, the rest within
+# a lane's dims lane + 32 i); thread d then folds the round into its dim's accumulators.
+_EXACT_SPLIT = r"""
+  static_assert(P == NT, "the exact tokens' fold runs one thread per dim");
+  constexpr int DL = P / 32;
+  constexpr int XK = 32;
+  static_assert(NWP * 8 * P + XK * (P + R) <= TAB + NWP * NST * STG, "a round fits the stages");
+  float* xv = red + NWP * 8 * P;  // a round's rotated values [key][P]
+  float* xs = xv + XK * P;        // and its scores [key][R] (base 2)
+  const int ns = HAS_SINK ? sink_k_shape[2] : 0;
+  const int E = ns + (HAS_WIN ? win_n[0] : 0);  // the window's valid slots (buffers may be longer)
+  const int per = (E + S - 1) / S;
+  const int e0 = LC_MIN_I(split * per, E);
+  const int e1 = LC_MIN_I(e0 + per, E);
+  float me[R], le[R], ae[R];
+  LC_UNROLL for (int r = 0; r < R; ++r) {
+    me[r] = -LC_INF;
+    le[r] = 0.0f;
+    ae[r] = 0.0f;
+  }
+  if (e0 < e1) {
+    float qr[R][DL];
+    float sv[DL];
+    LC_UNROLL for (int r = 0; r < R; ++r) {
+      LC_UNROLL for (int i = 0; i < DL; ++i)
+        qr[r][i] = LC_TOF(q[qo + r * q_strides[2] + (lane + 32 * i) * q_strides[3]]) * scales[0];
+    }
+    LC_UNROLL for (int i = 0; i < DL; ++i) sv[i] = signs[lane + 32 * i] * scales[1];
+    const int64_t sko = bb * sink_k_strides[0] + hh * sink_k_strides[1];
+    const int64_t svo = bb * sink_v_strides[0] + hh * sink_v_strides[1];
+    const int64_t wko = bb * win_k_strides[0] + hh * win_k_strides[1];
+    const int64_t wvo = bb * win_v_strides[0] + hh * win_v_strides[1];
+    for (int x0 = e0; x0 < e1; x0 += XK) {
+      const int nk = LC_MIN_I(XK, e1 - x0);
+      for (int j = warp; j < nk; j += NWP) {  // warp-uniform
+        const int e = x0 + j;
+        float kv[DL], vv[DL];
+        if (e < ns) {
+          LC_UNROLL for (int i = 0; i < DL; ++i) {
+            const int64_t o = (int64_t)e * sink_k_strides[2] + (lane + 32 * i) * sink_k_strides[3];
+            kv[i] = LC_TOF(sink_k[sko + o]);
+            vv[i] = LC_TOF(sink_v[svo + (int64_t)e * sink_v_strides[2]
+                                  + (lane + 32 * i) * sink_v_strides[3]]);
+          }
+        } else {
+          const int w = e - ns;
+          LC_UNROLL for (int i = 0; i < DL; ++i) {
+            kv[i] = LC_TOF(win_k[wko + (int64_t)w * win_k_strides[2]
+                                 + (lane + 32 * i) * win_k_strides[3]]);
+            vv[i] = LC_TOF(win_v[wvo + (int64_t)w * win_v_strides[2]
+                                 + (lane + 32 * i) * win_v_strides[3]]);
+          }
+        }
+        LC_UNROLL for (int r = 0; r < R; ++r) {
+          float part = 0.0f;
+          LC_UNROLL for (int i = 0; i < DL; ++i) part += qr[r][i] * kv[i];
+          const float sr = lc_simd_sum(part);
+          if (lane == 0) xs[j * R + r] = sr;
+        }
+        LC_UNROLL for (int i = 0; i < DL; ++i) vv[i] *= sv[i];
+        LC_UNROLL for (int h = 1; h < 32; h <<= 1) {
+          const bool upper = (lane & h) != 0;
+          LC_UNROLL for (int i = 0; i < DL; ++i) {
+            const float o = lc_shfl_xor(vv[i], h);
+            vv[i] = upper ? o - vv[i] : vv[i] + o;
+          }
+        }
+        LC_UNROLL for (int h = 1; h < DL; h <<= 1) {
+          LC_UNROLL for (int i = 0; i < DL; ++i) {
+            if ((i & h) == 0) {
+              const float a = vv[i];
+              const float b = vv[i + h];
+              vv[i] = a + b;
+              vv[i + h] = a - b;
+            }
+          }
+        }
+        LC_UNROLL for (int i = 0; i < DL; ++i) xv[j * P + lane + 32 * i] = vv[i];
+      }
+      LC_BARRIER();
+      LC_UNROLL for (int r = 0; r < R; ++r) {
+        float tm = -LC_INF;
+        for (int j = 0; j < nk; ++j) tm = LC_MAX(tm, xs[j * R + r]);
+        const float mn = LC_MAX(me[r], tm);  // finite: the round has a key
+        const float alpha = lc_ex2(me[r] - mn);
+        float a = 0.0f, l = 0.0f;
+        for (int j = 0; j < nk; ++j) {
+          const float p = lc_ex2(xs[j * R + r] - mn);
+          a += p * xv[j * P + tid];
+          l += p;
+        }
+        ae[r] = ae[r] * alpha + a;
+        le[r] = le[r] * alpha + l;
+        me[r] = mn;
+      }
+      LC_BARRIER();  // the next round rewrites xv and xs
+    }
+  }
+  // the split's state: its compressed keys' (the warps merged) with its exact keys'
+  LC_UNROLL for (int r = 0; r < R; ++r) {
+    float M = -LC_INF;
+    LC_UNROLL for (int w = 0; w < NWP; ++w) M = LC_MAX(M, mlb[w * 8 + r]);
+    float a = 0.0f;
+    LC_UNROLL for (int w = 0; w < NWP; ++w) a += red[(w * 8 + r) * P + tid];
+    const float Mt = LC_MAX(M, me[r]);
+    const float fc = M == -LC_INF ? 0.0f : LC_EXP2(M - Mt);
+    const float fe = me[r] == -LC_INF ? 0.0f : LC_EXP2(me[r] - Mt);
+    acc_out[so * (R * P) + r * P + tid] = a * fc + ae[r] * fe;
+    if (tid == 0) {
+      float l = 0.0f;
+      LC_UNROLL for (int w = 0; w < NWP; ++w) {
+        const float mw = mlb[w * 8 + r];
+        if (mw != -LC_INF) l += mlb[NWP * 8 + w * 8 + r] * LC_EXP2(mw - M);
+      }
+      m_out[so * R + r] = Mt == -LC_INF ? -LC_INF : Mt * 0.6931471805599453f;  // natural log
+      l_out[so * R + r] = l * fc + le[r] * fe;
+    }
+  }
+"""
+
+def _source(write: str) -> str:
+    """The body: the main loop once per staging variant, chosen by `vec` at run time, then
+    `write` (the split's state to its outputs)."""
     return (_PRE + "  if (vec) {\n" + _LOOP.replace("LC_VEC_PATH", "true")
-            + "  } else {\n" + _LOOP.replace("LC_VEC_PATH", "false") + "  }\n" + _POST)
+            + "  } else {\n" + _LOOP.replace("LC_VEC_PATH", "false") + "  }\n" + _POST
+            + write)
 
 
 _SPEC = KernelSpec(
@@ -498,7 +634,7 @@ _SPEC = KernelSpec(
     outputs=("m_out", "l_out", "acc_out"),
     row_contiguous=False,
     header=_HEADER,
-    source=_source(),
+    source=_source(_WRITE),
 )
 
 _SPECS: dict = {}
@@ -631,6 +767,7 @@ _TAIL = r"""
   LC_FENCE();
   {
     static_assert(P == NT, "the finish's body runs one thread per dim");
+    constexpr bool FIN_EXACT = false;  // the exact tokens are in the splits' states
     static_assert(3 * R * P + (P / 32 + 2) * R <= TAB, "the finish's arrays fit the table's space");
     constexpr int NW = P / 32;
     constexpr int RA = R;
@@ -660,8 +797,11 @@ _STEP_SPEC = KernelSpec(
     outputs=_SPEC.outputs + ("out", "counter_out"),
     row_contiguous=False,
     header=_HEADER,
-    source=_SPEC.source + _TAIL + df.BODY + "  }\n",
+    source=_source(_EXACT_SPLIT) + _TAIL + df.MERGE + df.NO_EXACT + df.END + "  }\n",
 )
+# the exact tokens in the tail (`EXACT_IN_SPLITS` False)
+_STEP_TAIL_SOURCE = (_source(_WRITE) + _TAIL.replace("FIN_EXACT = false", "FIN_EXACT = true")
+                     + df.BODY + "  }\n")
 
 _COUNTERS: dict = {}  # B * H -> the count array the next whole-step launch takes
 
@@ -689,11 +829,12 @@ def keep_counter(n: int, c: mx.array) -> None:
 
 
 def _step_spec(p: int) -> KernelSpec:
-    key = ("step", p, WARPS, STAGES)
+    key = ("step", p, WARPS, STAGES, EXACT_IN_SPLITS)
     if key not in _SPECS:
         base = _spec(p)
+        source = _STEP_SPEC.source if EXACT_IN_SPLITS else _STEP_TAIL_SOURCE
         _SPECS[key] = dataclasses.replace(_STEP_SPEC, shared_memory=base.shared_memory,
-                                          header=base.header)
+                                          header=base.header, source=source)
     return _SPECS[key]
 
 
@@ -741,7 +882,8 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
     template = [("P", P), ("R", R), ("NT", nt), ("NST", STAGES), ("BLK", BLOCK),
                 ("SC", 2 if P == 256 else 1), ("QT", queries.dtype),
                 ("HAS_SINK", int(sink is not None)), ("HAS_WIN", int(window is not None)),
-                ("OT", out_dtype), ("ST", sk.dtype), ("WT", wk.dtype)]
+                ("OT", out_dtype), ("ST", sk.dtype), ("WT", wk.dtype),
+                ("XS", int(EXACT_IN_SPLITS))]  # (the two sources: one name, other templates)
     n = B * H * n_split
     outs = run(_step_spec(P), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1),
                                      [(B * H, n_split, R), (B * H, n_split, R),

@@ -59,6 +59,7 @@ ROWS_PER_GROUP = 1
 # there in its dynamic shared memory, the partials its own outputs)
 _DECLS = r"""
   constexpr int NW = P / 32;
+  constexpr bool FIN_EXACT = true;  // this launch attends the exact tokens (step 3)
   LC_SHARED float buf[R * P];   // the compressed part's acc (rotated, then original frame)
   LC_SHARED float qs[R * P];    // q * scale * log2(e)
   LC_SHARED float wts[P * R];   // a tile's weights [key][row]
@@ -74,7 +75,10 @@ _ROWS = r"""
   const int d = (int)lc_tid;
 """
 
-BODY = r"""
+# the parts of the body: 1-2, the split merge and the rotation back; 3, the exact tokens; 4, the
+# states merged and written (`decode_attend_mma`'s whole step folds the exact tokens into its
+# splits and runs 1-2 and 4 only, after `NO_EXACT`)
+MERGE = r"""
   const int H = q_shape[1];
   const int hh = n % H;
   const int bb = n / H;
@@ -166,9 +170,11 @@ BODY = r"""
       mlc[r] = mx_r[r] * 1.4426950408889634f;  // -inf stays -inf
       mlc[R + r] = l_sum;
     }
-    const int64_t qo =
-        bb * q_strides[0] + hh * q_strides[1] + (r0 + r) * q_strides[2] + d * q_strides[3];
-    qs[r * P + d] = LC_TOF(q[qo]) * qscale;
+    if (FIN_EXACT) {  // the exact tokens' queries (the whole step has none to attend here)
+      const int64_t qo =
+          bb * q_strides[0] + hh * q_strides[1] + (r0 + r) * q_strides[2] + d * q_strides[3];
+      qs[r * P + d] = LC_TOF(q[qo]) * qscale;
+    }
   }
   LC_BARRIER();
 
@@ -189,6 +195,9 @@ BODY = r"""
   float acc_c[R];
   LC_UNROLL for (int r = 0; r < R; ++r) acc_c[r] = buf[r * P + d] * sg;
 
+"""
+
+EXACT = r"""
   // 3. The exact tokens (sink, then window), base-2 online softmax over tiles of P keys.
   const int ns = HAS_SINK ? sink_k_shape[2] : 0;
   const int nw = HAS_WIN ? win_n[0] : 0;  // the window's valid slots (its buffers may be longer)
@@ -259,6 +268,9 @@ BODY = r"""
     LC_BARRIER();  // wts and red are rewritten by the next tile
   }
 
+"""
+
+END = r"""
   // 4. Both states merged (each thread's l_e covers its own keys: summed over the threadgroup).
   LC_UNROLL for (int r = 0; r < R; ++r) {
     const float ls = lc_simd_sum(l_e[r]);
@@ -279,6 +291,20 @@ BODY = r"""
         static_cast<OT>((acc_c[r] * c1 + acc_e[r] * c2) / LC_MAX(den, 1e-30f) + mean_d);
   }
 """
+
+# step 3 when the exact tokens are already in the splits' states: an empty state
+NO_EXACT = r"""
+  float m_e[R];
+  float l_e[R];
+  float acc_e[R];
+  LC_UNROLL for (int r = 0; r < R; ++r) {
+    m_e[r] = -LC_INF;
+    l_e[r] = 0.0f;
+    acc_e[r] = 0.0f;
+  }
+"""
+
+BODY = MERGE + EXACT + END
 
 _SPEC = KernelSpec(
     name="lc_decode_finish",

@@ -376,13 +376,17 @@ WHOLE_CASES = [  # B, H, R, P, L, n_sink, n_win (of a 2x longer buffer), q dtype
     (2, 1, 8, 128, 300, 0, 0, "float16", None, 4),  # GQA 8, no exact tokens
     (1, 3, 1, 128, 77, 1, 0, "bfloat16", None, 4),  # fewer keys than one split's tile
     (1, 1, 5, 256, 1500, 0, 40, "float32", None, 8),  # P = 256 at 8 warps
+    # an answer's long window over few splits: each split's exact keys take several rounds
+    (1, 2, 4, 128, 300, 3, 150, "float16", 1, 4),
 ]
 
 
+@pytest.mark.parametrize("in_splits", [True, False], ids=["exact-in-splits", "exact-in-tail"])
 @pytest.mark.parametrize("case", WHOLE_CASES, ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}-{c[7]}")
-def test_decode_step_mma_whole(monkeypatch, case):
+def test_decode_step_mma_whole(monkeypatch, case, in_splits):
     """The whole-step variant (the tensor-core kernel whose last threadgroup per KV head runs
-    the finish) equals its reference, the partials' reference then the finish's, within fp16
+    the finish; the exact tokens folded into the splits' states, or attended by that last
+    threadgroup) equals its reference, the partials' reference then the finish's, within fp16
     rounding; its count output is zeros, which the next launch takes, and that launch gives the
     same output (threadgroups in another order: the emulator shuffles them per grid size)."""
     from longctx.kernels import decode_finish as dfin
@@ -392,6 +396,7 @@ def test_decode_step_mma_whole(monkeypatch, case):
     if sm:
         monkeypatch.setattr(da, "SM_COUNT", sm)
     monkeypatch.setattr(dm, "WARPS", warps)
+    monkeypatch.setattr(dm, "EXACT_IN_SPLITS", in_splits)
     q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + R)
     q = q.astype(getattr(mx, qdt))
     rng = np.random.default_rng(L)
