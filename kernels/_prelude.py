@@ -8,6 +8,8 @@ A kernel body uses only these names (plus plain C++ arithmetic, `uint32_t`, `int
                 LC_BARRIER()              (threadgroup_barrier / __syncthreads)
     simd/warp   lc_simd_sum(x), lc_simd_max(x)          float, result identical in all 32 lanes
                 lc_simd_ballot(pred, lc_lane)           uint32_t, bit i = pred of lane i
+                lc_simd_xor(x, m)                       float, lane l gets lane (l ^ m)'s x
+                                                        (m < 32; every lane must take part)
     numbers     LC_INF, LC_H2F(h) / LC_F2H(f) (fp16 load/store, round to nearest even),
                 LC_TOF(x) (any float input, float32/float16/bfloat16, as float),
                 LC_EXP(x), LC_EXP2(x), LC_SQRT(x), LC_MAX(a, b), LC_MIN(a, b)
@@ -89,6 +91,7 @@ LC_FN float lc_simd_max(float x) {
   return x;
 }
 LC_FN uint32_t lc_simd_ballot(bool p, uint32_t lane) { return __ballot_sync(0xffffffffu, p); }
+LC_FN float lc_simd_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 """
 
 CUDA_IDS = r"""
@@ -133,6 +136,7 @@ inline uint4 lc_ld_u4(const constant uint32_t* p, int64_t off) {
 inline float lc_simd_sum(float x) { return simd_sum(x); }
 inline float lc_simd_max(float x) { return simd_max(x); }
 inline uint32_t lc_simd_ballot(bool p, uint32_t lane) { return simd_or(p ? (1u << lane) : 0u); }
+inline float lc_simd_xor(float x, int m) { return simd_shuffle_xor(x, (ushort)m); }
 """
 
 METAL_IDS = r"""

@@ -132,11 +132,19 @@ LC_FN float lc_ex2(float x) {
 }
 #define LC_MIN_I(a, b) min((a), (b))
 LC_FN float lc_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
-// the whole-step variant's count of finished threadgroups per KV head (an input it updates)
-#define LC_FENCE() __threadfence()
-LC_FN int lc_atomic_add(const int32_t* p, int v) {
-  return atomicAdd(reinterpret_cast<int*>(const_cast<int32_t*>(p)), v);
+// the whole-step variant's count of finished threadgroups per KV head (an input it updates).
+// A threadgroup's arrival (one thread, after a barrier) releases its threads' partials, and the
+// last one's acquire makes every split's visible to it (CUTLASS's semaphore: a gpu-scope
+// acq_rel fence and a relaxed atomic, where a fence.sc by every thread also invalidated L1);
+// the partials are then read from L2 (ld.global.cg: no line an earlier launch left in L1).
+LC_FN int lc_arrive(const int32_t* p) {
+  int old;
+  asm volatile("fence.acq_rel.gpu;\n\tatom.relaxed.gpu.global.add.s32 %0, [%1], 1;\n"
+               : "=r"(old) : "l"(p) : "memory");
+  return old;
 }
+#define LC_ACQUIRE() asm volatile("fence.acq_rel.gpu;\n" ::: "memory")
+#define LC_LDCG(p) __ldcg(p)
 LC_FN void lc_atomic_zero(const int32_t* p) {
   atomicExch(reinterpret_cast<int*>(const_cast<int32_t*>(p)), 0);
 }
@@ -738,10 +746,11 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale):
 
 # The whole decode step in one launch: the partials above, then the last threadgroup of each KV
 # head to finish runs `decode_finish`'s body over the head's splits (the split merge, the
-# rotation back, the exact tokens, the value mean). A count per head says which is last: every
-# threadgroup makes its partials visible device-wide (fence) and adds one; the one that reads
-# S - 1 zeroes the count for the next launch and, after a second fence, reads the partials of
-# all the head's splits from the outputs they were written to (volatile: past L1). The count is
+# rotation back, the value mean; the exact tokens are in the splits' states, `_EXACT_SPLIT`,
+# unless EXACT_IN_SPLITS is off). A count per head says which is last: every threadgroup,
+# after a barrier, adds one with a release (`lc_arrive`); the one that reads S - 1 zeroes the
+# count for the next launch and, after an acquire, reads the partials of all the head's splits
+# from the outputs they were written to (from L2: `LC_LDCG`). The count is
 # an input the kernel updates and also an output of zeros (`counter_out`): the caller passes
 # each launch's output to the next launch, so MLX orders any two launches that share counts
 # (its CUDA graph orders kernels by the buffers they read and write, not by issue order).
@@ -749,12 +758,12 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale):
 # body wants one thread per dim: P = NT (128 at 4 warps).
 _TAIL = r"""
   LC_SHARED int lc_last[1];
-  LC_FENCE();
-  LC_BARRIER();
+  LC_BARRIER();  // every thread's partials are written (the arrival below releases them)
   if (tid == 0) {
-    const int seen = lc_atomic_add(counter + bh, 1);
+    const int seen = lc_arrive(counter + bh);
     lc_last[0] = seen == S - 1 ? 1 : 0;
     if (seen == S - 1) {
+      LC_ACQUIRE();  // the other splits' partials (the barrier below passes it on)
       lc_atomic_zero(counter + bh);
       counter_out[bh] = 0;
       if (bh == 0) {
@@ -764,7 +773,6 @@ _TAIL = r"""
   }
   LC_BARRIER();
   if (lc_last[0] == 0) return;
-  LC_FENCE();
   {
     static_assert(P == NT, "the finish's body runs one thread per dim");
     constexpr bool FIN_EXACT = false;  // the exact tokens are in the splits' states
@@ -776,9 +784,10 @@ _TAIL = r"""
     float* wts = qs + R * P;
     float* red = wts + P * R;
     float* mlc = red + NW * R;
-    const volatile float* m_p = m_out;
-    const volatile float* l_p = l_out;
-    const volatile float* acc_p = acc_out;
+#define LC_PART(p, i) LC_LDCG((p) + (i))
+    const float* m_p = m_out;
+    const float* l_p = l_out;
+    const float* acc_p = acc_out;
     const int64_t m_p_strides[3] = {(int64_t)S * R, R, 1};
     const int64_t l_p_strides[3] = {(int64_t)S * R, R, 1};
     const int64_t acc_p_strides[4] = {(int64_t)S * R * P, (int64_t)R * P, P, 1};

@@ -60,6 +60,7 @@ ROWS_PER_GROUP = 1
 _DECLS = r"""
   constexpr int NW = P / 32;
   constexpr bool FIN_EXACT = true;  // this launch attends the exact tokens (step 3)
+#define LC_PART(p, i) ((p)[i])
   LC_SHARED float buf[R * P];   // the compressed part's acc (rotated, then original frame)
   LC_SHARED float qs[R * P];    // q * scale * log2(e)
   LC_SHARED float wts[P * R];   // a tile's weights [key][row]
@@ -93,17 +94,29 @@ MERGE = r"""
   const int64_t mo = m_p_strides[0] * n;
   const int64_t lpo = l_p_strides[0] * n;
   const int64_t ao = acc_p_strides[0] * n;
+  // NB splits' acc loads are issued together (NB x R independent loads per thread, ~64): the
+  // merge is a few memory round trips, not one per split (this launch is a few threadgroups a
+  // KV head, all the GPU runs meanwhile, so latency is its whole cost). The first NB splits'
+  // are requested with the m and l loads, before the maxima are known. (LC_PART: how the
+  // partials are read; the whole step reads them from L2.)
+  constexpr int NB = R >= 64 ? 1 : 64 / R;
+  float v[NB][R];
+  LC_UNROLL for (int b = 0; b < NB; ++b) {
+    const int64_t so = ao + (int64_t)b * acc_p_strides[1] + d * acc_p_strides[3];
+    LC_UNROLL for (int r = 0; r < R; ++r)
+      v[b][r] = b < S ? LC_PART(acc_p, so + (r0 + r) * acc_p_strides[2]) : 0.0f;
+  }
   float mx_r[R];
   float m0[R];  // split d's m and l, kept for the weights (the first block of P splits)
   float l0[R];
   LC_UNROLL for (int r = 0; r < R; ++r) {
-    m0[r] = d < S ? m_p[mo + d * m_p_strides[1] + (r0 + r) * m_p_strides[2]] : -LC_INF;
-    l0[r] = d < S ? l_p[lpo + d * l_p_strides[1] + (r0 + r) * l_p_strides[2]] : 0.0f;
+    m0[r] = d < S ? LC_PART(m_p, mo + d * m_p_strides[1] + (r0 + r) * m_p_strides[2]) : -LC_INF;
+    l0[r] = d < S ? LC_PART(l_p, lpo + d * l_p_strides[1] + (r0 + r) * l_p_strides[2]) : 0.0f;
     mx_r[r] = m0[r];
   }
   for (int s = d + P; s < S; s += P) {
     LC_UNROLL for (int r = 0; r < R; ++r)
-      mx_r[r] = LC_MAX(mx_r[r], m_p[mo + s * m_p_strides[1] + (r0 + r) * m_p_strides[2]]);
+      mx_r[r] = LC_MAX(mx_r[r], LC_PART(m_p, mo + s * m_p_strides[1] + (r0 + r) * m_p_strides[2]));
   }
   LC_UNROLL for (int r = 0; r < R; ++r) {
     const float tm = lc_simd_max(mx_r[r]);
@@ -122,19 +135,15 @@ MERGE = r"""
     a[r] = 0.0f;
     lt[r] = 0.0f;
   }
-  // NB splits' acc loads are issued together (NB x R independent loads per thread, ~64): the
-  // merge is a few memory round trips, not one per split (this launch is a few threadgroups a
-  // KV head, all the GPU runs meanwhile, so latency is its whole cost)
-  constexpr int NB = R >= 64 ? 1 : 64 / R;
   for (int s0 = 0; s0 < S; s0 += P) {
     const int s = s0 + d;
     if (s < S) {
       LC_UNROLL for (int r = 0; r < R; ++r) {
         const float Mu = mx_r[r] == -LC_INF ? 0.0f : mx_r[r];
-        const float ms =
-            s0 == 0 ? m0[r] : m_p[mo + s * m_p_strides[1] + (r0 + r) * m_p_strides[2]];
-        const float ls =
-            s0 == 0 ? l0[r] : l_p[lpo + s * l_p_strides[1] + (r0 + r) * l_p_strides[2]];
+        const int64_t mi = mo + s * m_p_strides[1] + (r0 + r) * m_p_strides[2];
+        const int64_t li = lpo + s * l_p_strides[1] + (r0 + r) * l_p_strides[2];
+        const float ms = s0 == 0 ? m0[r] : LC_PART(m_p, mi);
+        const float ls = s0 == 0 ? l0[r] : LC_PART(l_p, li);
         const float w = LC_EXP(ms - Mu);
         wts[d * R + r] = w;
         lt[r] += ls * w;
@@ -143,11 +152,13 @@ MERGE = r"""
     LC_BARRIER();
     const int ns_ = S - s0 < P ? S - s0 : P;
     for (int k = 0; k < ns_; k += NB) {
-      float v[NB][R];
-      LC_UNROLL for (int b = 0; b < NB; ++b) {
-        const int64_t so = ao + (int64_t)(s0 + k + b) * acc_p_strides[1] + d * acc_p_strides[3];
-        LC_UNROLL for (int r = 0; r < R; ++r)
-          v[b][r] = k + b < ns_ ? acc_p[so + (r0 + r) * acc_p_strides[2]] : 0.0f;
+      if (s0 + k > 0) {  // (the first NB splits' are in v already)
+        LC_UNROLL for (int b = 0; b < NB; ++b) {
+          const int64_t so =
+              ao + (int64_t)(s0 + k + b) * acc_p_strides[1] + d * acc_p_strides[3];
+          LC_UNROLL for (int r = 0; r < R; ++r)
+            v[b][r] = k + b < ns_ ? LC_PART(acc_p, so + (r0 + r) * acc_p_strides[2]) : 0.0f;
+        }
       }
       LC_UNROLL for (int b = 0; b < NB; ++b) {
         if (k + b < ns_) {
@@ -161,7 +172,19 @@ MERGE = r"""
     const float ls = lc_simd_sum(lt[r]);
     if (lc_lane == 0u) red[(int)lc_warp * R + r] = ls;
   }
-  LC_BARRIER();
+
+  // 2. Back from the value codec's rotated frame: H (symmetric) then the signs. The butterfly's
+  // stages between dims of one warp (d ^ h, h < 32) are lane exchanges; the others go through
+  // buf (two barriers each, P / 32 - 1 of them).
+  constexpr int HL = P < 32 ? P : 32;
+  LC_UNROLL for (int h = 1; h < HL; h <<= 1) {
+    const bool upper = (d & h) != 0;
+    LC_UNROLL for (int r = 0; r < R; ++r) {
+      const float o = lc_simd_xor(a[r], h);
+      a[r] = upper ? o - a[r] : a[r] + o;
+    }
+  }
+  LC_BARRIER();  // red's l sums are written
   LC_UNROLL for (int r = 0; r < R; ++r) {
     buf[r * P + d] = a[r];
     if (d == 0) {
@@ -177,23 +200,23 @@ MERGE = r"""
     }
   }
   LC_BARRIER();
-
-  // 2. Back from the value codec's rotated frame: H (symmetric) then the signs.
-  LC_UNROLL for (int h = 1; h < P; h <<= 1) {
-    float nv[R];
+  LC_UNROLL for (int h = HL; h < P; h <<= 1) {
     const bool upper = (d & h) != 0;
+    float nv[R];
     LC_UNROLL for (int r = 0; r < R; ++r) {
-      const float a = buf[r * P + d];
-      const float b = buf[r * P + (d ^ h)];
-      nv[r] = upper ? (b - a) : (a + b);
+      const float o = buf[r * P + (d ^ h)];
+      nv[r] = upper ? o - a[r] : a[r] + o;
     }
-    LC_BARRIER();
-    LC_UNROLL for (int r = 0; r < R; ++r) buf[r * P + d] = nv[r];
-    LC_BARRIER();
+    LC_UNROLL for (int r = 0; r < R; ++r) a[r] = nv[r];
+    if (2 * h < P) {
+      LC_BARRIER();
+      LC_UNROLL for (int r = 0; r < R; ++r) buf[r * P + d] = a[r];
+      LC_BARRIER();
+    }
   }
   const float sg = signs[d] * hs;
   float acc_c[R];
-  LC_UNROLL for (int r = 0; r < R; ++r) acc_c[r] = buf[r * P + d] * sg;
+  LC_UNROLL for (int r = 0; r < R; ++r) acc_c[r] = a[r] * sg;
 
 """
 
