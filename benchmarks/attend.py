@@ -166,20 +166,30 @@ KNOBS = {"fused_tq4_portable": {"ENABLED": False},  # the portable kernel, then 
          # (step_timeline's answer rows) the whole step with the exact tokens in its last
          # threadgroups' tail, not spread over the splits; and in two launches
          "answer_tq4_tail_exact": {"EXACT_IN_SPLITS": False},
-         "answer_tq4_two_launch": {"FUSE_FINISH": False}}
+         "answer_tq4_two_launch": {"FUSE_FINISH": False},
+         # the finish scoring the exact tokens a thread per key (its default: a warp per key)
+         "answer_tq4_two_launch_thread_keys": {"FUSE_FINISH": False,
+                                               "decode_finish.SCORE_BY_WARP": False}}
 
 
 @contextlib.contextmanager
 def tunables(values: dict):
-    """`decode_attend_mma`'s tunables set to `values` (name -> value) for the block."""
-    saved = {k: getattr(dm, k) for k in values}
+    """`decode_attend_mma`'s tunables (or another kernel module's, "module.NAME") set to
+    `values` (name -> value) for the block."""
+    from longctx import kernels
+
+    def where(name):
+        mod, _, attr = name.rpartition(".")
+        return (getattr(kernels, mod) if mod else dm), attr
+
+    saved = {k: getattr(*where(k)) for k in values}
     for k, v in values.items():
-        setattr(dm, k, v)
+        setattr(*where(k), v)
     try:
         yield
     finally:
         for k, v in saved.items():
-            setattr(dm, k, v)
+            setattr(*where(k), v)
 
 
 def knobs(method: str):

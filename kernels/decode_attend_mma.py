@@ -892,7 +892,8 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
                 ("SC", 2 if P == 256 else 1), ("QT", queries.dtype),
                 ("HAS_SINK", int(sink is not None)), ("HAS_WIN", int(window is not None)),
                 ("OT", out_dtype), ("ST", sk.dtype), ("WT", wk.dtype),
-                ("XS", int(EXACT_IN_SPLITS))]  # (the two sources: one name, other templates)
+                ("XS", int(EXACT_IN_SPLITS)),  # (the two sources: one name, other templates)
+                ("SW", int(df.SCORE_BY_WARP))]  # (the tail's exact tokens, XS = 0)
     n = B * H * n_split
     outs = run(_step_spec(P), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1),
                                      [(B * H, n_split, R), (B * H, n_split, R),

@@ -53,6 +53,9 @@ MAX_ROW_DIMS = 2048  # rows x P: 3 x 2048 floats = 24 KiB of threadgroup memory
 # threadgroups, and memory latency is its cost (8 threadgroups at one token of Llama-3.1-8B:
 # 10.6-12.6 us on the H200 whatever the length)
 ROWS_PER_GROUP = 1
+# the exact tokens' scores a warp per key (whole-row loads, a warp sum per row); False: a thread
+# per key, walking its row
+SCORE_BY_WARP = True
 
 # The kernel in three parts: its threadgroup arrays, which rows a threadgroup takes, and the body,
 # which `decode_attend_mma`'s whole-step variant runs as its last threadgroup's tail (arrays
@@ -237,12 +240,50 @@ EXACT = r"""
     l_e[r] = 0.0f;
     acc_e[r] = 0.0f;
   }
+  // Scores, SW (`SCORE_BY_WARP`): warp w takes the tile's keys w, w + NW, ...; its lanes split
+  // the dims (lane + 32 j), so a warp reads each key row with whole-row loads, and a warp sum
+  // gives the key's score per row, passed through `wts` to thread d = the key's index in the
+  // tile (q's dims for this lane in registers where they are few, R * P / 32 <= 32). Else
+  // thread d walks key d's row, 8 dims' loads in flight (each warp load then touches 32 rows).
+  constexpr int DL = P / 32;
+  constexpr bool QREG = SW && R * DL <= 32;
+  float ql[QREG ? R : 1][QREG ? DL : 1];
+  if (QREG) {
+    LC_UNROLL for (int r = 0; r < (QREG ? R : 1); ++r) {
+      LC_UNROLL for (int j = 0; j < (QREG ? DL : 1); ++j)
+        ql[r][j] = qs[r * P + (int)lc_lane + 32 * j];
+    }
+  }
   for (int t0 = 0; t0 < E; t0 += P) {
     const int key = t0 + d;
     float s[R];
     LC_UNROLL for (int r = 0; r < R; ++r) s[r] = 0.0f;
-    // (8 dims' loads in flight: a thread walks its key's row)
-    if (key < ns) {
+    if (SW) {
+      const int nkt = E - t0 < P ? E - t0 : P;
+      LC_UNROLL_N(2) for (int kk = (int)lc_warp; kk < nkt; kk += NW) {  // warp-uniform
+        const int k = t0 + kk;
+        float kv[DL];
+        if (k < ns) {
+          LC_UNROLL for (int j = 0; j < DL; ++j)
+            kv[j] = LC_TOF(sink_k[sko + k * sink_k_strides[2]
+                                  + ((int)lc_lane + 32 * j) * sink_k_strides[3]]);
+        } else {
+          LC_UNROLL for (int j = 0; j < DL; ++j)
+            kv[j] = LC_TOF(win_k[wko + (k - ns) * win_k_strides[2]
+                                 + ((int)lc_lane + 32 * j) * win_k_strides[3]]);
+        }
+        LC_UNROLL for (int r = 0; r < R; ++r) {
+          float part = 0.0f;
+          LC_UNROLL for (int j = 0; j < DL; ++j)
+            part += (QREG ? ql[QREG ? r : 0][QREG ? j : 0] : qs[r * P + (int)lc_lane + 32 * j])
+                    * kv[j];
+          const float sr = lc_simd_sum(part);
+          if (lc_lane == 0u) wts[kk * R + r] = sr;
+        }
+      }
+      LC_BARRIER();
+      LC_UNROLL for (int r = 0; r < R; ++r) s[r] = key < E ? wts[d * R + r] : 0.0f;
+    } else if (key < ns) {
       LC_UNROLL_N(8) for (int i = 0; i < P; ++i) {
         const float kv = LC_TOF(sink_k[sko + key * sink_k_strides[2] + i * sink_k_strides[3]]);
         LC_UNROLL for (int r = 0; r < R; ++r) s[r] += qs[r * P + i] * kv;
@@ -436,7 +477,8 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
                 ("HAS_WIN", int(window is not None)), ("OT", out_dtype),
                 # input dtypes: MLX versions that key compiled modules by name and template
                 # values only must not share one module between dtypes
-                ("QT", q.dtype), ("ST", sk.dtype), ("WT", wk.dtype)]
+                ("QT", q.dtype), ("ST", sk.dtype), ("WT", wk.dtype),
+                ("SW", int(SCORE_BY_WARP))]
     return run(_SPEC, Launch(inputs, template, (B * H * (R // rt) * P, 1, 1), (P, 1, 1),
                              [(B, H, R, P)], [out_dtype]), reference=reference)[0]
 

@@ -287,11 +287,15 @@ def test_decode_step(monkeypatch, case, kernel):
                                                 (66, 4, 128, 0, 0), (67, 16, 128, 1, 3),
                                                 (300, 3, 32, 0, 40), (129, 1, 128, 1, 0),
                                                 (50, 2, 32, 40, 30)])  # a sink over two tiles
-def test_decode_finish_merges_many_splits(emulated, S, R, P, n_sink, n_win):
+@pytest.mark.parametrize("by_warp", [True, False], ids=["warp-per-key", "thread-per-key"])
+def test_decode_finish_merges_many_splits(emulated, monkeypatch, S, R, P, n_sink, n_win,
+                                          by_warp):
     """The finish kernel's split merge over more splits than threads (blocks of P splits), with
     empty splits (m = -inf, l = 0, acc = 0) among them and a row whose splits are all empty,
-    equals its MLX reference."""
+    equals its MLX reference; the exact tokens scored a warp per key or a thread per key."""
     from longctx.kernels import decode_finish as dfin
+
+    monkeypatch.setattr(dfin, "SCORE_BY_WARP", by_warp)
 
     rng = np.random.default_rng(S + R + P)
     N, H = 2, 2
