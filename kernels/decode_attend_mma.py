@@ -44,6 +44,16 @@ only when a maximum moved (warp vote), P' through 256 bytes of shared memory int
 layout, the PV MMAs. At the end the 4 warps' states are merged in shared memory (the pair table's
 space) and the split's (m, l, acc) written, m in natural-log units as `decode_attend` writes it.
 
+The whole step in one launch (`decode_step_mma`): each split also takes its share of the exact
+tokens (the sink, the question and the answer so far: ceil(E / S) keys), scored a warp per key
+and their values turned into the value frame with a lane butterfly, folded into the split's
+state before it is written; the last threadgroup of each KV head (a release/acquire count)
+merges the head's splits, rotates back and adds the mean. Attended by that last threadgroup
+alone, the exact tokens had cost 34-53 us per layer of a 256-token answer (8k-128k); spread
+over the splits, 2-3 us. The two-launch step (P = 64 / 256, or FUSE_FINISH off) folds them
+into its partials the same way (`decode_attend_mma_partials(..., sink=, window=)`), and
+`decode_finish` then only merges.
+
 Measured (H200, MLX 0.32.4 CUDA, Llama-3.1-8B shapes, 128k, tq4, the one-launch step; ncu in
 benchmarks/results/attend_h200_ncu_step.txt): 68.4 us, 128 registers, 16 warps per SM, DRAM at
 43%, 5.6 cycles between a warp's instructions; the SMs are active 82% of the elapsed cycles
@@ -502,18 +512,20 @@ _WRITE = r"""
 """
 
 
-# The whole step's write: this split's share of the exact tokens (sink, then window; centered, in
-# the original frame) joins its state, so that the exact tokens are spread over every split of
-# the head and attended while the others' blocks stream (the last threadgroup's tail only merges).
+# The write with the exact tokens (the whole step's, and the partials' when they are given): this
+# split's share of the exact tokens (sink, then window; centered, in the original frame) joins
+# its state, so that the exact tokens are spread over every split of the head and attended while
+# the others' blocks stream (the finish, or the last threadgroup's tail, only merges).
 # Split s takes exact keys s * per .. (s + 1) * per - 1 of the E, per = ceil(E / S), in rounds
 # of XK: warp w scores keys w, w + NWP, ... of a round (its lanes split the dims: whole-row
 # loads, one warp sum per row) and turns their values into the value codec's frame
 # (R_v v = H (signs v) / sqrt(P): the butterfly's low five stages across lanes, the rest within
-# a lane's dims lane + 32 i); thread d then folds the round into its dim's accumulators.
+# a lane's dims lane + 32 i); thread t then folds the round into the accumulators of its dims
+# t + NT j.
 _EXACT_SPLIT = r"""
-  static_assert(P == NT, "the exact tokens' fold runs one thread per dim");
   constexpr int DL = P / 32;
   constexpr int XK = 32;
+  constexpr int PD = (P + NT - 1) / NT;  // dims per thread in the fold: tid + NT j
   static_assert(NWP * 8 * P + XK * (P + R) <= TAB + NWP * NST * STG, "a round fits the stages");
   float* xv = red + NWP * 8 * P;  // a round's rotated values [key][P]
   float* xs = xv + XK * P;        // and its scores [key][R] (base 2)
@@ -522,11 +534,11 @@ _EXACT_SPLIT = r"""
   const int per = (E + S - 1) / S;
   const int e0 = LC_MIN_I(split * per, E);
   const int e1 = LC_MIN_I(e0 + per, E);
-  float me[R], le[R], ae[R];
+  float me[R], le[R], ae[R][PD];
   LC_UNROLL for (int r = 0; r < R; ++r) {
     me[r] = -LC_INF;
     le[r] = 0.0f;
-    ae[r] = 0.0f;
+    LC_UNROLL for (int j = 0; j < PD; ++j) ae[r][j] = 0.0f;
   }
   if (e0 < e1) {
     float qr[R][DL];
@@ -593,13 +605,16 @@ _EXACT_SPLIT = r"""
         for (int j = 0; j < nk; ++j) tm = LC_MAX(tm, xs[j * R + r]);
         const float mn = LC_MAX(me[r], tm);  // finite: the round has a key
         const float alpha = lc_ex2(me[r] - mn);
-        float a = 0.0f, l = 0.0f;
+        float a[PD], l = 0.0f;
+        LC_UNROLL for (int i = 0; i < PD; ++i) a[i] = 0.0f;
         for (int j = 0; j < nk; ++j) {
           const float p = lc_ex2(xs[j * R + r] - mn);
-          a += p * xv[j * P + tid];
+          LC_UNROLL for (int i = 0; i < PD; ++i) {
+            if (tid + NT * i < P) a[i] += p * xv[j * P + tid + NT * i];
+          }
           l += p;
         }
-        ae[r] = ae[r] * alpha + a;
+        LC_UNROLL for (int i = 0; i < PD; ++i) ae[r][i] = ae[r][i] * alpha + a[i];
         le[r] = le[r] * alpha + l;
         me[r] = mn;
       }
@@ -610,12 +625,17 @@ _EXACT_SPLIT = r"""
   LC_UNROLL for (int r = 0; r < R; ++r) {
     float M = -LC_INF;
     LC_UNROLL for (int w = 0; w < NWP; ++w) M = LC_MAX(M, mlb[w * 8 + r]);
-    float a = 0.0f;
-    LC_UNROLL for (int w = 0; w < NWP; ++w) a += red[(w * 8 + r) * P + tid];
     const float Mt = LC_MAX(M, me[r]);
     const float fc = M == -LC_INF ? 0.0f : LC_EXP2(M - Mt);
     const float fe = me[r] == -LC_INF ? 0.0f : LC_EXP2(me[r] - Mt);
-    acc_out[so * (R * P) + r * P + tid] = a * fc + ae[r] * fe;
+    LC_UNROLL for (int i = 0; i < PD; ++i) {
+      const int dd = tid + NT * i;
+      if (dd < P) {
+        float a = 0.0f;
+        LC_UNROLL for (int w = 0; w < NWP; ++w) a += red[(w * 8 + r) * P + dd];
+        acc_out[so * (R * P) + r * P + dd] = a * fc + ae[r][i] * fe;
+      }
+    }
     if (tid == 0) {
       float l = 0.0f;
       LC_UNROLL for (int w = 0; w < NWP; ++w) {
@@ -646,6 +666,7 @@ _SPEC = KernelSpec(
 )
 
 _SPECS: dict = {}
+_EXACT_INPUTS = ("sink_k", "sink_v", "win_k", "win_v", "win_n", "signs")
 
 
 def shared_bytes(p: int) -> int:
@@ -663,12 +684,16 @@ def resident(p: int) -> int:
     return max(1, min(warps, SMEM_PER_SM // (shared_bytes(p) + 1024)))
 
 
-def _spec(p: int) -> KernelSpec:
-    key = (p, WARPS, STAGES)
+def _spec(p: int, exact: bool = False) -> KernelSpec:
+    """The partials' kernel at head dim p; `exact`: the variant that folds the exact tokens into
+    the splits' states (`_EXACT_SPLIT`)."""
+    key = (p, WARPS, STAGES, exact)
     if key not in _SPECS:
         bounds = da._min_blocks_header(resident(p), 32 * WARPS)
+        extra = (dict(inputs=_SPEC.inputs + _EXACT_INPUTS, source=_source(_EXACT_SPLIT))
+                 if exact else {})
         _SPECS[key] = dataclasses.replace(_SPEC, shared_memory=shared_bytes(p),
-                                          header=_HEADER + bounds)
+                                          header=_HEADER + bounds, **extra)
     return _SPECS[key]
 
 
@@ -694,8 +719,40 @@ def splits(length: int, bh: int, p: int = 128) -> tuple[int, int]:
     return chunk, groups(length, chunk)
 
 
-def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale):
-    """Each split's softmax state of a decode step's rows over one 4-bit compressed segment.
+def exact_into_partials(m_p, l_p, acc_p, queries, sink, window, v_signs, scale, count):
+    """Pure-MLX: the exact tokens' softmax state (natural-log units), its values rotated into
+    the value frame (R_v v = H (signs v) / sqrt(P)), merged into the first split of each head:
+    partials whose merge without exact tokens is the step's (what the kernel's variant writes,
+    up to which splits hold the exact keys)."""
+    B, H, R, P = queries.shape
+    keys = mx.concatenate([e[0].astype(mx.float32) for e in (sink, window) if e is not None], 2)
+    vals = mx.concatenate([e[1].astype(mx.float32) for e in (sink, window) if e is not None], 2)
+    s = (queries.astype(mx.float32) @ keys.swapaxes(-1, -2)) * scale  # (B, H, R, E)
+    if window is not None:
+        ns = keys.shape[2] - window[0].shape[2]
+        slot = mx.arange(keys.shape[2]) - ns  # window slot of each key (sink: negative)
+        s = mx.where(slot < count[:1], s, -mx.inf)
+    m_e = s.max(axis=-1)  # (B, H, R)
+    safe = mx.where(m_e == -mx.inf, 0.0, m_e)
+    p = mx.exp(s - safe[..., None])
+    a_e = mx.hadamard_transform((p @ vals) * v_signs, scale=1.0 / math.sqrt(P))
+    m_e, l_e = m_e.reshape(B * H, R), p.sum(axis=-1).reshape(B * H, R)
+    a_e = a_e.reshape(B * H, R, P)
+    m0, l0, a0 = m_p[:, 0], l_p[:, 0], acc_p[:, 0]
+    big = mx.maximum(m0, m_e)
+    ref = mx.where(big == -mx.inf, 0.0, big)
+    c0, ce = mx.exp(m0 - ref), mx.exp(m_e - ref)
+    m_p = mx.concatenate([big[:, None], m_p[:, 1:]], axis=1)
+    l_p = mx.concatenate([(l0 * c0 + l_e * ce)[:, None], l_p[:, 1:]], axis=1)
+    acc_p = mx.concatenate([(a0 * c0[..., None] + a_e * ce[..., None])[:, None], acc_p[:, 1:]],
+                           axis=1)
+    return m_p, l_p, acc_p
+
+
+def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale, sink=None,
+                               window=None, v_signs=None, valid_array=None):
+    """Each split's softmax state of a decode step's rows over one 4-bit compressed segment (and,
+    when given, the exact tokens, spread over the splits).
 
     Args:
         queries: (B, H, R, P) unrotated, any float dtype, rows grouped per KV head, R <= 8.
@@ -704,11 +761,17 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale):
         table: (16,) float32, the one codebook of keys and values.
         signs: (P,) float32, the key rotation's +-1 diagonal.
         scale: score scale.
+        sink, window: (keys, values) (B, H, n, P) exact centered tokens in the original frame,
+            or None (as `decode_finish.decode_finish` takes them); with either, v_signs (P,)
+            float32, the value rotation's diagonal, and valid_array, the window's valid slots
+            (`decode_finish.count`; default: all of `window`).
 
     Returns:
         (m_p (B*H, S, R), l_p (B*H, S, R), acc_p (B*H, S, R, P)) float32, natural-log units, in
         the values' rotated frame: `decode_attend.decode_attend_partials`' outputs (the products
-        in fp16 with fp32 accumulation, so equal to them within fp16 rounding).
+        in fp16 with fp32 accumulation, so equal to them within fp16 rounding), with the exact
+        tokens' softmax state merged in (into some splits; a finish without them gives the
+        step's output).
     """
     B, H, R, P = queries.shape
     L = keys["norm"].shape[2]
@@ -718,8 +781,19 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale):
                          f"got q {queries.shape}, idx {keys['idx'].shape} / "
                          f"{values['idx'].shape}, table {table.shape}")
     kw = dict(key_bits=4, value_bits=4, scale=scale)
+    sink = sink if sink is not None and sink[0].shape[2] else None
+    window = window if window is not None and window[0].shape[2] else None
+    exact = sink is not None or window is not None
+    if exact and valid_array is None:
+        valid_array = df.count(window[0].shape[2] if window is not None else 0)
+
+    def with_exact(parts):
+        return (exact_into_partials(*parts, queries, sink, window, v_signs, scale, valid_array)
+                if exact else parts)
+
     if backend() == "cpu" or L == 0:
-        return da.decode_attend_partials(queries, keys, values, table, table, signs, **kw)
+        return with_exact(da.decode_attend_partials(queries, keys, values, table, table, signs,
+                                                    **kw))
     chunk, n_split = splits(L, B * H, P)
     params = constant((L, chunk, n_split), mx.int32)
     scales = constant((scale * LOG2E, 1.0 / math.sqrt(P)), mx.float32)
@@ -732,13 +806,20 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale):
     template = [("P", P), ("R", R), ("NT", nt), ("NST", STAGES), ("BLK", BLOCK),
                 ("SC", 2 if P == 256 else 1),
                 ("QT", queries.dtype)]
+    if exact:
+        dummy = df._dummy()
+        sk, sv = sink if sink is not None else (dummy, dummy)
+        wk, wv = window if window is not None else (dummy, dummy)
+        inputs += [sk, sv, wk, wv, valid_array, da._as(v_signs, f32)]
+        template += [("HAS_SINK", int(sink is not None)), ("HAS_WIN", int(window is not None)),
+                     ("ST", sk.dtype), ("WT", wk.dtype)]
 
     def reference():
-        return da._reference_partials(n_split, da._rotate_reference(queries, signs), keys,
-                                      values, table, table, **kw)
+        return list(with_exact(da._reference_partials(
+            n_split, da._rotate_reference(queries, signs), keys, values, table, table, **kw)))
 
     n = B * H * n_split
-    return run(_spec(P), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1),
+    return run(_spec(P, exact), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1),
                                 [(B * H, n_split, R), (B * H, n_split, R),
                                  (B * H, n_split, R, P)], [f32] * 3),
                reference=reference)

@@ -27,13 +27,18 @@ owns dim d of each of the group's rows (template R: the group's rows, RA: all ro
      of its dim over blocks of P splits, 64 / R splits' loads issued together (consecutive
      reads across threads; the launch is B * H * RA / R threadgroups, so memory latency is
      its cost: one round trip per split made it 30-35 us on the H200, then 11-13 with all rows
-     in one threadgroup);
-  2. the inverse butterfly over each row (read both, barrier, write, barrier);
-  3. the exact tokens in tiles of P keys: thread t scores key t against the R rows (q staged,
-     scaled by scale * log2 e, in threadgroup memory), tile max through simdgroup max and the
+     in one threadgroup); the first 64 / R splits' acc loads are issued with the m and l loads;
+  2. the inverse butterfly over each row: the stages between dims of one warp as lane exchanges
+     (`lc_simd_xor`), the others through threadgroup memory (4 barriers at P = 128, was 14);
+  3. the exact tokens in tiles of P keys: warp w scores keys w, w + P / 32, ... of the tile
+     against the R rows (its lanes split the dims: whole-row loads and a warp sum per row;
+     `SCORE_BY_WARP`, else thread t walks key t's row), tile max through simdgroup max and the
      warps' partials, weights to threadgroup memory, then thread d adds w[key][row] * v[key][d]
      (consecutive reads across threads);
   4. the two states merged, normalized, the mean added, written.
+
+`decode_attend_mma.decode_step_mma` runs steps 1, 2 and 4 (`MERGE`, `END`) as its last
+threadgroup's tail; its splits have folded the exact tokens into their states already.
 """
 
 from __future__ import annotations

@@ -169,7 +169,9 @@ def test_cuda_sources_compile_without_spills():
                 da.decode_attend(q, keys, values, kt, vt, key_bits=b1, key_bits2=b2,
                                  value_bits=bv, scale=0.1, q_proj=qp, causal_base=7)
         for name, p, r, dt in (("tq4", 128, 4, mx.bfloat16), ("tq3", 64, 3, mx.float16),
-                               ("tq4", 256, 8, mx.float32)):  # the two-launch decode step
+                               ("tq4", 256, 8, mx.float32), ("tq4", 64, 3, mx.float16)):
+            # the decode step: one launch at P = 128, else two (the tensor-core partials with
+            # the exact tokens at P = 64 / 256, tq4)
             from longctx.kvcache import attend_step
 
             view = _step_view(1, r, p, 40, name, 4, 9, seed=p)
@@ -373,6 +375,58 @@ def test_decode_attend_mma(monkeypatch, case, odd_rows, shape):
     m_r, _, _ = merged(ref)
     assert np.isfinite(m_g).all() and (l_g > 0).all()
     assert np.abs(m_g.max(axis=1) - np.array(m_r)[..., 0]).max() < 3e-3
+
+
+EXACT_PARTIAL_CASES = [  # B, H, R, P, L, n_sink, n_win (of a 2x longer buffer), q dtype, SM_COUNT
+    (1, 2, 3, 64, 700, 4, 150, "float16", 1),  # SmolLM2's head dim; several rounds per split
+    (1, 1, 4, 128, 2000, 0, 5, "bfloat16", None),  # fewer exact keys than splits
+    (2, 1, 2, 256, 600, 2, 70, "float32", 1),  # Gemma's head dim: two dims per thread
+]
+
+
+@pytest.mark.parametrize("case", EXACT_PARTIAL_CASES, ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}")
+def test_decode_attend_mma_partials_take_the_exact_tokens(monkeypatch, case):
+    """The tensor-core partials with the exact tokens folded into their splits (the two-launch
+    step's first launch), merged by a finish without exact tokens, give the step's output: the
+    reference partials then the finish with the sink and the window; and so does the variant's
+    MLX reference (`exact_into_partials`)."""
+    from longctx.kernels import decode_finish as dfin
+    from longctx.quant.rotation import rademacher_signs
+
+    B, H, R, P, L, n_sink, n_win, qdt, sm = case
+    q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + P)
+    q = q.astype(getattr(mx, qdt))
+    rng = np.random.default_rng(P)
+
+    def normal(*shape):
+        return mx.array(rng.normal(size=shape).astype(np.float32))
+
+    sink = (normal(B, H, n_sink, P), normal(B, H, n_sink, P)) if n_sink else None
+    window = ((normal(B, H, 2 * n_win, P)[:, :, :n_win], normal(B, H, 2 * n_win, P)[:, :, :n_win])
+              if n_win else None)
+    k_signs, v_signs = mx.array(rademacher_signs(P, 5)), mx.array(rademacher_signs(P, 6))
+    mean = normal(B, H, 1, P)
+    count = dfin.count(n_win)
+    scale = P ** -0.5
+    parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
+                                      value_bits=4, scale=scale)
+    want = np.array(dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, scale,
+                                                 mx.float32, count))
+    folded = dm.exact_into_partials(*parts, q, sink, window, v_signs, scale, count)
+    ref = np.array(dfin.decode_finish_reference(*folded, q, None, None, v_signs, mean, scale,
+                                                mx.float32))
+    assert np.linalg.norm(ref - want) / np.linalg.norm(want) < 1e-5
+    if sm:
+        monkeypatch.setattr(da, "SM_COUNT", sm)
+    with _prelude.executor(kernel_emu.emulator()):
+        got = dm.decode_attend_mma_partials(q, keys, values, kt, k_signs, scale=scale,
+                                            sink=sink, window=window, v_signs=v_signs,
+                                            valid_array=count)
+        assert not _prelude.failed(dm.NAME)
+    assert got[0].shape == (B * H, dm.splits(L, B * H, P)[1], R)
+    out = np.array(dfin.decode_finish_reference(*got, q, None, None, v_signs, mean, scale,
+                                                mx.float32))
+    assert np.isfinite(out).all() and np.linalg.norm(out - want) / np.linalg.norm(want) < 2e-3
 
 
 WHOLE_CASES = [  # B, H, R, P, L, n_sink, n_win (of a 2x longer buffer), q dtype, SM_COUNT, warps

@@ -12,6 +12,10 @@ the exact block as separate launches:
     decode_finish            merges the splits, rotates the values back, attends the sink and
                              the window, normalizes, adds the value mean, casts
 
+On CUDA at 4-bit keys and values the tensor-core kernel's splits also take the exact tokens (the
+sink and the window, a share each), so the finish only merges (`decode_attend_mma`,
+EXACT_IN_SPLITS): attended by the finish alone they cost 30-40 us per layer of an answer.
+
 Per layer that replaces ~14 launches (the compiled fused path) by 2, and the Python around them
 is a few attribute reads: below 32k cached tokens a step was bound by issuing launches, not by
 the GPU (docs/performance.md). Other cases (QJL keys, RVQ keys, several segments, a padded head
@@ -97,6 +101,14 @@ def _step(kc, vc, scale, dtype, mma, whole, queries, seg_k, seg_v, k_arrays, v_a
                                          tuple(window) if window else None, v_arrays[1], mean,
                                          scale, dtype, count, counts)
         return out.reshape(B, Hq, 1, D), counts
+    if mma and dm.EXACT_IN_SPLITS and (sink or window):
+        # the tensor-core kernel with the exact tokens folded into its splits: the finish merges
+        partials = dm.decode_attend_mma_partials(
+            q, seg_k, seg_v, k_arrays[0], k_arrays[1], scale=scale,
+            sink=tuple(sink) if sink else None, window=tuple(window) if window else None,
+            v_signs=v_arrays[1], valid_array=count)
+        return df.decode_finish(*partials, q, None, None, v_arrays[1], mean, scale, dtype
+                                ).reshape(B, Hq, 1, D), counts
     if mma:  # the tensor-core kernel (`decode_attend_mma`)
         partials = dm.decode_attend_mma_partials(q, seg_k, seg_v, k_arrays[0], k_arrays[1],
                                                  scale=scale)
