@@ -166,12 +166,12 @@ KNOBS = {"fused_tq4_portable": {"ENABLED": False},  # the portable kernel, then 
          # (step_timeline's answer rows) the whole step with the exact tokens in its last
          # threadgroups' tail, not spread over the splits; in two launches (the exact tokens
          # in the partials' splits); in two launches with the exact tokens in the finish,
-         # scored a warp per key (its default) or a thread per key
+         # scored a thread per key (its default) or a warp per key
          "answer_tq4_tail_exact": {"EXACT_IN_SPLITS": False},
          "answer_tq4_two_launch": {"FUSE_FINISH": False},
          "answer_tq4_two_launch_finish_exact": {"FUSE_FINISH": False, "EXACT_IN_SPLITS": False},
-         "answer_tq4_two_launch_thread_keys": {"FUSE_FINISH": False, "EXACT_IN_SPLITS": False,
-                                               "decode_finish.SCORE_BY_WARP": False}}
+         "answer_tq4_two_launch_warp_keys": {"FUSE_FINISH": False, "EXACT_IN_SPLITS": False,
+                                             "decode_finish.SCORE_BY_WARP": True}}
 
 
 @contextlib.contextmanager

@@ -143,18 +143,13 @@ LC_FN float lc_ex2(float x) {
 #define LC_MIN_I(a, b) min((a), (b))
 LC_FN float lc_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 // the whole-step variant's count of finished threadgroups per KV head (an input it updates).
-// A threadgroup's arrival (one thread, after a barrier) releases its threads' partials, and the
-// last one's acquire makes every split's visible to it (CUTLASS's semaphore: a gpu-scope
-// acq_rel fence and a relaxed atomic, where a fence.sc by every thread also invalidated L1);
-// the partials are then read from L2 (ld.global.cg: no line an earlier launch left in L1).
-LC_FN int lc_arrive(const int32_t* p) {
-  int old;
-  asm volatile("fence.acq_rel.gpu;\n\tatom.relaxed.gpu.global.add.s32 %0, [%1], 1;\n"
-               : "=r"(old) : "l"(p) : "memory");
-  return old;
+// Every thread fences its partials device-wide before the arrival and again after it (a
+// release/acquire through one thread after a barrier, CUTLASS's semaphore, measured no faster,
+// and the CPU emulator, which runs threadgroups one after another, cannot test the ordering).
+#define LC_FENCE() __threadfence()
+LC_FN int lc_atomic_add(const int32_t* p, int v) {
+  return atomicAdd(reinterpret_cast<int*>(const_cast<int32_t*>(p)), v);
 }
-#define LC_ACQUIRE() asm volatile("fence.acq_rel.gpu;\n" ::: "memory")
-#define LC_LDCG(p) __ldcg(p)
 LC_FN void lc_atomic_zero(const int32_t* p) {
   atomicExch(reinterpret_cast<int*>(const_cast<int32_t*>(p)), 0);
 }
@@ -828,10 +823,10 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale, si
 # The whole decode step in one launch: the partials above, then the last threadgroup of each KV
 # head to finish runs `decode_finish`'s body over the head's splits (the split merge, the
 # rotation back, the value mean; the exact tokens are in the splits' states, `_EXACT_SPLIT`,
-# unless EXACT_IN_SPLITS is off). A count per head says which is last: every threadgroup,
-# after a barrier, adds one with a release (`lc_arrive`); the one that reads S - 1 zeroes the
-# count for the next launch and, after an acquire, reads the partials of all the head's splits
-# from the outputs they were written to (from L2: `LC_LDCG`). The count is
+# unless EXACT_IN_SPLITS is off). A count per head says which is last: every threadgroup makes
+# its partials visible device-wide (fence) and adds one; the one that reads S - 1 zeroes the
+# count for the next launch and, after a second fence, reads the partials of all the head's
+# splits from the outputs they were written to (volatile: past L1). The count is
 # an input the kernel updates and also an output of zeros (`counter_out`): the caller passes
 # each launch's output to the next launch, so MLX orders any two launches that share counts
 # (its CUDA graph orders kernels by the buffers they read and write, not by issue order).
@@ -839,12 +834,12 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale, si
 # body wants one thread per dim: P = NT (128 at 4 warps).
 _TAIL = r"""
   LC_SHARED int lc_last[1];
-  LC_BARRIER();  // every thread's partials are written (the arrival below releases them)
+  LC_FENCE();
+  LC_BARRIER();
   if (tid == 0) {
-    const int seen = lc_arrive(counter + bh);
+    const int seen = lc_atomic_add(counter + bh, 1);
     lc_last[0] = seen == S - 1 ? 1 : 0;
     if (seen == S - 1) {
-      LC_ACQUIRE();  // the other splits' partials (the barrier below passes it on)
       lc_atomic_zero(counter + bh);
       counter_out[bh] = 0;
       if (bh == 0) {
@@ -854,6 +849,7 @@ _TAIL = r"""
   }
   LC_BARRIER();
   if (lc_last[0] == 0) return;
+  LC_FENCE();
   {
     static_assert(P == NT, "the finish's body runs one thread per dim");
     constexpr bool FIN_EXACT = false;  // the exact tokens are in the splits' states
@@ -865,10 +861,10 @@ _TAIL = r"""
     float* wts = qs + R * P;
     float* red = wts + P * R;
     float* mlc = red + NW * R;
-#define LC_PART(p, i) LC_LDCG((p) + (i))
-    const float* m_p = m_out;
-    const float* l_p = l_out;
-    const float* acc_p = acc_out;
+#define LC_PART(p, i) ((p)[i])
+    const volatile float* m_p = m_out;  // (volatile: past L1)
+    const volatile float* l_p = l_out;
+    const volatile float* acc_p = acc_out;
     const int64_t m_p_strides[3] = {(int64_t)S * R, R, 1};
     const int64_t l_p_strides[3] = {(int64_t)S * R, R, 1};
     const int64_t acc_p_strides[4] = {(int64_t)S * R * P, (int64_t)R * P, P, 1};

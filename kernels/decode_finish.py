@@ -60,7 +60,7 @@ MAX_ROW_DIMS = 2048  # rows x P: 3 x 2048 floats = 24 KiB of threadgroup memory
 ROWS_PER_GROUP = 1
 # the exact tokens' scores a warp per key (whole-row loads, a warp sum per row); False: a thread
 # per key, walking its row
-SCORE_BY_WARP = True
+SCORE_BY_WARP = False  # (measured no faster on the H200: step_timeline's answer rows)
 
 # The kernel in three parts: its threadgroup arrays, which rows a threadgroup takes, and the body,
 # which `decode_attend_mma`'s whole-step variant runs as its last threadgroup's tail (arrays
@@ -106,7 +106,7 @@ MERGE = r"""
   // merge is a few memory round trips, not one per split (this launch is a few threadgroups a
   // KV head, all the GPU runs meanwhile, so latency is its whole cost). The first NB splits'
   // are requested with the m and l loads, before the maxima are known. (LC_PART: how the
-  // partials are read; the whole step reads them from L2.)
+  // partials are read; the whole step's tail reads them volatile, past L1.)
   constexpr int NB = R >= 64 ? 1 : 64 / R;
   float v[NB][R];
   LC_UNROLL for (int b = 0; b < NB; ++b) {

@@ -181,11 +181,10 @@ static inline float lc_ex2(float x) { return exp2f(x); }
 static inline float lc_shfl_xor(float x, int m) { return lc_xchg(x, (lc_e_tid & 31u) ^ (uint32_t)m); }
 static inline bool lc_any(bool p) { return lc_simd_ballot(p, lc_e_tid & 31u) != 0u; }
 // decode_attend_mma's whole-step variant: a count per KV head in an input it updates
-static inline int lc_arrive(const int32_t* p) {
-  return __atomic_fetch_add(const_cast<int32_t*>(p), 1, __ATOMIC_ACQ_REL);
+#define LC_FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+static inline int lc_atomic_add(const int32_t* p, int v) {
+  return __atomic_fetch_add(const_cast<int32_t*>(p), v, __ATOMIC_SEQ_CST);
 }
-#define LC_ACQUIRE() __atomic_thread_fence(__ATOMIC_ACQUIRE)
-#define LC_LDCG(p) (*(p))
 static inline void lc_atomic_zero(const int32_t* p) {
   __atomic_store_n(const_cast<int32_t*>(p), 0, __ATOMIC_SEQ_CST);
 }
