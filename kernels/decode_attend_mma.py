@@ -47,7 +47,7 @@ space) and the split's (m, l, acc) written, m in natural-log units as `decode_at
 The whole step in one launch (`decode_step_mma`): each split also takes its share of the exact
 tokens (the sink, the question and the answer so far: ceil(E / S) keys), scored a warp per key
 and their values turned into the value frame with a lane butterfly, folded into the split's
-state before it is written; the last threadgroup of each KV head (a release/acquire count)
+state before it is written; the last threadgroup of each KV head (a count of finished ones)
 merges the head's splits, rotates back and adds the mean. Attended by that last threadgroup
 alone, the exact tokens had cost 34-53 us per layer of a 256-token answer (8k-128k); spread
 over the splits, 2-3 us. The two-launch step (P = 64 / 256, or FUSE_FINISH off) folds them
@@ -143,9 +143,10 @@ LC_FN float lc_ex2(float x) {
 #define LC_MIN_I(a, b) min((a), (b))
 LC_FN float lc_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 // the whole-step variant's count of finished threadgroups per KV head (an input it updates).
-// Every thread fences its partials device-wide before the arrival and again after it (a
-// release/acquire through one thread after a barrier, CUTLASS's semaphore, measured no faster,
-// and the CPU emulator, which runs threadgroups one after another, cannot test the ordering).
+// Every thread fences its partials device-wide before the arrival, and again after it. A
+// release/acquire through one thread after a barrier (CUTLASS's semaphore) was tried and
+// reverted: the CPU emulator runs threadgroups one after another, so it cannot test the
+// ordering, and that code's GPU test run had two unnamed failures (docs/performance.md).
 #define LC_FENCE() __threadfence()
 LC_FN int lc_atomic_add(const int32_t* p, int v) {
   return atomicAdd(reinterpret_cast<int*>(const_cast<int32_t*>(p)), v);

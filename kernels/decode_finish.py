@@ -30,11 +30,11 @@ owns dim d of each of the group's rows (template R: the group's rows, RA: all ro
      in one threadgroup); the first 64 / R splits' acc loads are issued with the m and l loads;
   2. the inverse butterfly over each row: the stages between dims of one warp as lane exchanges
      (`lc_simd_xor`), the others through threadgroup memory (4 barriers at P = 128, was 14);
-  3. the exact tokens in tiles of P keys: warp w scores keys w, w + P / 32, ... of the tile
-     against the R rows (its lanes split the dims: whole-row loads and a warp sum per row;
-     `SCORE_BY_WARP`, else thread t walks key t's row), tile max through simdgroup max and the
-     warps' partials, weights to threadgroup memory, then thread d adds w[key][row] * v[key][d]
-     (consecutive reads across threads);
+  3. the exact tokens in tiles of P keys: thread t scores key t against the R rows, walking its
+     row (or, `SCORE_BY_WARP`, measured no faster on the H200: warp w scores keys w, w + P / 32,
+     ... of the tile, its lanes splitting the dims, a warp sum per row), tile max through
+     simdgroup max and the warps' partials, weights to threadgroup memory, then thread d adds
+     w[key][row] * v[key][d] (consecutive reads across threads);
   4. the two states merged, normalized, the mean added, written.
 
 `decode_attend_mma.decode_step_mma` runs steps 1, 2 and 4 (`MERGE`, `END`) as its last
