@@ -828,3 +828,33 @@ def test_kernel_launches_pass_no_array_of_eight_bytes_or_less():
     assert small == []
     assert _prelude.constant((3,), mx.int32).tolist() == [3, 0, 0, 0]
     assert _prelude.constant((0.5,), mx.float16).nbytes == 16
+
+
+def test_step_trace_key_follows_every_knob_the_benchmarks_set():
+    """Each kernel tunable that benchmarks/attend.py's KNOBS set around a timed method (and so
+    step_timeline's answer rows) is in the compiled decode step's key: a knob missing there
+    would replay the trace built under another value, and its row would time that one."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from longctx import kernels
+    from longctx.kvcache import attend_step
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "attend.py"
+    spec = importlib.util.spec_from_file_location("bench_attend_for_knobs", path)
+    attend = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))  # (its own imports: _common)
+    try:
+        spec.loader.exec_module(attend)
+    finally:
+        sys.path.remove(str(path.parent))
+    names = {n for knobs in attend.KNOBS.values() for n in knobs}
+    assert {"EXACT_IN_SPLITS", "FUSE_FINISH", "decode_finish.SCORE_BY_WARP"} <= names
+    before = attend_step._tunables()
+    for name in sorted(names):
+        mod, _, attr = name.rpartition(".")
+        current = getattr(getattr(kernels, mod) if mod else dm, attr)
+        with attend.tunables({name: not current}):
+            assert attend_step._tunables() != before, name
+        assert attend_step._tunables() == before, name
