@@ -80,11 +80,6 @@ def answer_step(kind, k, v, q, scale):
     of k / v's tokens and a 16-token question, on a cache of its own: mlx-lm's fp16 KVCache +
     SDPA ("fp16"), or tq4 as `ask` holds it ("tq4": sealed, rebuilt from its arrays, forked;
     its window takes the question and the answer)."""
-    return dict(answer_steps(k, v, q, scale, kinds=(kind,)))[kind]
-
-
-def answer_steps(k, v, q, scale, kinds=("fp16", "tq4")) -> list:
-    """[(kv, step)] of `answer_step` for each of `kinds`."""
     from mlx_lm.models.cache import KVCache
 
     from longctx.kvcache.presets import get_preset
@@ -93,32 +88,29 @@ def answer_steps(k, v, q, scale, kinds=("fp16", "tq4")) -> list:
     question = mx.random.normal((1, k.shape[1], 16, k.shape[3]), key=mx.random.key(1))
     question = question.astype(k.dtype)
     one = mx.random.normal((1, k.shape[1], 1, k.shape[3]), key=mx.random.key(2)).astype(k.dtype)
-    fp16 = tq = None
-    if "fp16" in kinds:
+    if kind == "fp16":
         fp16 = KVCache()
         fp16.update_and_fetch(k, v)
         fp16.update_and_fetch(question, question)
-        mx.eval(fp16.state)
-    if "tq4" in kinds:
-        preset = get_preset("tq4")
-        c = TurboQuantCache(preset, 0)
-        c.update_and_fetch(k, v)
-        c.seal()
-        tq = TurboQuantCache.from_arrays(preset, 0, c.arrays(), k.shape[3]).fork(exact_new=1024)
-        tq.update_and_fetch(question, question)
-        mx.eval(tq.state)
-        del c
-    mx.eval(one)
+        mx.eval(fp16.state, one)
 
-    def fp16_step():
-        keys, values = fp16.update_and_fetch(one, one)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
+        def fp16_step():
+            keys, values = fp16.update_and_fetch(one, one)
+            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
+        return fp16_step
+    preset = get_preset(kind)
+    c = TurboQuantCache(preset, 0)
+    c.update_and_fetch(k, v)
+    c.seal()
+    tq = TurboQuantCache.from_arrays(preset, 0, c.arrays(), k.shape[3]).fork(exact_new=1024)
+    tq.update_and_fetch(question, question)
+    mx.eval(tq.state, one)
+    del c
 
     def tq_step():
         view, _ = tq.update_and_fetch(one, one)
         return compressed_attention(q, view, scale)
-
-    return [(kv, {"fp16": fp16_step, "tq4": tq_step}[kv]) for kv in kinds]
+    return tq_step
 
 
 def trace_kernels(prof) -> list:

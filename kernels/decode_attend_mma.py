@@ -721,13 +721,7 @@ def exact_into_partials(m_p, l_p, acc_p, queries, sink, window, v_signs, scale, 
     partials whose merge without exact tokens is the step's (what the kernel's variant writes,
     up to which splits hold the exact keys)."""
     B, H, R, P = queries.shape
-    keys = mx.concatenate([e[0].astype(mx.float32) for e in (sink, window) if e is not None], 2)
-    vals = mx.concatenate([e[1].astype(mx.float32) for e in (sink, window) if e is not None], 2)
-    s = (queries.astype(mx.float32) @ keys.swapaxes(-1, -2)) * scale  # (B, H, R, E)
-    if window is not None:
-        ns = keys.shape[2] - window[0].shape[2]
-        slot = mx.arange(keys.shape[2]) - ns  # window slot of each key (sink: negative)
-        s = mx.where(slot < count[:1], s, -mx.inf)
+    s, vals = df.exact_scores(queries, sink, window, scale, count)  # (B, H, R, E), (B, H, E, P)
     m_e = s.max(axis=-1)  # (B, H, R)
     safe = mx.where(m_e == -mx.inf, 0.0, m_e)
     p = mx.exp(s - safe[..., None])
@@ -777,8 +771,7 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale, si
                          f"got q {queries.shape}, idx {keys['idx'].shape} / "
                          f"{values['idx'].shape}, table {table.shape}")
     kw = dict(key_bits=4, value_bits=4, scale=scale)
-    sink = sink if sink is not None and sink[0].shape[2] else None
-    window = window if window is not None and window[0].shape[2] else None
+    sink, window, exact_arrays, exact_template = df.exact_inputs(sink, window)
     exact = sink is not None or window is not None
     if exact and valid_array is None:
         valid_array = df.count(window[0].shape[2] if window is not None else 0)
@@ -803,12 +796,8 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale, si
                 ("SC", 2 if P == 256 else 1),
                 ("QT", queries.dtype)]
     if exact:
-        dummy = df._dummy()
-        sk, sv = sink if sink is not None else (dummy, dummy)
-        wk, wv = window if window is not None else (dummy, dummy)
-        inputs += [sk, sv, wk, wv, valid_array, da._as(v_signs, f32)]
-        template += [("HAS_SINK", int(sink is not None)), ("HAS_WIN", int(window is not None)),
-                     ("ST", sk.dtype), ("WT", wk.dtype)]
+        inputs += [*exact_arrays, valid_array, da._as(v_signs, f32)]
+        template += exact_template
 
     def reference():
         return list(with_exact(da._reference_partials(
@@ -853,7 +842,6 @@ _TAIL = r"""
   LC_FENCE();
   {
     static_assert(P == NT, "the finish's body runs one thread per dim");
-    constexpr bool FIN_EXACT = false;  // the exact tokens are in the splits' states
     static_assert(3 * R * P + (P / 32 + 2) * R <= TAB, "the finish's arrays fit the table's space");
     constexpr int NW = P / 32;
     constexpr int RA = R;
@@ -875,6 +863,17 @@ _TAIL = r"""
     const int d = tid;
 """
 
+
+def _step_source(exact_in_splits: bool) -> str:
+    """The whole step's body: the partials' kernel, its write with (`_EXACT_SPLIT`) or without
+    the exact tokens, the tail, and the finish's body in the tail's block: its split merge and
+    end, or with the exact tokens' step as well (FIN_EXACT)."""
+    if exact_in_splits:
+        return (_source(_EXACT_SPLIT) + _TAIL + "    constexpr bool FIN_EXACT = false;\n"
+                + df.MERGE + df.NO_EXACT + df.END + "  }\n")
+    return _source(_WRITE) + _TAIL + "    constexpr bool FIN_EXACT = true;\n" + df.BODY + "  }\n"
+
+
 STEP_NAME = "lc_decode_step_mma"
 
 _STEP_SPEC = KernelSpec(
@@ -884,11 +883,8 @@ _STEP_SPEC = KernelSpec(
     outputs=_SPEC.outputs + ("out", "counter_out"),
     row_contiguous=False,
     header=_HEADER,
-    source=_source(_EXACT_SPLIT) + _TAIL + df.MERGE + df.NO_EXACT + df.END + "  }\n",
+    source=_step_source(True),
 )
-# the exact tokens in the tail (`EXACT_IN_SPLITS` False)
-_STEP_TAIL_SOURCE = (_source(_WRITE) + _TAIL.replace("FIN_EXACT = false", "FIN_EXACT = true")
-                     + df.BODY + "  }\n")
 
 _COUNTERS: dict = {}  # B * H -> the count array the next whole-step launch takes
 
@@ -919,9 +915,9 @@ def _step_spec(p: int) -> KernelSpec:
     key = ("step", p, WARPS, STAGES, EXACT_IN_SPLITS)
     if key not in _SPECS:
         base = _spec(p)
-        source = _STEP_SPEC.source if EXACT_IN_SPLITS else _STEP_TAIL_SOURCE
         _SPECS[key] = dataclasses.replace(_STEP_SPEC, shared_memory=base.shared_memory,
-                                          header=base.header, source=source)
+                                          header=base.header,
+                                          source=_step_source(EXACT_IN_SPLITS))
     return _SPECS[key]
 
 
@@ -940,8 +936,7 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
     """
     B, H, R, P = queries.shape
     L = keys["norm"].shape[2]
-    sink = sink if sink is not None and sink[0].shape[2] else None
-    window = window if window is not None and window[0].shape[2] else None
+    sink, window, exact_arrays, exact_template = df.exact_inputs(sink, window)
 
     def reference():
         parts = da.decode_attend_partials(queries, keys, values, table, table, k_signs,
@@ -958,19 +953,14 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
     params = constant((L, chunk, n_split), mx.int32)
     scales = constant((scale * LOG2E, 1.0 / math.sqrt(P)), mx.float32)
     u32, f16, f32 = mx.uint32, mx.float16, mx.float32
-    dummy = df._dummy()
-    sk, sv = sink if sink is not None else (dummy, dummy)
-    wk, wv = window if window is not None else (dummy, dummy)
     inputs = [queries, da._as(keys["idx"], u32), da._as(keys["norm"], f16),
               da._as(values["idx"], u32), da._as(values["norm"], f16), da._as(table, f32),
-              params, scales, da._as(k_signs, f32), sk, sv, wk, wv, valid_array,
+              params, scales, da._as(k_signs, f32), *exact_arrays, valid_array,
               da._as(v_signs, f32), mean, count_in]
     nt = 32 * WARPS
     template = [("P", P), ("R", R), ("NT", nt), ("NST", STAGES), ("BLK", BLOCK),
-                ("SC", 2 if P == 256 else 1), ("QT", queries.dtype),
-                ("HAS_SINK", int(sink is not None)), ("HAS_WIN", int(window is not None)),
-                ("OT", out_dtype), ("ST", sk.dtype), ("WT", wk.dtype),
-                ("XS", int(EXACT_IN_SPLITS)),  # (the two sources: one name, other templates)
+                ("SC", 2 if P == 256 else 1), ("QT", queries.dtype), *exact_template,
+                ("OT", out_dtype), ("XS", int(EXACT_IN_SPLITS)),  # (the two sources: one name, other templates)
                 ("SW", int(df.SCORE_BY_WARP))]  # (the tail's exact tokens, XS = 0)
     n = B * H * n_split
     outs = run(_step_spec(P), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1),

@@ -228,15 +228,9 @@ MERGE = r"""
 
 """
 
-EXACT = r"""
-  // 3. The exact tokens (sink, then window), base-2 online softmax over tiles of P keys.
-  const int ns = HAS_SINK ? sink_k_shape[2] : 0;
-  const int nw = HAS_WIN ? win_n[0] : 0;  // the window's valid slots (its buffers may be longer)
-  const int E = ns + nw;
-  const int64_t sko = bb * sink_k_strides[0] + hh * sink_k_strides[1];
-  const int64_t svo = bb * sink_v_strides[0] + hh * sink_v_strides[1];
-  const int64_t wko = bb * win_k_strides[0] + hh * win_k_strides[1];
-  const int64_t wvo = bb * win_v_strides[0] + hh * win_v_strides[1];
+# the exact tokens' state (base-2 m, l, acc of each row at this thread's dim), empty: where step
+# 3 starts from, and all of it when the exact tokens are already in the splits' states
+NO_EXACT = r"""
   float m_e[R];
   float l_e[R];
   float acc_e[R];
@@ -245,6 +239,17 @@ EXACT = r"""
     l_e[r] = 0.0f;
     acc_e[r] = 0.0f;
   }
+"""
+
+EXACT = NO_EXACT + r"""
+  // 3. The exact tokens (sink, then window), base-2 online softmax over tiles of P keys.
+  const int ns = HAS_SINK ? sink_k_shape[2] : 0;
+  const int nw = HAS_WIN ? win_n[0] : 0;  // the window's valid slots (its buffers may be longer)
+  const int E = ns + nw;
+  const int64_t sko = bb * sink_k_strides[0] + hh * sink_k_strides[1];
+  const int64_t svo = bb * sink_v_strides[0] + hh * sink_v_strides[1];
+  const int64_t wko = bb * win_k_strides[0] + hh * win_k_strides[1];
+  const int64_t wvo = bb * win_v_strides[0] + hh * win_v_strides[1];
   // Scores, SW (`SCORE_BY_WARP`): warp w takes the tile's keys w, w + NW, ...; its lanes split
   // the dims (lane + 32 j), so a warp reads each key row with whole-row loads, and a warp sum
   // gives the key's score per row, passed through `wts` to thread d = the key's index in the
@@ -361,17 +366,6 @@ END = r"""
   }
 """
 
-# step 3 when the exact tokens are already in the splits' states: an empty state
-NO_EXACT = r"""
-  float m_e[R];
-  float l_e[R];
-  float acc_e[R];
-  LC_UNROLL for (int r = 0; r < R; ++r) {
-    m_e[r] = -LC_INF;
-    l_e[r] = 0.0f;
-    acc_e[r] = 0.0f;
-  }
-"""
 
 BODY = MERGE + EXACT + END
 
@@ -395,15 +389,9 @@ def decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale
     m, l, acc = split_combine_reference(m_p, l_p, acc_p)  # (N, R), (N, R), (N, R, P)
     m, l = m.reshape(B, H, R, 1), l.reshape(B, H, R, 1)
     acc = mx.hadamard_transform(acc.reshape(B, H, R, P), scale=1.0 / math.sqrt(P)) * signs
-    exact = [part for part in (sink, window) if part is not None and part[0].shape[2]]
-    if exact:
-        keys = mx.concatenate([e[0].astype(mx.float32) for e in exact], axis=2)
-        values = mx.concatenate([e[1].astype(mx.float32) for e in exact], axis=2)
-        s = (q.astype(mx.float32) @ keys.swapaxes(-1, -2)) * scale  # (B, H, R, E)
-        if window is not None and window[0].shape[2] and count is not None:
-            ns = keys.shape[2] - window[0].shape[2]
-            slot = mx.arange(keys.shape[2]) - ns  # window slot of each key (sink: negative)
-            s = mx.where(slot < count[:1], s, -mx.inf)  # (count: zero-padded, `constant`)
+    exact = exact_scores(q, sink, window, scale, count)
+    if exact is not None:
+        s, values = exact
         m_e = s.max(axis=-1, keepdims=True)
         m_e = mx.where(m_e == -mx.inf, 0.0, m_e)  # no valid exact token: p = 0
         p = mx.exp(s - m_e)
@@ -414,6 +402,23 @@ def decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale
         acc = acc * c1 + (p @ values) * c2
     out = acc / mx.maximum(l, 1e-30) + mean
     return out.astype(out_dtype)
+
+
+def exact_scores(q, sink, window, scale, count=None):
+    """(s, values) of the exact tokens (sink, then window): s (B, H, R, E) float32 scores in
+    natural-log units, window slots at or past `count`'s first entry at -inf (None: all
+    valid); values (B, H, E, P) float32. None when there are no exact tokens."""
+    exact = [part for part in (sink, window) if part is not None and part[0].shape[2]]
+    if not exact:
+        return None
+    keys = mx.concatenate([e[0].astype(mx.float32) for e in exact], axis=2)
+    values = mx.concatenate([e[1].astype(mx.float32) for e in exact], axis=2)
+    s = (q.astype(mx.float32) @ keys.swapaxes(-1, -2)) * scale  # (B, H, R, E)
+    if window is not None and window[0].shape[2] and count is not None:
+        ns = keys.shape[2] - window[0].shape[2]
+        slot = mx.arange(keys.shape[2]) - ns  # window slot of each key (sink: negative)
+        s = mx.where(slot < count[:1], s, -mx.inf)  # (count: zero-padded, `constant`)
+    return s, values
 
 
 def supported(p: int, rows: int) -> bool:
@@ -429,6 +434,21 @@ def _dummy() -> mx.array:
     if not _DUMMY:
         _DUMMY.append(mx.zeros((1, 1, 1, 1), dtype=mx.float32))
     return _DUMMY[0]
+
+
+def exact_inputs(sink, window):
+    """The exact tokens as a kernel takes them: (sink, window) with empty parts as None; the
+    arrays sink_k, sink_v, win_k, win_v (a stand-in, never read, for an absent part); and their
+    template entries HAS_SINK, HAS_WIN, ST, WT (input dtypes: MLX versions that key compiled
+    modules by name and template values only must not share one module between dtypes)."""
+    sink = sink if sink is not None and sink[0].shape[2] else None
+    window = window if window is not None and window[0].shape[2] else None
+    dummy = _dummy()
+    sk, sv = sink if sink is not None else (dummy, dummy)
+    wk, wv = window if window is not None else (dummy, dummy)
+    template = [("HAS_SINK", int(sink is not None)), ("HAS_WIN", int(window is not None)),
+                ("ST", sk.dtype), ("WT", wk.dtype)]
+    return sink, window, [sk, sv, wk, wv], template
 
 
 def count(n: int) -> mx.array:
@@ -461,8 +481,7 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
     """
     B, H, R, P = q.shape
     out_dtype = out_dtype or q.dtype
-    sink = sink if sink is not None and sink[0].shape[2] else None
-    window = window if window is not None and window[0].shape[2] else None
+    sink, window, exact, exact_template = exact_inputs(sink, window)
     window_count = valid_array if valid_array is not None else count(
         window[0].shape[2] if window is not None else 0)
 
@@ -472,18 +491,11 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
 
     if backend() == "cpu" or not supported(P, R):
         return reference()[0]
-    dummy = _dummy()
-    sk, sv = sink if sink is not None else (dummy, dummy)
-    wk, wv = window if window is not None else (dummy, dummy)
     scales = constant((scale * LOG2E, 1.0 / math.sqrt(P)), mx.float32)
-    inputs = [m_p, l_p, acc_p, q, sk, sv, wk, wv, window_count, signs, mean, scales]
+    inputs = [m_p, l_p, acc_p, q, *exact, window_count, signs, mean, scales]
     rt = ROWS_PER_GROUP if ROWS_PER_GROUP and R % ROWS_PER_GROUP == 0 else R
-    template = [("P", P), ("R", rt), ("RA", R), ("HAS_SINK", int(sink is not None)),
-                ("HAS_WIN", int(window is not None)), ("OT", out_dtype),
-                # input dtypes: MLX versions that key compiled modules by name and template
-                # values only must not share one module between dtypes
-                ("QT", q.dtype), ("ST", sk.dtype), ("WT", wk.dtype),
-                ("SW", int(SCORE_BY_WARP))]
+    template = [("P", P), ("R", rt), ("RA", R), *exact_template, ("OT", out_dtype),
+                ("QT", q.dtype), ("SW", int(SCORE_BY_WARP))]
     return run(_SPEC, Launch(inputs, template, (B * H * (R // rt) * P, 1, 1), (P, 1, 1),
                              [(B, H, R, P)], [out_dtype]), reference=reference)[0]
 

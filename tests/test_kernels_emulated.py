@@ -377,6 +377,25 @@ def test_decode_attend_mma(monkeypatch, case, odd_rows, shape):
     assert np.abs(m_g.max(axis=1) - np.array(m_r)[..., 0]).max() < 3e-3
 
 
+def _exact_step_inputs(B, H, P, n_sink, n_win, seed):
+    """A decode step's arrays beside its segment: sink and window (the window the valid prefix
+    of a buffer twice as long; None where empty), the key and value rotations' signs, the value
+    mean, and the window's count."""
+    from longctx.kernels import decode_finish as dfin
+    from longctx.quant.rotation import rademacher_signs
+
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return mx.array(rng.normal(size=shape).astype(np.float32))
+
+    sink = (normal(B, H, n_sink, P), normal(B, H, n_sink, P)) if n_sink else None
+    window = ((normal(B, H, 2 * n_win, P)[:, :, :n_win], normal(B, H, 2 * n_win, P)[:, :, :n_win])
+              if n_win else None)
+    k_signs, v_signs = mx.array(rademacher_signs(P, 5)), mx.array(rademacher_signs(P, 6))
+    return sink, window, k_signs, v_signs, normal(B, H, 1, P), dfin.count(n_win)
+
+
 EXACT_PARTIAL_CASES = [  # B, H, R, P, L, n_sink, n_win (of a 2x longer buffer), q dtype, SM_COUNT
     (1, 2, 3, 64, 700, 4, 150, "float16", 1),  # SmolLM2's head dim; several rounds per split
     (1, 1, 4, 128, 2000, 0, 5, "bfloat16", None),  # fewer exact keys than splits
@@ -391,22 +410,12 @@ def test_decode_attend_mma_partials_take_the_exact_tokens(monkeypatch, case):
     reference partials then the finish with the sink and the window; and so does the variant's
     MLX reference (`exact_into_partials`)."""
     from longctx.kernels import decode_finish as dfin
-    from longctx.quant.rotation import rademacher_signs
 
     B, H, R, P, L, n_sink, n_win, qdt, sm = case
     q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + P)
     q = q.astype(getattr(mx, qdt))
-    rng = np.random.default_rng(P)
-
-    def normal(*shape):
-        return mx.array(rng.normal(size=shape).astype(np.float32))
-
-    sink = (normal(B, H, n_sink, P), normal(B, H, n_sink, P)) if n_sink else None
-    window = ((normal(B, H, 2 * n_win, P)[:, :, :n_win], normal(B, H, 2 * n_win, P)[:, :, :n_win])
-              if n_win else None)
-    k_signs, v_signs = mx.array(rademacher_signs(P, 5)), mx.array(rademacher_signs(P, 6))
-    mean = normal(B, H, 1, P)
-    count = dfin.count(n_win)
+    sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win,
+                                                                     seed=P)
     scale = P ** -0.5
     parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
                                       value_bits=4, scale=scale)
@@ -448,7 +457,6 @@ def test_decode_step_mma_whole(monkeypatch, case, in_splits):
     rounding; its count output is zeros, which the next launch takes, and that launch gives the
     same output (threadgroups in another order: the emulator shuffles them per grid size)."""
     from longctx.kernels import decode_finish as dfin
-    from longctx.quant.rotation import rademacher_signs
 
     B, H, R, P, L, n_sink, n_win, qdt, sm, warps = case
     if sm:
@@ -457,17 +465,8 @@ def test_decode_step_mma_whole(monkeypatch, case, in_splits):
     monkeypatch.setattr(dm, "EXACT_IN_SPLITS", in_splits)
     q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + R)
     q = q.astype(getattr(mx, qdt))
-    rng = np.random.default_rng(L)
-
-    def normal(*shape):
-        return mx.array(rng.normal(size=shape).astype(np.float32))
-
-    sink = (normal(B, H, n_sink, P), normal(B, H, n_sink, P)) if n_sink else None
-    window = ((normal(B, H, 2 * n_win, P)[:, :, :n_win], normal(B, H, 2 * n_win, P)[:, :, :n_win])
-              if n_win else None)
-    k_signs, v_signs = mx.array(rademacher_signs(P, 5)), mx.array(rademacher_signs(P, 6))
-    mean = normal(B, H, 1, P)
-    count = dfin.count(n_win)
+    sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win,
+                                                                     seed=L)
     args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5, mx.float32,
             count)
     parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,

@@ -95,29 +95,25 @@ def _step(kc, vc, scale, dtype, mma, whole, queries, seg_k, seg_v, k_arrays, v_a
     B, Hq, _, D = queries.shape
     H = mean.shape[1]
     q = queries.reshape(B, H, Hq // H, D)  # rows grouped per KV head
+    sink = tuple(sink) if sink else None
+    window = tuple(window) if window else None
     if whole:  # one launch: the tensor-core kernel and the finish (`decode_step_mma`)
-        out, counts = dm.decode_step_mma(q, seg_k, seg_v, k_arrays[0], k_arrays[1],
-                                         tuple(sink) if sink else None,
-                                         tuple(window) if window else None, v_arrays[1], mean,
-                                         scale, dtype, count, counts)
+        out, counts = dm.decode_step_mma(q, seg_k, seg_v, k_arrays[0], k_arrays[1], sink,
+                                         window, v_arrays[1], mean, scale, dtype, count, counts)
         return out.reshape(B, Hq, 1, D), counts
-    if mma and dm.EXACT_IN_SPLITS and (sink or window):
-        # the tensor-core kernel with the exact tokens folded into its splits: the finish merges
+    if mma:  # the tensor-core kernel (`decode_attend_mma`), the exact tokens in its splits
+        folded = dm.EXACT_IN_SPLITS
         partials = dm.decode_attend_mma_partials(
             q, seg_k, seg_v, k_arrays[0], k_arrays[1], scale=scale,
-            sink=tuple(sink) if sink else None, window=tuple(window) if window else None,
+            sink=sink if folded else None, window=window if folded else None,
             v_signs=v_arrays[1], valid_array=count)
-        return df.decode_finish(*partials, q, None, None, v_arrays[1], mean, scale, dtype
-                                ).reshape(B, Hq, 1, D), counts
-    if mma:  # the tensor-core kernel (`decode_attend_mma`)
-        partials = dm.decode_attend_mma_partials(q, seg_k, seg_v, k_arrays[0], k_arrays[1],
-                                                 scale=scale)
+        if folded:  # the finish only merges
+            sink = window = None
     else:
         partials = da.decode_attend_partials(q, seg_k, seg_v, k_arrays[0], v_arrays[0],
                                              k_arrays[1], key_bits=kc.spec.bits,
                                              value_bits=vc.spec.bits, scale=scale)
-    return df.decode_finish(*partials, q, tuple(sink) if sink else None,
-                            tuple(window) if window else None, v_arrays[1], mean, scale, dtype,
+    return df.decode_finish(*partials, q, sink, window, v_arrays[1], mean, scale, dtype,
                             valid_array=count).reshape(B, Hq, 1, D), counts
 
 
