@@ -60,7 +60,7 @@ for phase in "${phases[@]}"; do
       # Full fp32 matmuls: the test oracles need them (MLX uses TF32 by default on this GPU).
       MLX_ENABLE_TF32=0 run gpu_tests 400 python3 -m pytest -q -rfEs -p no:cacheprovider $workers \
         tests/test_kernels.py tests/test_kvcache.py tests/test_dense_gpu.py \
-        tests/test_kernel_fallback.py ;;
+        tests/test_kernel_fallback.py tests/test_prefill_layers.py ;;
     attend)
       # ATTEND_ARGS="--heads 28 4 --name attend_h200_qwen2.5-7b": another shape, its own file;
       # ATTEND_ARGS="--methods fp16_sdpa fused_tq4 ...": those rows only (and torch's anchors),
@@ -97,11 +97,12 @@ for phase in "${phases[@]}"; do
       python3 benchmarks/ncu_sass.py "$out/ncusass.csv" --top 40 > "$out/ncu_sass.txt" 2>&1
       tail -60 "$out/ncu_sass.txt" ;;
     prefill)
-      # the tq4:queueK rows queue a chunk's graph every K layers (`prefill_queue_every`; the
-      # default queues every layer); PREFILL_QUEUE="" leaves them out
+      # the tq4:queueK rows queue the graph every K layer-chunks (`prefill_queue_every`; the
+      # default is 4), PREFILL_QUEUE="" leaves them out; tq4:token is the token-major loop
+      # (`prefill_order`; the GPU's default is layer-major), PREFILL_ORDERS="" leaves it out
       run prefill 400 python3 benchmarks/prefill_shapes.py --shapes smollm2-135m llama-3.1-8b \
-        --tokens 8192 32768 --kv fp16 tq4 --queue-every ${PREFILL_QUEUE-4 30} ${PREFILL_ARGS:-} \
-        --name prefill_gpu
+        --tokens 8192 32768 --kv fp16 tq4 --queue-every ${PREFILL_QUEUE-1 16} \
+        --orders ${PREFILL_ORDERS-token} ${PREFILL_ARGS:-} --name prefill_gpu
       keep benchmarks/results/prefill_gpu.json ;;
     profile)
       run profile 200 python3 benchmarks/prefill_profile.py --name prefill_profile_gpu

@@ -6,11 +6,12 @@ chunk; the Metal watchdog kills command buffers that run too long). `--blocked` 
 compressed preset with the dense GPU prefill path switched off (the blocked MLX path: what ran
 before `kvcache.dense_gpu`); `--sync-ab` with no bound on the layers a chunk keeps in flight
 (`prefill_inflight` 0, as before the bound: every layer queued at once) and with a wait at every
-layer (a 1-byte budget).
+layer (a 1-byte budget), both token-major; `--orders token` the token-major loop beside the default
+(layer-major on a GPU, `longctx.prefill_layers`).
 
 Usage: python benchmarks/prefill_shapes.py [--shapes smollm2-135m llama-3.1-8b] [--tokens 8192 32768]
        [--kv fp16 tq4] [--bits 0] [--blocked] [--sync-ab] [--queue-every 4 8]
-       [--host-profile] [--name prefill_gpu]
+       [--orders token] [--host-profile] [--name prefill_gpu]
 """
 
 from __future__ import annotations
@@ -33,35 +34,23 @@ from longctx.kvcache import turbo  # noqa: E402
 
 
 def prefill_once(model, ids, preset, chunk):
-    """(seconds, peak bytes, longest chunk s, host s inside the model calls) of one prefill,
-    chunk by chunk as `engine.prefill` does."""
+    """(seconds, peak bytes, longest evaluation s) of one `engine.prefill` (which fills an empty
+    compressed cache layer by layer on a GPU, `prefill_order`)."""
     cache = kvcache.make(model, preset)
-    longest = build = 0.0
     mx.synchronize()
-    mx.reset_peak_memory()
-    start = time.perf_counter()
-    for lo in range(0, len(ids), chunk):
-        t = time.perf_counter()
-        model(mx.array(ids[lo:lo + chunk], dtype=mx.int32)[None], cache=cache)
-        build += time.perf_counter() - t
-        mx.eval([c.state for c in cache])
-        turbo.drain()  # as engine.prefill does after each chunk
-        longest = max(longest, time.perf_counter() - t)
-    mx.synchronize()
-    seconds = time.perf_counter() - start
-    peak = mx.get_peak_memory()
+    stats = engine.prefill(model, ids, cache, chunk=chunk, pairs=0)
     del cache
     gc.collect()
     mx.clear_cache()
-    return seconds, peak, longest, build
+    return stats.seconds, stats.peak_bytes, stats.max_eval_seconds
 
 
-def host_profile(model, ids, preset, chunk, label, dense, budget) -> None:
+def host_profile(model, ids, preset, chunk, label, settings) -> None:
     """Print the cProfile of one more (steady) prefill: the host's time by function."""
     import cProfile
     import pstats
 
-    with config.override(dense_gpu=dense, prefill_inflight=budget):
+    with config.override(**settings):
         prof = cProfile.Profile()
         prof.enable()
         prefill_once(model, ids, preset, chunk)
@@ -84,6 +73,8 @@ def main() -> None:
     ap.add_argument("--queue-every", type=int, nargs="*", default=[],
                     help="also each compressed preset queueing its graph every k layers "
                          "(prefill_queue_every k), e.g. 4 8 30")
+    ap.add_argument("--orders", nargs="*", default=[], choices=["layer", "token"],
+                    help="also each compressed preset in this prefill order (prefill_order)")
     ap.add_argument("--host-profile", action="store_true",
                     help="also one more prefill per compressed preset under cProfile (printed: "
                          "where the host's time goes, evaluation included)")
@@ -98,29 +89,32 @@ def main() -> None:
         for n in args.tokens:
             ids = mx.random.randint(0, 32000, (n,)).tolist()
             prefill_once(model, ids[:1024], kvcache.get_preset("fp16"), args.chunk)  # warm-up
-            inflight = config.get("prefill_inflight")
-            variants = [(kv, True, inflight) for kv in args.kv]
+            # (label, settings): the default, then the A/B rows asked for
+            variants = [(kv, {}) for kv in args.kv]
+            compressed = [kv for kv in args.kv if kv != "fp16"]
             if args.blocked:
-                variants += [(kv + ":blocked", False, inflight) for kv in args.kv if kv != "fp16"]
+                variants += [(kv + ":blocked", {"dense_gpu": False, "prefill_order": "token"})
+                             for kv in compressed]
             if args.sync_ab:
-                variants += [(kv + suffix, True, budget) for kv in args.kv if kv != "fp16"
+                variants += [(kv + suffix, {"prefill_inflight": budget, "prefill_order": "token"})
+                             for kv in compressed
                              for suffix, budget in ((":unbounded", 0), (":everylayer", 1),
-                                                        (":4gib", 4 * 2**30))]
-            # queue the graph every k layers (`prefill_queue_every`), the default budget
-            variants += [(f"{kv}:queue{k}", True, inflight) for kv in args.kv if kv != "fp16"
-                         for k in args.queue_every]
-            for label, dense, budget in variants:
+                                                    (":4gib", 4 * 2**30))]
+            # queue the graph every k layer-chunks (`prefill_queue_every`)
+            variants += [(f"{kv}:queue{k}", {"prefill_queue_every": k})
+                         for kv in compressed for k in args.queue_every]
+            # the other prefill order (`prefill_order`; the default on a GPU is layer)
+            variants += [(f"{kv}:{order}", {"prefill_order": order})
+                         for kv in compressed for order in args.orders]
+            for label, settings in variants:
                 preset = kvcache.get_preset(label.split(":")[0])
-                every = int(label.split(":queue")[1]) if ":queue" in label else config.get(
-                    "prefill_queue_every")
-                with config.override(dense_gpu=dense, prefill_inflight=budget,
-                                     prefill_queue_every=every):
+                with config.override(**settings):
                     # twice: the first run meets every chunk's shapes for the first time (MLX
                     # kernels, cuDNN graphs keyed by shape and strides), as one ingest does;
                     # the second is the steady rate, the same for every variant whatever ran
                     # before it
-                    s0, _, longest0, _ = prefill_once(model, ids, preset, args.chunk)
-                    s, peak, longest, _ = prefill_once(model, ids, preset, args.chunk)
+                    s0, _, longest0 = prefill_once(model, ids, preset, args.chunk)
+                    s, peak, longest = prefill_once(model, ids, preset, args.chunk)
                 rows.append({"shape": shape, "kv": label, "tokens": n, "seconds": s,
                              "tokens_per_second": n / s, "peak_bytes": peak,
                              "weights_bytes": weights, "longest_eval_seconds": longest,
@@ -129,8 +123,7 @@ def main() -> None:
                 print(f"{shape:>14} {label:>16} {n:>7} {s:>7.2f} {n / s:>8.0f} "
                       f"{peak / 2**30:>9.2f} {longest:>10.3f}  first run {s0:.2f} s", flush=True)
                 if args.host_profile:
-                    with config.override(prefill_queue_every=every):
-                        host_profile(model, ids, preset, args.chunk, label, dense, budget)
+                    host_profile(model, ids, preset, args.chunk, label, settings)
         del model
         gc.collect()
         mx.clear_cache()

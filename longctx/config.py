@@ -105,9 +105,15 @@ SETTINGS: dict[str, Setting] = {
                                 "chunk keeps queued (past it, each layer waits for older ones; "
                                 "0: no bound)"),
     "prefill_queue_every": Setting("LONGCTX_PREFILL_QUEUE_EVERY", _count, 4,
-                                   "GPU: a compressed prefill chunk queues its graph for the GPU "
-                                   "every this many layers (each queueing costs host time; the "
-                                   "in-flight bound still waits as prefill_inflight says)"),
+                                   "GPU: a compressed prefill queues its graph for the GPU every "
+                                   "this many layer-chunks (a chunk's layers token-major, a "
+                                   "layer's chunks layer-major; each queueing costs host time; "
+                                   "the in-flight bound still waits as prefill_inflight says)"),
+    "prefill_order": Setting("LONGCTX_PREFILL_ORDER", _choice("auto", "layer", "token"), "auto",
+                             "compressed prefill of an empty cache: layer by layer, each layer "
+                             "attending its keys exactly before they are compressed (layer), or "
+                             "chunk by chunk through every layer, attending the compressed "
+                             "prefix (token); auto: layer on a GPU, token on the CPU"),
     "dense_gpu": Setting("LONGCTX_DENSE_GPU", _flag, True,
                          "GPU: prefill chunks dequantize the cache and run fp16 SDPA (0: the "
                          "blocked MLX path)"),

@@ -2,7 +2,8 @@
 
 Prefill runs the model over the prompt in chunks and evaluates only the cache state: MLX is lazy,
 so the LM-head matmul built for each chunk is never computed (no logits for prompt positions),
-the same trick mlx-lm's `generate_step` uses. Decoding is a small loop of our own (`token_stream`),
+the same trick mlx-lm's `generate_step` uses. On a GPU an empty compressed cache is filled layer
+by layer instead (`longctx.prefill_layers`). Decoding is a small loop of our own (`token_stream`),
 so answering needs no import of mlx-lm's generate module (nor, through it, of transformers).
 """
 
@@ -49,7 +50,8 @@ class PrefillStats:
     # The longest single chunk (forward pass + mx.eval): one command buffer's worth of work, which
     # the Metal watchdog kills after a few seconds (mlx-lm issue #1087).
     max_eval_seconds: float = 0.0
-    chunk_seconds: tuple[float, ...] = ()  # every chunk's time, in order
+    # every chunk's time, in order (a layer-major prefill: the time between its waits)
+    chunk_seconds: tuple[float, ...] = ()
 
     @property
     def max_steady_eval_seconds(self) -> float:
@@ -85,6 +87,7 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
     """
     import mlx.core as mx
 
+    from longctx import prefill_layers
     from longctx.kvcache import turbo
 
     if chunk < 1:
@@ -92,25 +95,32 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
     mx.reset_peak_memory()
     start = time.perf_counter()
     total = len(tokens)
-    times: list[float] = []
     if pairs is None:
         from longctx import config
 
         pairs = config.get("prefill_pairs")
     start_offset = getattr(cache[0], "offset", 0) if cache else 0  # a prefix already cached
+    bounds = []
     lo = 0
     while lo < total:
-        t = time.perf_counter()
         hi = min(total, lo + chunk_at(start_offset + lo, chunk, pairs))
+        bounds.append((lo, hi))
+        lo = hi
+    times = None  # on a GPU, an empty compressed cache fills layer by layer (`prefill_layers`)
+    if total and prefill_layers.applies(model, cache):
+        times = prefill_layers.prefill(model, tokens, cache, bounds, progress)
+    for lo, hi in bounds if times is None else ():
+        times = times or []
+        t = time.perf_counter()
         piece = mx.array(tokens[lo:hi], dtype=mx.int32)[None]  # (1, T)
         model(piece, cache=cache)  # logits stay an unevaluated graph node
         mx.eval(_cache_arrays(cache))
         turbo.drain()  # the chunk's queued layers are done
         times.append(time.perf_counter() - t)
-        lo = hi
         if progress:
-            progress(lo, total)
+            progress(hi, total)
     mx.synchronize()
+    times = times or []
     return PrefillStats(total, time.perf_counter() - start, mx.get_peak_memory(),
                         max(times, default=0.0), tuple(times))
 

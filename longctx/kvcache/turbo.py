@@ -235,6 +235,7 @@ class TurboQuantCache:
         self._rot_sink: tuple[mx.array, mx.array] | None = None  # rotated_sink() in fp16, once
         self._plan = [None]  # the decode step's kept launch (`CompressedKV.plan`)
         self._step_base = None  # (state, fields) of the last decode view (`_step_view`)
+        self._absorbing = False  # in `absorb`: no in-flight bound
 
     @property
     def sink_len(self) -> int:
@@ -325,7 +326,7 @@ class TurboQuantCache:
             self._window_write(*_center_pair(keys, values, *self.means))
             view = self._step_view()
             return view, view
-        if self.prefix_len + self.tail_len:
+        if self.prefix_len + self.tail_len and not self._absorbing:
             self._bound_inflight(keys, values)
         fused = self._fused_chunk(keys, values)
         if fused is not None:
@@ -343,6 +344,18 @@ class TurboQuantCache:
         # The newest tokens stay as slices (a prefill's next chunk concatenates them anyway)
         self.window = (k[:, :, old:], v[:, :, old:]) if self.window_cap else None
         return view, view
+
+    def absorb(self, keys: mx.array, values: mx.array) -> None:
+        """Append (B, H_kv, L, D) keys and values that attention has already read exactly (a
+        layer-major prefill, `longctx.prefill_layers`): `update_and_fetch` without the view's use
+        and without the in-flight bound, whose queued layers this path does not build. Called
+        with the chunks a token-major prefill would append, it stores what that would store for
+        the same keys and values."""
+        self._absorbing = True
+        try:
+            self.update_and_fetch(keys, values)
+        finally:
+            self._absorbing = False
 
     def _centered(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return _center(keys, values, *self.means)

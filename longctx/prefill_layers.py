@@ -1,0 +1,175 @@
+"""Layer-major prefill: the whole prompt through one layer at a time, each layer attending its own
+keys and values exactly, which are then compressed into that layer's cache.
+
+`engine.prefill`'s token-major loop runs each chunk through every layer, so every layer-chunk
+attends the compressed prefix: on a GPU it dequantizes the whole prefix to fp16 rows first
+(`kvcache.dense_gpu`), work that grows with the prefix and that an fp16 cache never does (at 32k
+tokens it held the compressed prefill at 0.53-0.71x fp16's rate on the H200). Here layer j's
+chunks attend an uncompressed staging cache (mlx-lm's `KVCache`, the fp16 path's own attention,
+SDPA over the model's dtype), and once every chunk of layer j has run, its keys and values go
+into layer j's compressed cache chunk by chunk, as the token-major loop would have appended them
+(`TurboQuantCache.absorb`). The compressed cache is then the compression of exactly the keys and
+values an fp16 prefill makes (the token-major loop's later layers see keys shaped by the earlier
+layers' compressed attention instead).
+
+Memory: one layer's staging keys and values plus the hidden states of the whole prompt (two
+layers' worth while one is built from the other): at 32k tokens of an 8B model 0.125 + 2 x 0.25
+GiB, where the fp16 cache is 4 GiB.
+
+How the layers run without forking the model's code: for the pass of layer j, the entries of
+`model.layers` are stand-ins (`_Stand`). The model is called on a chunk as usual (its own
+embedding, mask and rope offsets, from the staging cache every entry of the cache list points
+to); stand-ins before j-1 hand their input on untouched, the stand-in of j-1 returns that
+chunk's stored output of layer j-1, and the stand-in of j runs the real layer, keeps its output
+and stops the call (`_Stop`): nothing after layer j is built. Unused lazy arrays (the
+embedding, past layer 0) are never computed. A model whose call does not go through
+`model.layers` is seen at its first chunk (the stand-in of layer 0 is never reached) and gets
+the token-major loop, with nothing written yet.
+
+Where: `applies` (the `prefill_order` setting: `auto` takes this path on a GPU for an empty
+cache whose layers are all compressed; the CPU keeps the token-major loop, already faster than
+its fp16 cache there).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+Progress = Callable[[int, int], None]
+
+
+class _Stop(Exception):
+    """Raised by the active layer's stand-in once its output is kept: ends the model call."""
+
+
+class _Stand:
+    """Stands in for entry `i` of `model.layers` (the module `layer`) while one layer's pass runs
+    (see the module docstring); `run` decides what a call does. Every other attribute is the
+    layer's (models read some, e.g. llama's `use_sliding`, to pick a layer's mask)."""
+
+    __slots__ = ("i", "layer", "run")
+
+    def __init__(self, i: int, layer, run):
+        self.i, self.layer, self.run = i, layer, run
+
+    def __call__(self, x, *args, **kwargs):
+        return self.run(self.i, x, args, kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.layer, name)
+
+
+def applies(model, cache: list) -> bool:
+    """Whether `prefill` takes this path: the `prefill_order` setting (`token`: never; `layer`:
+    wherever it can; `auto`: on a GPU), an empty cache whose every layer is compressed
+    (`TurboQuantCache`: sliding-window layers' masks depend on their own offsets) and a model
+    with one `layers` entry per cache entry."""
+    from longctx import config
+    from longctx.kernels import backend
+    from longctx.kvcache.turbo import TurboQuantCache
+
+    order = config.get("prefill_order")
+    if order == "token" or (order == "auto" and backend() == "cpu"):
+        return False
+    layers = getattr(model, "layers", None)
+    return (bool(cache) and isinstance(layers, list) and len(layers) == len(cache)
+            and all(type(c) is TurboQuantCache and c.offset == 0 for c in cache))
+
+
+def _staging(total: int):
+    """An mlx-lm `KVCache` that allocates room for `total` tokens at its first update (its
+    default step, 256, would copy the whole buffer again at every chunk)."""
+    from mlx_lm.models.cache import KVCache
+
+    stage = KVCache()
+    stage.step = max(total, 1)
+    return stage
+
+
+def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]],
+            progress: Progress | None = None) -> list[float] | None:
+    """Fill the empty compressed `cache` with `tokens`, layer by layer (module docstring).
+
+    Args:
+        model: an mlx-lm model whose `layers` list its call runs through.
+        tokens: the prompt token ids.
+        cache: one empty `TurboQuantCache` per layer (`applies`).
+        bounds: the chunks, (lo, hi) token ranges in order, as the token-major loop cuts them:
+            each is one model call per layer, and one `absorb` into the compressed cache.
+        progress: `progress(done, total)` after every queued group of chunks, `done` the
+            tokens' share of the work finished so far (layers x chunks).
+
+    Returns:
+        the wall seconds between the waits (one per group of chunks: the longest is the
+        longest a queued evaluation ran), or None when the model's call did not reach its
+        layers (the caller runs the token-major loop; nothing was written).
+    """
+    import mlx.core as mx
+
+    from longctx import config
+
+    layers = model.layers
+    real = list(layers)
+    n_layers, total = len(real), len(tokens)
+    pieces = [mx.array(tokens[lo:hi], dtype=mx.int32)[None] for lo, hi in bounds]  # (1, T) each
+    every = max(1, config.get("prefill_queue_every"))
+    at = {"layer": 0, "chunk": 0, "out": None}
+    hidden: list = []  # the previous layer's output, per chunk
+
+    def run(i: int, x, args, kwargs):
+        j = at["layer"]
+        if i < j - 1:
+            return x
+        if i == j - 1:
+            return hidden[at["chunk"]]
+        at["out"] = real[i](x, *args, **kwargs)
+        raise _Stop
+
+    times: list[float] = []
+    queued: list = []  # arrays of the groups queued and not yet waited for, oldest first
+    t = time.perf_counter()
+    done, work = 0, n_layers * len(pieces)
+    layers[:] = [_Stand(i, layer, run) for i, layer in enumerate(real)]
+    try:
+        for j in range(n_layers):
+            stage = _staging(total)
+            stages = [stage] * n_layers  # the model's mask and rope read cache[0] / cache[j]
+            outs = []
+            for c, piece in enumerate(pieces):
+                at["layer"], at["chunk"] = j, c
+                try:
+                    model(piece, cache=stages)
+                except _Stop:
+                    pass
+                else:
+                    if j == 0 and c == 0:
+                        return None  # the model's call bypassed `layers`: nothing was written
+                    raise RuntimeError("the model's call stopped going through model.layers")
+                outs.append(at["out"])
+                at["out"] = None
+                last = c == len(pieces) - 1
+                if last:  # the layer's exact keys and values into its compressed cache
+                    keys, values = stage.keys[..., :total, :], stage.values[..., :total, :]
+                    for lo, hi in bounds:
+                        cache[j].absorb(keys[:, :, lo:hi], values[:, :, lo:hi])
+                    stage = stages = None
+                if (c + 1) % every == 0 or last:
+                    group = outs[-every:] + (list(cache[j].state) if last else [])
+                    mx.async_eval(group)
+                    queued.append(group)
+                    if len(queued) > 2:  # bound the host's run-ahead: GPU buffers are allocated
+                        mx.eval(queued.pop(0))  # when their launches are queued
+                        now = time.perf_counter()
+                        times.append(now - t)
+                        t = now
+                    done = j * len(pieces) + c + 1
+                    if progress:
+                        progress(total * done // work, total)
+            hidden = outs
+    finally:
+        layers[:] = real
+    for group in queued:
+        mx.eval(group)
+    times.append(time.perf_counter() - t)
+    return times

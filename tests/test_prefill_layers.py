@@ -1,0 +1,186 @@
+"""Layer-major prefill (`longctx.prefill_layers`): what it stores, when it runs, what it restores."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from longctx import config, engine, kvcache, prefill_layers
+from longctx.kvcache.turbo import TurboQuantCache
+from longctx.runtime import models
+
+from conftest import make_tiny_model
+
+CHUNK = 96  # several chunks, the last one short
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-3", layers=3, attn_gain=2.0)
+    return models.load(models.resolve(str(path)))
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 200, n).tolist()
+
+
+def _arrays(cache: list, preset) -> dict:
+    kvcache.seal(cache)
+    return {k: np.array(v.astype(mx.float32)) for k, v in kvcache.to_arrays(cache, preset).items()}
+
+
+def _prefill(model, tokens, preset, order: str, progress=None, pairs=0):
+    cache = kvcache.make(model, preset)
+    with config.override(prefill_order=order):
+        stats = engine.prefill(model, tokens, cache, chunk=CHUNK, progress=progress, pairs=pairs)
+    return cache, stats
+
+
+def _fp16_then_compressed(model, tokens, preset, pairs=0):
+    """The oracle: an fp16 prefill (token-major, exact attention), then each layer's keys and
+    values appended to a fresh compressed cache in the same chunks."""
+    exact, _ = _prefill(model, tokens, kvcache.get_preset("fp16"), "token", pairs=pairs)
+    cache = kvcache.make(model, preset)
+    bounds, lo = [], 0
+    while lo < len(tokens):
+        hi = min(len(tokens), lo + engine.chunk_at(lo, CHUNK, pairs))
+        bounds.append((lo, hi))
+        lo = hi
+    for c, e in zip(cache, exact):
+        k, v = e.keys[..., :e.offset, :], e.values[..., :e.offset, :]
+        for lo, hi in bounds:
+            c.absorb(k[:, :, lo:hi], v[:, :, lo:hi])
+    return cache
+
+
+@pytest.mark.parametrize("name", ["tq4", "rvq2+2"])
+def test_layer_major_stores_the_compression_of_the_fp16_prefills_keys(lm, name):
+    preset = kvcache.get_preset(name)
+    tokens = _tokens(5 * CHUNK + 37)
+    layered, _ = _prefill(lm.model, tokens, preset, "layer")
+    want = _arrays(_fp16_then_compressed(lm.model, tokens, preset), preset)
+    got = _arrays(layered, preset)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    # and it is not what the token-major loop stores (its later layers' keys come from the
+    # earlier layers' compressed attention): the test tells the two paths apart
+    tokenwise = _arrays(_prefill(lm.model, tokens, preset, "token")[0], preset)
+    assert any(not np.array_equal(tokenwise[k], want[k]) for k in want if k.startswith("1."))
+
+
+def test_layer_major_answers_as_its_oracle_cache_does(lm):
+    preset = kvcache.get_preset("tq4")
+    tokens = _tokens(4 * CHUNK)
+    layered, _ = _prefill(lm.model, tokens, preset, "layer")
+    oracle = _fp16_then_compressed(lm.model, tokens, preset)
+    question = _tokens(9, seed=1)
+    got = engine.greedy_tokens(lm.model, question, kvcache.fork(layered), 12)
+    want = engine.greedy_tokens(lm.model, question, kvcache.fork(oracle), 12)
+    assert got == want and len(got) == 12
+
+
+def test_layer_major_keeps_the_chunks_the_pairs_bound_cuts(lm):
+    preset = kvcache.get_preset("tq4")
+    tokens = _tokens(6 * CHUNK)
+    pairs = CHUNK * 3 * CHUNK  # chunks shrink past 2 chunks of prefix
+    layered, _ = _prefill(lm.model, tokens, preset, "layer", pairs=pairs)
+    want = _arrays(_fp16_then_compressed(lm.model, tokens, preset, pairs=pairs), preset)
+    got = _arrays(layered, preset)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_progress_reaches_the_total_and_never_goes_back(lm):
+    seen = []
+    tokens = _tokens(5 * CHUNK + 3)
+    with config.override(prefill_queue_every=2):
+        _prefill(lm.model, tokens, kvcache.get_preset("tq4"), "layer",
+                 progress=lambda done, total: seen.append((done, total)))
+    assert seen[-1] == (len(tokens), len(tokens))
+    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+    # three layers of six chunks, queued every two chunks: nine reports
+    assert len(seen) == 9
+
+
+def test_the_layers_list_is_restored_even_when_progress_raises(lm):
+    layers = list(lm.model.layers)
+
+    def stop(done, total):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _prefill(lm.model, _tokens(3 * CHUNK), kvcache.get_preset("tq4"), "layer", progress=stop)
+    assert all(a is b for a, b in zip(lm.model.layers, layers))
+    assert len(lm.model.layers) == len(layers)
+
+
+class _Bypass:
+    """A model whose call does not run through its `layers` list (a copy of it)."""
+
+    def __init__(self, model):
+        self.model, self.layers = model, list(model.layers)
+        self._own = list(model.layers)
+
+    def __call__(self, ids, cache=None):
+        inner = self.model.model
+        h = inner.embed_tokens(ids)
+        mask = "causal" if ids.shape[1] > 1 else None
+        for layer, c in zip(self._own, cache):
+            h = layer(h, mask, cache=c)
+        return inner.embed_tokens.as_linear(inner.norm(h))
+
+
+def test_a_model_that_bypasses_its_layers_list_gets_the_token_major_loop(lm):
+    preset = kvcache.get_preset("tq4")
+    tokens = _tokens(3 * CHUNK)
+    bypass = _Bypass(lm.model)
+    got = _arrays(_prefill(bypass, tokens, preset, "layer")[0], preset)
+    want = _arrays(_prefill(lm.model, tokens, preset, "token")[0], preset)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_when_it_applies(lm, monkeypatch):
+    model = lm.model
+    tq4, fp16 = kvcache.get_preset("tq4"), kvcache.get_preset("fp16")
+    with config.override(prefill_order="layer"):
+        assert prefill_layers.applies(model, kvcache.make(model, tq4))
+        assert not prefill_layers.applies(model, kvcache.make(model, fp16))
+        filled = kvcache.make(model, tq4)
+        engine.prefill(model, _tokens(CHUNK), filled, chunk=CHUNK)
+        assert not prefill_layers.applies(model, filled)  # a cached prefix: token-major
+    with config.override(prefill_order="token"):
+        assert not prefill_layers.applies(model, kvcache.make(model, tq4))
+    with config.override(prefill_order="auto"):
+        monkeypatch.setattr("longctx.kernels.backend", lambda: "cpu")
+        assert not prefill_layers.applies(model, kvcache.make(model, tq4))
+        monkeypatch.setattr("longctx.kernels.backend", lambda: "cuda")
+        assert prefill_layers.applies(model, kvcache.make(model, tq4))
+    assert all(type(c) is TurboQuantCache for c in kvcache.make(model, tq4))
+
+
+ON_GPU = __import__("longctx.kernels", fromlist=["backend"]).backend() in ("metal", "cuda")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a Metal or CUDA device")
+@pytest.mark.parametrize("name", ["tq4", "tq4k3v"])
+def test_gpu_layer_major_is_the_default_and_stores_the_fp16_prefills_keys(lm, name):
+    """On a GPU the default order is layer-major; its kernels (the fused encode, SDPA over the
+    staging cache) store the oracle's codes up to the last bit of a rounding tie."""
+    preset = kvcache.get_preset(name)
+    tokens = _tokens(5 * CHUNK + 37)
+    layered, _ = _prefill(lm.model, tokens, preset, "auto")
+    want = _arrays(_fp16_then_compressed(lm.model, tokens, preset), preset)
+    got = _arrays(layered, preset)
+    tokenwise = _arrays(_prefill(lm.model, tokens, preset, "token")[0], preset)
+    assert got.keys() == want.keys()
+    for k in want:
+        if k.endswith("idx"):
+            assert np.mean(got[k] == want[k]) > 0.99, k
+        else:
+            np.testing.assert_allclose(got[k], want[k], rtol=2e-2, atol=2e-2, err_msg=k)
+    later = [k for k in want if k.startswith("2.") and k.endswith("idx")]
+    assert np.mean([np.mean(got[k] == want[k]) for k in later]) > np.mean(
+        [np.mean(tokenwise[k] == want[k]) for k in later])
