@@ -97,12 +97,14 @@ for phase in "${phases[@]}"; do
       python3 benchmarks/ncu_sass.py "$out/ncusass.csv" --top 40 > "$out/ncu_sass.txt" 2>&1
       tail -60 "$out/ncu_sass.txt" ;;
     prefill)
-      # the tq4:queueK rows queue the graph every K layer-chunks (`prefill_queue_every`; the
-      # default is 4), PREFILL_QUEUE="" leaves them out; tq4:token is the token-major loop
-      # (`prefill_order`; the GPU's default is layer-major), PREFILL_ORDERS="" leaves it out
+      # tq4 is layer-major (`prefill_order`, the GPU's default); tq4:groupG queues every G
+      # tokens of a layer (`prefill_group_tokens`, default 4096; PREFILL_GROUPS); tq4:token is
+      # the token-major loop (PREFILL_ORDERS=""  leaves it out); tq4:queueK the token-major
+      # loop queueing every K layers (`prefill_queue_every`; PREFILL_QUEUE, none by default)
       run prefill 400 python3 benchmarks/prefill_shapes.py --shapes smollm2-135m llama-3.1-8b \
-        --tokens 8192 32768 --kv fp16 tq4 --queue-every ${PREFILL_QUEUE-1 16} \
-        --orders ${PREFILL_ORDERS-token} ${PREFILL_ARGS:-} --name prefill_gpu
+        --tokens 8192 32768 --kv fp16 tq4 --queue-every ${PREFILL_QUEUE-} \
+        --group-tokens ${PREFILL_GROUPS-16384} --orders ${PREFILL_ORDERS-token} \
+        ${PREFILL_ARGS:-} --name prefill_gpu
       keep benchmarks/results/prefill_gpu.json ;;
     profile)
       run profile 200 python3 benchmarks/prefill_profile.py --name prefill_profile_gpu

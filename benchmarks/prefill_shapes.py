@@ -11,7 +11,7 @@ layer (a 1-byte budget), both token-major; `--orders token` the token-major loop
 
 Usage: python benchmarks/prefill_shapes.py [--shapes smollm2-135m llama-3.1-8b] [--tokens 8192 32768]
        [--kv fp16 tq4] [--bits 0] [--blocked] [--sync-ab] [--queue-every 4 8]
-       [--orders token] [--host-profile] [--name prefill_gpu]
+       [--group-tokens 16384] [--orders token] [--host-profile] [--name prefill_gpu]
 """
 
 from __future__ import annotations
@@ -33,16 +33,36 @@ from longctx import config  # noqa: E402
 from longctx.kvcache import turbo  # noqa: E402
 
 
+class _Timed:
+    """The model, with the host seconds spent inside its calls counted (graph building; a
+    layer-major prefill's calls end in its stand-in's exception, counted too)."""
+
+    def __init__(self, model):
+        self.model, self.seconds = model, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
 def prefill_once(model, ids, preset, chunk):
-    """(seconds, peak bytes, longest evaluation s) of one `engine.prefill` (which fills an empty
-    compressed cache layer by layer on a GPU, `prefill_order`)."""
+    """(seconds, peak bytes, longest evaluation s, host s inside the model calls) of one
+    `engine.prefill` (which fills an empty compressed cache layer by layer on a GPU,
+    `prefill_order`)."""
     cache = kvcache.make(model, preset)
+    timed = _Timed(model)
     mx.synchronize()
-    stats = engine.prefill(model, ids, cache, chunk=chunk, pairs=0)
+    stats = engine.prefill(timed, ids, cache, chunk=chunk, pairs=0)
     del cache
     gc.collect()
     mx.clear_cache()
-    return stats.seconds, stats.peak_bytes, stats.max_eval_seconds
+    return stats.seconds, stats.peak_bytes, stats.max_eval_seconds, timed.seconds
 
 
 def host_profile(model, ids, preset, chunk, label, settings) -> None:
@@ -73,6 +93,9 @@ def main() -> None:
     ap.add_argument("--queue-every", type=int, nargs="*", default=[],
                     help="also each compressed preset queueing its graph every k layers "
                          "(prefill_queue_every k), e.g. 4 8 30")
+    ap.add_argument("--group-tokens", type=int, nargs="*", default=[],
+                    help="also each compressed preset, layer-major, queueing every g tokens of "
+                         "a layer (prefill_group_tokens), e.g. 2048 16384")
     ap.add_argument("--orders", nargs="*", default=[], choices=["layer", "token"],
                     help="also each compressed preset in this prefill order (prefill_order)")
     ap.add_argument("--host-profile", action="store_true",
@@ -100,9 +123,12 @@ def main() -> None:
                              for kv in compressed
                              for suffix, budget in ((":unbounded", 0), (":everylayer", 1),
                                                     (":4gib", 4 * 2**30))]
-            # queue the graph every k layer-chunks (`prefill_queue_every`)
-            variants += [(f"{kv}:queue{k}", {"prefill_queue_every": k})
+            # token-major, queueing the graph every k layers (`prefill_queue_every`)
+            variants += [(f"{kv}:queue{k}", {"prefill_queue_every": k, "prefill_order": "token"})
                          for kv in compressed for k in args.queue_every]
+            # a layer-major prefill queueing every g tokens of a layer (`prefill_group_tokens`)
+            variants += [(f"{kv}:group{g}", {"prefill_group_tokens": g})
+                         for kv in compressed for g in args.group_tokens]
             # the other prefill order (`prefill_order`; the default on a GPU is layer)
             variants += [(f"{kv}:{order}", {"prefill_order": order})
                          for kv in compressed for order in args.orders]
@@ -113,8 +139,8 @@ def main() -> None:
                     # kernels, cuDNN graphs keyed by shape and strides), as one ingest does;
                     # the second is the steady rate, the same for every variant whatever ran
                     # before it
-                    s0, _, longest0 = prefill_once(model, ids, preset, args.chunk)
-                    s, peak, longest = prefill_once(model, ids, preset, args.chunk)
+                    s0, _, longest0, _ = prefill_once(model, ids, preset, args.chunk)
+                    s, peak, longest, _ = prefill_once(model, ids, preset, args.chunk)
                 rows.append({"shape": shape, "kv": label, "tokens": n, "seconds": s,
                              "tokens_per_second": n / s, "peak_bytes": peak,
                              "weights_bytes": weights, "longest_eval_seconds": longest,

@@ -11,7 +11,9 @@ reports per chunk:
 - launches and, per kernel name, launches per chunk and mean duration (top 30 by total time).
 
 CUDA only (torch with CUDA on the machine). Usage:
-    python benchmarks/prefill_timeline.py [--shapes llama-3.1-8b] [--tokens 8192] [--kv fp16 tq4]
+    python benchmarks/prefill_timeline.py [--shapes llama-3.1-8b] [--tokens 8192]
+        [--kv fp16 tq4 tq4:token]   (tq4: the GPU's default order, layer-major; :token or
+        :layer picks one, `prefill_order`)
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from prefill_shapes import prefill_once  # noqa: E402
 from shapes import random_model  # noqa: E402
 from step_timeline import summary, trace_kernels  # noqa: E402
 
-from longctx import engine, kvcache  # noqa: E402
+from longctx import config, engine, kvcache  # noqa: E402
 
 
 def main() -> None:
@@ -39,7 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "smollm2-135m"])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
-    ap.add_argument("--kv", nargs="+", default=["fp16", "tq4"])
+    ap.add_argument("--kv", nargs="+", default=["fp16", "tq4", "tq4:token"])
     ap.add_argument("--chunk", type=int, default=engine.DEFAULT_CHUNK)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--name", default="prefill_timeline_h200")
@@ -51,13 +53,15 @@ def main() -> None:
             ids = mx.random.randint(0, 32000, (n,)).tolist()
             chunks = -(-n // args.chunk)
             for kv in args.kv:
-                preset = kvcache.get_preset(kv)
-                prefill_once(model, ids, preset, args.chunk)  # first run: kernels, cuDNN graphs
-                wall0, _, _, build0 = prefill_once(model, ids, preset, args.chunk)  # unprofiled
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    wall, _, _, build = prefill_once(model, ids, preset, args.chunk)
+                preset = kvcache.get_preset(kv.split(":")[0])
+                order = kv.split(":")[1] if ":" in kv else config.get("prefill_order")
+                with config.override(prefill_order=order):
+                    prefill_once(model, ids, preset, args.chunk)  # first run: kernels, cuDNN
+                    wall0, _, _, build0 = prefill_once(model, ids, preset, args.chunk)
                     torch.cuda.synchronize()
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        wall, _, _, build = prefill_once(model, ids, preset, args.chunk)
+                        torch.cuda.synchronize()
                 s = summary(trace_kernels(prof), chunks)
                 s["kernels"] = dict(list(s["kernels"].items())[:args.top])
                 row = {"shape": shape, "tokens": n, "kv": kv, "chunks": chunks,

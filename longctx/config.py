@@ -105,10 +105,13 @@ SETTINGS: dict[str, Setting] = {
                                 "chunk keeps queued (past it, each layer waits for older ones; "
                                 "0: no bound)"),
     "prefill_queue_every": Setting("LONGCTX_PREFILL_QUEUE_EVERY", _count, 4,
-                                   "GPU: a compressed prefill queues its graph for the GPU every "
-                                   "this many layer-chunks (a chunk's layers token-major, a "
-                                   "layer's chunks layer-major; each queueing costs host time; "
-                                   "the in-flight bound still waits as prefill_inflight says)"),
+                                   "GPU: a compressed prefill chunk queues its graph for the GPU "
+                                   "every this many layers (each queueing costs host time; the "
+                                   "in-flight bound still waits as prefill_inflight says)"),
+    "prefill_group_tokens": Setting("LONGCTX_PREFILL_GROUP_TOKENS", _count, 4096,
+                                    "GPU: a layer-major prefill queues a layer's graph every "
+                                    "this many tokens (whole chunks) and keeps two such groups "
+                                    "in flight"),
     "prefill_order": Setting("LONGCTX_PREFILL_ORDER", _choice("auto", "layer", "token"), "auto",
                              "compressed prefill of an empty cache: layer by layer, each layer "
                              "attending its keys exactly before they are compressed (layer), or "

@@ -77,14 +77,26 @@ def applies(model, cache: list) -> bool:
             and all(type(c) is TurboQuantCache and c.offset == 0 for c in cache))
 
 
-def _staging(total: int):
-    """An mlx-lm `KVCache` that allocates room for `total` tokens at its first update (its
-    default step, 256, would copy the whole buffer again at every chunk)."""
-    from mlx_lm.models.cache import KVCache
+ABSORB_TOKENS = 8192  # most tokens one `absorb` appends (past the first chunk)
 
-    stage = KVCache()
-    stage.step = max(total, 1)
-    return stage
+
+def absorb_spans(bounds: list[tuple[int, int]], most: int | None = None) -> list[tuple[int, int]]:
+    """The spans a layer's keys and values are absorbed in: the first chunk alone (it fixes the
+    centering means and holds the sink, as in the token-major loop), then runs of whole chunks
+    of up to `most` tokens (at least one chunk each). Fewer, longer appends than one per chunk:
+    each fused append writes the tail into a new buffer (a copy of the rows before it), and a
+    layer's appends are queued at once, so one per chunk kept ~chunks / 2 tails' worth alive
+    (1 GiB at 32k tokens of an 8B model) and cost host time per chunk. A token's codes do not
+    depend on the span it is appended in: the stored arrays are the same. `most`: None,
+    `ABSORB_TOKENS`."""
+    most = most or ABSORB_TOKENS
+    spans = [bounds[0]] if bounds else []
+    for lo, hi in bounds[1:]:
+        if len(spans) > 1 and hi - spans[-1][0] <= most:
+            spans[-1] = (spans[-1][0], hi)
+        else:
+            spans.append((lo, hi))
+    return spans
 
 
 def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]],
@@ -97,8 +109,9 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
         cache: one empty `TurboQuantCache` per layer (`applies`).
         bounds: the chunks, (lo, hi) token ranges in order, as the token-major loop cuts them:
             each is one model call per layer, and one `absorb` into the compressed cache.
-        progress: `progress(done, total)` after every queued group of chunks, `done` the
-            tokens' share of the work finished so far (layers x chunks).
+        progress: `progress(done, total)` after every queued group of chunks (the
+            `prefill_group_tokens` setting), `done` the tokens' share of the work queued so far
+            (layers x chunks).
 
     Returns:
         the wall seconds between the waits (one per group of chunks: the longest is the
@@ -106,6 +119,7 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
         layers (the caller runs the token-major loop; nothing was written).
     """
     import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
 
     from longctx import config
 
@@ -113,7 +127,7 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
     real = list(layers)
     n_layers, total = len(real), len(tokens)
     pieces = [mx.array(tokens[lo:hi], dtype=mx.int32)[None] for lo, hi in bounds]  # (1, T) each
-    every = max(1, config.get("prefill_queue_every"))
+    every = max(1, config.get("prefill_group_tokens") // max(1, bounds[0][1] - bounds[0][0]))
     at = {"layer": 0, "chunk": 0, "out": None}
     hidden: list = []  # the previous layer's output, per chunk
 
@@ -126,6 +140,7 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
         at["out"] = real[i](x, *args, **kwargs)
         raise _Stop
 
+    spans = absorb_spans(bounds)
     times: list[float] = []
     queued: list = []  # arrays of the groups queued and not yet waited for, oldest first
     t = time.perf_counter()
@@ -133,7 +148,10 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
     layers[:] = [_Stand(i, layer, run) for i, layer in enumerate(real)]
     try:
         for j in range(n_layers):
-            stage = _staging(total)
+            # the fp16 path's own cache (its buffers grow as that path's do: each chunk's SDPA
+            # then reads the whole buffer, contiguous, where a preallocated one gives strided
+            # slices)
+            stage = KVCache()
             stages = [stage] * n_layers  # the model's mask and rope read cache[0] / cache[j]
             outs = []
             for c, piece in enumerate(pieces):
@@ -151,7 +169,7 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
                 last = c == len(pieces) - 1
                 if last:  # the layer's exact keys and values into its compressed cache
                     keys, values = stage.keys[..., :total, :], stage.values[..., :total, :]
-                    for lo, hi in bounds:
+                    for lo, hi in spans:
                         cache[j].absorb(keys[:, :, lo:hi], values[:, :, lo:hi])
                     stage = stages = None
                 if (c + 1) % every == 0 or last:

@@ -95,7 +95,7 @@ def test_layer_major_keeps_the_chunks_the_pairs_bound_cuts(lm):
 def test_progress_reaches_the_total_and_never_goes_back(lm):
     seen = []
     tokens = _tokens(5 * CHUNK + 3)
-    with config.override(prefill_queue_every=2):
+    with config.override(prefill_group_tokens=2 * CHUNK):
         _prefill(lm.model, tokens, kvcache.get_preset("tq4"), "layer",
                  progress=lambda done, total: seen.append((done, total)))
     assert seen[-1] == (len(tokens), len(tokens))
@@ -184,3 +184,21 @@ def test_gpu_layer_major_is_the_default_and_stores_the_fp16_prefills_keys(lm, na
     later = [k for k in want if k.startswith("2.") and k.endswith("idx")]
     assert np.mean([np.mean(got[k] == want[k]) for k in later]) > np.mean(
         [np.mean(tokenwise[k] == want[k]) for k in later])
+
+
+def test_absorb_spans():
+    bounds = [(0, 512), (512, 1024), (1024, 1536), (1536, 2048), (2048, 2100)]
+    assert prefill_layers.absorb_spans(bounds, most=1024) == [(0, 512), (512, 1536), (1536, 2100)]
+    assert prefill_layers.absorb_spans(bounds, most=100) == bounds
+    assert prefill_layers.absorb_spans(bounds[:1]) == bounds[:1]
+    assert prefill_layers.absorb_spans([]) == []
+
+
+def test_absorbing_in_longer_spans_stores_the_same_arrays(lm, monkeypatch):
+    preset = kvcache.get_preset("tq4")
+    tokens = _tokens(6 * CHUNK + 5)
+    want = _arrays(_fp16_then_compressed(lm.model, tokens, preset), preset)  # chunk by chunk
+    monkeypatch.setattr(prefill_layers, "ABSORB_TOKENS", 3 * CHUNK)
+    got = _arrays(_prefill(lm.model, tokens, preset, "layer")[0], preset)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
