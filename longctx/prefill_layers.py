@@ -169,11 +169,12 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
                 last = c == len(pieces) - 1
                 if last:  # the layer's exact keys and values into its compressed cache
                     keys, values = stage.keys[..., :total, :], stage.values[..., :total, :]
+                    window = []
                     for lo, hi in spans:
-                        cache[j].absorb(keys[:, :, lo:hi], values[:, :, lo:hi])
-                    stage = stages = None
+                        window = cache[j].absorb(keys[:, :, lo:hi], values[:, :, lo:hi])
+                    stage = stages = keys = values = None
                 if (c + 1) % every == 0 or last:
-                    group = outs[-every:] + (list(cache[j].state) if last else [])
+                    group = outs[-every:] + (list(cache[j].state) + window if last else [])
                     mx.async_eval(group)
                     queued.append(group)
                     if len(queued) > 2:  # bound the host's run-ahead: GPU buffers are allocated

@@ -345,17 +345,31 @@ class TurboQuantCache:
         self.window = (k[:, :, old:], v[:, :, old:]) if self.window_cap else None
         return view, view
 
-    def absorb(self, keys: mx.array, values: mx.array) -> None:
+    def absorb(self, keys: mx.array, values: mx.array) -> list:
         """Append (B, H_kv, L, D) keys and values that attention has already read exactly (a
         layer-major prefill, `longctx.prefill_layers`): `update_and_fetch` without the view's use
         and without the in-flight bound, whose queued layers this path does not build. Called
-        with the chunks a token-major prefill would append, it stores what that would store for
-        the same keys and values."""
+        with the chunks a token-major prefill would append, or longer runs of them, it stores
+        what that would store for the same keys and values.
+
+        Returns:
+            the window's arrays, copied out of the span's buffers (the window was a slice of
+            the span's centered rows and of its rotated rows: at 32k tokens of an 8B model,
+            kept per layer, those spans held 8 GiB). Evaluate them with `state`.
+        """
         self._absorbing = True
         try:
             self.update_and_fetch(keys, values)
         finally:
             self._absorbing = False
+        copies = []
+        if self.window is not None:
+            self.window = tuple(mx.contiguous(x) for x in self.window)
+            copies += self.window
+        if self._rot_window is not None:
+            self._rot_window = tuple(mx.contiguous(x) for x in self._rot_window)
+            copies += self._rot_window
+        return copies
 
     def _centered(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return _center(keys, values, *self.means)
