@@ -12,7 +12,9 @@ CPU the attention scores (chunk x query heads x tokens, fp32), on a GPU what the
 ahead of it hold (`peak_bytes`). Against the measured peaks (tests/test_multidoc.py) it is within
 25% on the CPU (benchmarks/results/prefill_cpu.json) and within 10% for 8B shapes on the H200
 (prefill_gpu.json, product_path_h200.json at 128k), never more than 20% under; it over-estimates
-small models there (SmolLM2: up to 2.2x).
+small models there (SmolLM2: up to 2.2x). The layer-major GPU prefill's (`layer_major_transient`)
+against its first H200 run (before its in-flight bound: `prefill_inflight` 0 here): 0.98x / 0.99x
+the 8B shape's measured peak at 8k / 32k, 1.33x / 1.37x SmolLM2's.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: 
       their command buffer completes. For the fp16 cache that is mlx-lm's reallocation of every
       layer's buffer (measured on the H200: about one more cache). For a compressed cache it is
       the dequantized rows of the layers in flight, which `prefill_inflight` bounds, plus the
-      layer being run.
+      layer being run; or, filled layer by layer (`layer_major`), `layer_major_transient`.
     """
     from longctx import config
     from longctx.engine import chunk_at
@@ -115,10 +117,40 @@ def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: 
         transient = scores
     elif preset.kind == "fp16":
         transient = fp16_token * tokens
+    elif layer_major(s, preset):
+        transient = layer_major_transient(s, tokens, chunk, fp16_token)
     else:  # the dequantized fp16 rows of every layer are fp16_token x tokens in all
         rows = fp16_token * tokens
         transient = min(config.get("prefill_inflight") or rows, rows) + rows / max(1, len(dims))
     return int(weights_bytes + cache + transient + activations)
+
+
+def layer_major(s: Shapes, preset: Preset) -> bool:
+    """Whether a GPU prefill of an empty cache runs layer by layer (`prefill_layers.applies`:
+    every layer compressed, i.e. none sliding, and the `prefill_order` setting)."""
+    from longctx import config
+
+    return (preset.kind == "turbo" and not any(s.windows)
+            and config.get("prefill_order") != "token")
+
+
+def layer_major_transient(s: Shapes, tokens: int, chunk: int, fp16_token: int) -> float:
+    """A layer-major prefill's working set on a GPU (`longctx.prefill_layers`): the hidden states
+    of two layers (the one read, the one written), one layer's staging keys and values, and the
+    queued layer-chunks (`chunk_bytes` each: the staging buffer it reads and its activations),
+    as many as `prefill_group_tokens` makes two groups of, bounded by `prefill_inflight`, plus
+    one."""
+    from longctx import config
+    from longctx.prefill_layers import ACTIVATIONS
+
+    elem = 2
+    hidden = 2 * tokens * s.hidden * elem
+    staging = fp16_token * tokens / max(1, len(s.head_dims))
+    per_chunk = staging + ACTIVATIONS * chunk * s.hidden * elem
+    group = max(1, config.get("prefill_group_tokens") // max(1, chunk))
+    queued = 2 * group * per_chunk
+    budget = config.get("prefill_inflight")
+    return hidden + staging + (min(budget, queued) if budget else queued) + per_chunk
 
 
 def weights_bytes(path, s: Shapes, cpu: bool) -> int:

@@ -99,6 +99,18 @@ def absorb_spans(bounds: list[tuple[int, int]], most: int | None = None) -> list
     return spans
 
 
+ACTIVATIONS = 12  # a chunk's transients in flight, in multiples of its output (see chunk_bytes)
+
+
+def chunk_bytes(stage, out) -> int:
+    """What one queued layer-chunk holds until it has run (an estimate, for the in-flight bound):
+    the staging buffer it reads (mlx-lm's `KVCache` gives each chunk a new one, the keys and
+    values so far: 0.5 GiB at 128k tokens of an 8B model) and its activations, ~ACTIVATIONS
+    times its output (Llama's MLP alone holds gate, up and their product at 3.5x the width)."""
+    kv = stage.keys.nbytes + stage.values.nbytes
+    return int(kv + ACTIVATIONS * out.nbytes)
+
+
 def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]],
             progress: Progress | None = None) -> list[float] | None:
     """Fill the empty compressed `cache` with `tokens`, layer by layer (module docstring).
@@ -109,9 +121,13 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
         cache: one empty `TurboQuantCache` per layer (`applies`).
         bounds: the chunks, (lo, hi) token ranges in order, as the token-major loop cuts them:
             each is one model call per layer, and one `absorb` into the compressed cache.
-        progress: `progress(done, total)` after every queued group of chunks (the
-            `prefill_group_tokens` setting), `done` the tokens' share of the work queued so far
-            (layers x chunks).
+        progress: `progress(done, total)` after every queued group of chunks, `done` the
+            tokens' share of the work queued so far (layers x chunks).
+
+    A layer's chunks are queued for the GPU in groups (`mx.async_eval`) of up to
+    `prefill_group_tokens` tokens, or fewer where their `chunk_bytes` reach half of
+    `prefill_inflight`; past that many bytes queued, the oldest groups are waited for (the
+    newest always stays queued, so the GPU has work while the host builds the next).
 
     Returns:
         the wall seconds between the waits (one per group of chunks: the longest is the
@@ -127,7 +143,6 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
     real = list(layers)
     n_layers, total = len(real), len(tokens)
     pieces = [mx.array(tokens[lo:hi], dtype=mx.int32)[None] for lo, hi in bounds]  # (1, T) each
-    every = max(1, config.get("prefill_group_tokens") // max(1, bounds[0][1] - bounds[0][0]))
     at = {"layer": 0, "chunk": 0, "out": None}
     hidden: list = []  # the previous layer's output, per chunk
 
@@ -141,10 +156,12 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
         raise _Stop
 
     spans = absorb_spans(bounds)
+    budget = config.get("prefill_inflight") or float("inf")
+    group_tokens = config.get("prefill_group_tokens")
     times: list[float] = []
-    queued: list = []  # arrays of the groups queued and not yet waited for, oldest first
+    queued: list = []  # (arrays, bytes) of the groups queued and not yet waited for, oldest first
     t = time.perf_counter()
-    done, work = 0, n_layers * len(pieces)
+    work = n_layers * len(pieces)
     layers[:] = [_Stand(i, layer, run) for i, layer in enumerate(real)]
     try:
         for j in range(n_layers):
@@ -154,6 +171,7 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
             stage = KVCache()
             stages = [stage] * n_layers  # the model's mask and rope read cache[0] / cache[j]
             outs = []
+            group, nbytes, ntokens = [], 0, 0  # the group being built
             for c, piece in enumerate(pieces):
                 at["layer"], at["chunk"] = j, c
                 try:
@@ -164,31 +182,38 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
                     if j == 0 and c == 0:
                         return None  # the model's call bypassed `layers`: nothing was written
                     raise RuntimeError("the model's call stopped going through model.layers")
-                outs.append(at["out"])
+                out = at["out"]
                 at["out"] = None
+                outs.append(out)
+                group.append(out)
+                nbytes += chunk_bytes(stage, out)
+                ntokens += piece.shape[1]
                 last = c == len(pieces) - 1
                 if last:  # the layer's exact keys and values into its compressed cache
                     keys, values = stage.keys[..., :total, :], stage.values[..., :total, :]
                     window = []
                     for lo, hi in spans:
                         window = cache[j].absorb(keys[:, :, lo:hi], values[:, :, lo:hi])
+                    group += list(cache[j].state) + window
                     stage = stages = keys = values = None
-                if (c + 1) % every == 0 or last:
-                    group = outs[-every:] + (list(cache[j].state) + window if last else [])
-                    mx.async_eval(group)
-                    queued.append(group)
-                    if len(queued) > 2:  # bound the host's run-ahead: GPU buffers are allocated
-                        mx.eval(queued.pop(0))  # when their launches are queued
-                        now = time.perf_counter()
-                        times.append(now - t)
-                        t = now
-                    done = j * len(pieces) + c + 1
-                    if progress:
-                        progress(total * done // work, total)
+                if not (last or ntokens >= group_tokens or nbytes >= budget / 2):
+                    continue
+                mx.async_eval(group)
+                queued.append((group, nbytes))
+                group, nbytes, ntokens = [], 0, 0
+                # bound what is queued: MLX allocates a launch's buffers when it is queued and
+                # keeps what it reads until it has run
+                while len(queued) > 1 and sum(b for _, b in queued) > budget:
+                    mx.eval(queued.pop(0)[0])
+                    now = time.perf_counter()
+                    times.append(now - t)
+                    t = now
+                if progress:
+                    progress(total * (j * len(pieces) + c + 1) // work, total)
             hidden = outs
     finally:
         layers[:] = real
-    for group in queued:
+    for group, _ in queued:
         mx.eval(group)
     times.append(time.perf_counter() - t)
     return times

@@ -223,3 +223,28 @@ def test_the_filled_cache_holds_no_span_buffers(lm):
         held[order] = mx.get_active_memory() - before
         del cache
     assert held["layer"] <= 1.1 * held["token"], held
+
+
+@pytest.mark.parametrize("budget, groups_per_layer", [(0, 1), (1, 6)])
+def test_the_inflight_bound_cuts_groups_and_waits(lm, monkeypatch, budget, groups_per_layer):
+    """No bound (0): one group per layer, nothing waited for until the end. A 1-byte bound: a
+    group per chunk, and at most two in flight (the newest and the one being queued). The stored
+    arrays are the same either way."""
+    queued, waited = [], []
+    real_async, real_eval = mx.async_eval, mx.eval
+    monkeypatch.setattr(mx, "async_eval", lambda arrays: (queued.append(len(waited)),
+                                                          real_async(arrays))[1])
+    monkeypatch.setattr(mx, "eval", lambda *a: (waited.append(1), real_eval(*a))[1])
+    preset = kvcache.get_preset("tq4")
+    tokens = _tokens(6 * CHUNK)
+    with config.override(prefill_inflight=budget, prefill_group_tokens=10**6):
+        got = _prefill(lm.model, tokens, preset, "layer")[0]
+    assert len(queued) == 3 * groups_per_layer
+    if budget:  # when a group is queued, every group but the one before it was waited for
+        assert queued == [max(0, i - 1) for i in range(len(queued))]
+    monkeypatch.setattr(mx, "async_eval", real_async)
+    monkeypatch.setattr(mx, "eval", real_eval)
+    want = _arrays(_fp16_then_compressed(lm.model, tokens, preset), preset)
+    got = _arrays(got, preset)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
