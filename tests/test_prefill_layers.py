@@ -248,3 +248,16 @@ def test_the_inflight_bound_cuts_groups_and_waits(lm, monkeypatch, budget, group
     got = _arrays(got, preset)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.mark.parametrize("n", [1, 7, 129])
+def test_prompts_shorter_than_a_chunk(lm, n):
+    """A prompt of a few tokens (inside the window, or just past it) stores what the oracle
+    does."""
+    preset = kvcache.get_preset("tq4")
+    tokens = _tokens(n)
+    got = _arrays(_prefill(lm.model, tokens, preset, "layer")[0], preset)
+    want = _arrays(_fp16_then_compressed(lm.model, tokens, preset), preset)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
