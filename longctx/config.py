@@ -101,17 +101,17 @@ SETTINGS: dict[str, Setting] = {
                              "chunks shrink (20971520: 128 tokens at 128k; bounds one "
                              "evaluation for the Metal watchdog; 0: fixed 512-token chunks)"),
     "prefill_inflight": Setting("LONGCTX_PREFILL_INFLIGHT_MB", _megabytes, 2**30,
-                                "GPU: most MiB of dequantized cache rows a compressed prefill "
-                                "chunk keeps queued (past it, each layer waits for older ones; "
-                                "0: no bound)"),
+                                "GPU: most MiB a compressed prefill keeps queued: dequantized "
+                                "cache rows token-major, staging buffers and activations "
+                                "layer-major (past it, older work is waited for; 0: no bound)"),
     "prefill_queue_every": Setting("LONGCTX_PREFILL_QUEUE_EVERY", _count, 4,
                                    "GPU: a compressed prefill chunk queues its graph for the GPU "
                                    "every this many layers (each queueing costs host time; the "
                                    "in-flight bound still waits as prefill_inflight says)"),
     "prefill_group_tokens": Setting("LONGCTX_PREFILL_GROUP_TOKENS", _count, 4096,
                                     "GPU: a layer-major prefill queues a layer's graph every "
-                                    "this many tokens (whole chunks) and keeps two such groups "
-                                    "in flight"),
+                                    "this many tokens (whole chunks; fewer where "
+                                    "prefill_inflight bounds what is queued)"),
     "prefill_order": Setting("LONGCTX_PREFILL_ORDER", _choice("auto", "layer", "token"), "auto",
                              "compressed prefill of an empty cache: layer by layer, each layer "
                              "attending its keys exactly before they are compressed (layer), or "

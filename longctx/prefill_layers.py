@@ -33,10 +33,12 @@ its fp16 cache there).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
 Progress = Callable[[int, int], None]
+_log = logging.getLogger("longctx.prefill")
 
 
 class _Stop(Exception):
@@ -53,10 +55,12 @@ class _Stand:
     def __init__(self, i: int, layer, run):
         self.i, self.layer, self.run = i, layer, run
 
-    def __call__(self, x, *args, **kwargs):
-        return self.run(self.i, x, args, kwargs)
+    def __call__(self, *args, **kwargs):
+        return self.run(self.i, args, kwargs)
 
     def __getattr__(self, name: str):
+        if name in _Stand.__slots__:  # unset (a copy made without __init__): no recursion
+            raise AttributeError(name)
         return getattr(self.layer, name)
 
 
@@ -72,9 +76,27 @@ def applies(model, cache: list) -> bool:
     order = config.get("prefill_order")
     if order == "token" or (order == "auto" and backend() == "cpu"):
         return False
-    layers = getattr(model, "layers", None)
-    return (bool(cache) and isinstance(layers, list) and len(layers) == len(cache)
+    layers = layer_list(model)
+    return (bool(cache) and layers is not None and len(layers) == len(cache)
             and all(type(c) is TurboQuantCache and c.offset == 0 for c in cache))
+
+
+def layer_list(model) -> list | None:
+    """The list of layers the model's call runs through: `model.layers` where that is one list
+    at every access, else the first such `layers` list of an inner module (`model.model`,
+    `model.language_model`, its `model`) holding the same layer objects (Qwen2's `layers` is a
+    new slice of `model.model.layers` at every access, which its call slices again); None when
+    there is none."""
+    want = getattr(model, "layers", None)
+    if not isinstance(want, list) or not want:
+        return None
+    inner = getattr(model, "language_model", None)
+    for owner in (model, getattr(model, "model", None), inner, getattr(inner, "model", None)):
+        layers = getattr(owner, "layers", None) if owner is not None else None
+        if (isinstance(layers, list) and layers is getattr(owner, "layers")
+                and len(layers) == len(want) and all(a is b for a, b in zip(layers, want))):
+            return layers
+    return None
 
 
 ABSORB_TOKENS = 8192  # most tokens one `absorb` appends (past the first chunk)
@@ -86,7 +108,7 @@ def absorb_spans(bounds: list[tuple[int, int]], most: int | None = None) -> list
     of up to `most` tokens (at least one chunk each). Fewer, longer appends than one per chunk:
     each fused append writes the tail into a new buffer (a copy of the rows before it), and a
     layer's appends are queued at once, so one per chunk kept ~chunks / 2 tails' worth alive
-    (1 GiB at 32k tokens of an 8B model) and cost host time per chunk. A token's codes do not
+    (by count, ~1 GiB at 32k tokens of an 8B model) and cost host time per chunk. A token's codes do not
     depend on the span it is appended in: the stored arrays are the same. `most`: None,
     `ABSORB_TOKENS`."""
     most = most or ABSORB_TOKENS
@@ -105,10 +127,21 @@ ACTIVATIONS = 12  # a chunk's transients in flight, in multiples of its output (
 def chunk_bytes(stage, out) -> int:
     """What one queued layer-chunk holds until it has run (an estimate, for the in-flight bound):
     the staging buffer it reads (mlx-lm's `KVCache` gives each chunk a new one, the keys and
-    values so far: 0.5 GiB at 128k tokens of an 8B model) and its activations, ~ACTIVATIONS
-    times its output (Llama's MLP alone holds gate, up and their product at 3.5x the width)."""
-    kv = stage.keys.nbytes + stage.values.nbytes
-    return int(kv + ACTIVATIONS * out.nbytes)
+    values so far: 0.5 GiB at 128k tokens of an 8B model), its activations, ~ACTIVATIONS
+    times its output (Llama's MLP alone holds gate, up and their product at 3.5x the width),
+    and, at head dims whose SDPA is not fused on the GPUs, its fp32 scores (query heads taken
+    as the output's width over the head dim)."""
+    from mlx.utils import tree_flatten
+
+    from longctx.estimate import FUSED_SDPA_DIMS
+
+    arrays = [a for _, a in tree_flatten(out) if hasattr(a, "nbytes")]
+    total = stage.keys.nbytes + stage.values.nbytes + ACTIVATIONS * sum(a.nbytes for a in arrays)
+    b, _, length, dim = stage.keys.shape
+    if dim not in FUSED_SDPA_DIMS and arrays and arrays[0].ndim == 3:
+        n, width = arrays[0].shape[1:]
+        total += 4 * b * max(1, width // dim) * n * stage.offset
+    return int(total)
 
 
 def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]],
@@ -122,7 +155,8 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
         bounds: the chunks, (lo, hi) token ranges in order, as the token-major loop cuts them:
             each is one model call per layer, and one `absorb` into the compressed cache.
         progress: `progress(done, total)` after every queued group of chunks, `done` the
-            tokens' share of the work queued so far (layers x chunks).
+            tokens' share of the work queued so far (layers x chunks; the GPU may still be
+            running the last groups).
 
     A layer's chunks are queued for the GPU in groups (`mx.async_eval`) of up to
     `prefill_group_tokens` tokens, or fewer where their `chunk_bytes` reach half of
@@ -131,28 +165,26 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
 
     Returns:
         the wall seconds between the waits (one per group of chunks: the longest is the
-        longest a queued evaluation ran), or None when the model's call did not reach its
-        layers (the caller runs the token-major loop; nothing was written).
+        longest a queued evaluation ran), or None when the model's call does not fit the
+        stand-ins (it bypasses its layers list, fails with them, or more than one layer writes
+        the staging cache): the caller runs the token-major loop, and nothing was written.
     """
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
     from longctx import config
 
-    layers = model.layers
+    layers = layer_list(model)
     real = list(layers)
     n_layers, total = len(real), len(tokens)
     pieces = [mx.array(tokens[lo:hi], dtype=mx.int32)[None] for lo, hi in bounds]  # (1, T) each
     at = {"layer": 0, "chunk": 0, "out": None}
     hidden: list = []  # the previous layer's output, per chunk
 
-    def run(i: int, x, args, kwargs):
-        j = at["layer"]
-        if i < j - 1:
-            return x
-        if i == j - 1:
+    def run(i: int, args, kwargs):
+        if i < at["layer"]:  # what layer j - 1 returned (its earlier stand-ins' is discarded)
             return hidden[at["chunk"]]
-        at["out"] = real[i](x, *args, **kwargs)
+        at["out"] = real[i](*args, **kwargs)
         raise _Stop
 
     spans = absorb_spans(bounds)
@@ -174,18 +206,29 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
             group, nbytes, ntokens = [], 0, 0  # the group being built
             for c, piece in enumerate(pieces):
                 at["layer"], at["chunk"] = j, c
+                probe = j == 0 and c == 0  # nothing is written yet: the fallback is clean
                 try:
                     model(piece, cache=stages)
                 except _Stop:
                     pass
+                except Exception as err:  # the stand-ins do not fit this model's call
+                    if not probe:
+                        raise
+                    _log.debug("layer-major prefill refused by the model's call: %r", err)
+                    return None
                 else:
-                    if j == 0 and c == 0:
-                        return None  # the model's call bypassed `layers`: nothing was written
-                    raise RuntimeError("the model's call stopped going through model.layers")
+                    if probe:
+                        return None  # the model's call bypassed its layers list
+                    raise RuntimeError("the model's call stopped going through its layers")
+                if probe and stage.offset != piece.shape[1]:  # one layer wrote, once
+                    return None
                 out = at["out"]
                 at["out"] = None
-                outs.append(out)
-                group.append(out)
+                if j < n_layers - 1:
+                    outs.append(out)
+                    group.append(out)
+                else:  # the last layer's output feeds nothing: only its keys and values run
+                    group += [stage.keys, stage.values]
                 nbytes += chunk_bytes(stage, out)
                 ntokens += piece.shape[1]
                 last = c == len(pieces) - 1
@@ -215,5 +258,7 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
         layers[:] = real
     for group, _ in queued:
         mx.eval(group)
-    times.append(time.perf_counter() - t)
+        now = time.perf_counter()
+        times.append(now - t)
+        t = now
     return times

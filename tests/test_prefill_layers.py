@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from longctx import config, engine, kvcache, prefill_layers
-from longctx.kvcache.turbo import TurboQuantCache
 from longctx.runtime import models
 
 from conftest import make_tiny_model
+from families import COMPRESSED
 
 CHUNK = 96  # several chunks, the last one short
 
@@ -39,7 +39,8 @@ def _prefill(model, tokens, preset, order: str, progress=None, pairs=0):
 
 def _fp16_then_compressed(model, tokens, preset, pairs=0):
     """The oracle: an fp16 prefill (token-major, exact attention), then each layer's keys and
-    values appended to a fresh compressed cache in the same chunks."""
+    values appended to a fresh compressed cache in the same chunks, as the model's own calls
+    append them (`update_and_fetch`, not the `absorb` under test)."""
     exact, _ = _prefill(model, tokens, kvcache.get_preset("fp16"), "token", pairs=pairs)
     cache = kvcache.make(model, preset)
     bounds, lo = [], 0
@@ -50,7 +51,7 @@ def _fp16_then_compressed(model, tokens, preset, pairs=0):
     for c, e in zip(cache, exact):
         k, v = e.keys[..., :e.offset, :], e.values[..., :e.offset, :]
         for lo, hi in bounds:
-            c.absorb(k[:, :, lo:hi], v[:, :, lo:hi])
+            c.update_and_fetch(k[:, :, lo:hi], v[:, :, lo:hi])
     return cache
 
 
@@ -136,7 +137,9 @@ def test_a_model_that_bypasses_its_layers_list_gets_the_token_major_loop(lm):
     preset = kvcache.get_preset("tq4")
     tokens = _tokens(3 * CHUNK)
     bypass = _Bypass(lm.model)
+    layers = list(bypass.layers)
     got = _arrays(_prefill(bypass, tokens, preset, "layer")[0], preset)
+    assert all(a is b for a, b in zip(bypass.layers, layers))  # restored after the probe
     want = _arrays(_prefill(lm.model, tokens, preset, "token")[0], preset)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
@@ -158,7 +161,6 @@ def test_when_it_applies(lm, monkeypatch):
         assert not prefill_layers.applies(model, kvcache.make(model, tq4))
         monkeypatch.setattr("longctx.kernels.backend", lambda: "cuda")
         assert prefill_layers.applies(model, kvcache.make(model, tq4))
-    assert all(type(c) is TurboQuantCache for c in kvcache.make(model, tq4))
 
 
 ON_GPU = __import__("longctx.kernels", fromlist=["backend"]).backend() in ("metal", "cuda")
@@ -242,6 +244,8 @@ def test_the_inflight_bound_cuts_groups_and_waits(lm, monkeypatch, budget, group
     assert len(queued) == 3 * groups_per_layer
     if budget:  # when a group is queued, every group but the one before it was waited for
         assert queued == [max(0, i - 1) for i in range(len(queued))]
+    else:  # nothing waited for before the last group was queued
+        assert queued == [0] * len(queued)
     monkeypatch.setattr(mx, "async_eval", real_async)
     monkeypatch.setattr(mx, "eval", real_eval)
     want = _arrays(_fp16_then_compressed(lm.model, tokens, preset), preset)
@@ -251,9 +255,9 @@ def test_the_inflight_bound_cuts_groups_and_waits(lm, monkeypatch, budget, group
 
 
 @pytest.mark.parametrize("n", [1, 7, 129])
-def test_prompts_shorter_than_a_chunk(lm, n):
-    """A prompt of a few tokens (inside the window, or just past it) stores what the oracle
-    does."""
+def test_short_prompts(lm, n):
+    """A prompt of a few tokens (inside the window, or, at 129, just past it and over two
+    chunks) stores what the oracle does."""
     preset = kvcache.get_preset("tq4")
     tokens = _tokens(n)
     got = _arrays(_prefill(lm.model, tokens, preset, "layer")[0], preset)
@@ -261,3 +265,73 @@ def test_prompts_shorter_than_a_chunk(lm, n):
     assert got.keys() == want.keys()
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.mark.parametrize("family", sorted(COMPRESSED))
+def test_every_family_stores_the_oracles_arrays_or_keeps_the_token_major_loop(family, tmp_path):
+    """Every family the compressed presets serve: where every layer is compressed, layer-major
+    stores what the oracle does, and is not the token-major loop's result (it ran: e.g. Qwen2's
+    `layers` is a new slice at every access, so the stand-ins go in its inner list); families
+    with sliding-window layers keep the token-major loop."""
+    extra = dict(COMPRESSED[family])
+    extra.setdefault("attn_gain", 2.0)
+    path = make_tiny_model(tmp_path / family, **extra)
+    model = models.load(models.resolve(str(path))).model
+    preset = kvcache.get_preset("tq4")
+    tokens = _tokens(2 * CHUNK + 5)
+    with config.override(prefill_order="layer"):
+        layered = prefill_layers.applies(model, kvcache.make(model, preset))
+    got = _arrays(_prefill(model, tokens, preset, "layer")[0], preset)
+    tokenwise = _arrays(_prefill(model, tokens, preset, "token")[0], preset)
+    if not layered:
+        assert any(type(c).__name__ == "RotatingKVCache" for c in kvcache.make(model, preset))
+        for k in tokenwise:
+            np.testing.assert_array_equal(got[k], tokenwise[k], err_msg=k)
+        return
+    want = _arrays(_fp16_then_compressed(model, tokens, preset), preset)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert any(not np.array_equal(tokenwise[k], want[k]) for k in want if k.startswith("1."))
+
+
+class _TupleBlock:
+    """A layer called with keywords that returns a tuple (as hunyuan's and gptj's blocks do)."""
+
+    def __init__(self, layer):
+        self.layer, self.self_attn = layer, layer.self_attn
+
+    def __call__(self, *, inputs, mask, cache, shared):
+        return self.layer(inputs, mask, cache=cache), shared + 1
+
+
+class _TupleModel:
+    """A model whose loop unpacks (h, shared) from every layer, called with keywords."""
+
+    def __init__(self, model):
+        self.inner = model.model
+        self.layers = [_TupleBlock(layer) for layer in model.layers]
+
+    def __call__(self, ids, cache=None):
+        from mlx_lm.models.base import create_attention_mask
+
+        h = self.inner.embed_tokens(ids)
+        mask = create_attention_mask(h, cache[0])
+        shared = mx.array(0)
+        for layer, c in zip(self.layers, cache):
+            h, shared = layer(inputs=h, mask=mask, cache=c, shared=shared)
+        return self.inner.embed_tokens.as_linear(self.inner.norm(h)) + 0 * shared
+
+
+def test_layers_called_with_keywords_that_return_tuples(lm):
+    preset = kvcache.get_preset("tq4")
+    tokens = _tokens(3 * CHUNK + 11)
+    model = _TupleModel(lm.model)
+    with config.override(prefill_order="layer"):
+        assert prefill_layers.applies(model, kvcache.make(model, preset))
+    got = _arrays(_prefill(model, tokens, preset, "layer")[0], preset)
+    want = _arrays(_fp16_then_compressed(model, tokens, preset), preset)
+    tokenwise = _arrays(_prefill(model, tokens, preset, "token")[0], preset)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert any(not np.array_equal(tokenwise[k], want[k]) for k in want if k.startswith("1."))

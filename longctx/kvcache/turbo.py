@@ -354,8 +354,8 @@ class TurboQuantCache:
 
         Returns:
             the window's arrays, copied out of the span's buffers (the window was a slice of
-            the span's centered rows and of its rotated rows: at 32k tokens of an 8B model,
-            kept per layer, those spans held 8 GiB). Evaluate them with `state`.
+            the span's centered rows and of its rotated rows: kept for every layer, by count
+            ~8 GiB at 32k tokens of an 8B model). Evaluate them with `state`.
         """
         self._absorbing = True
         try:
