@@ -17,14 +17,15 @@ layers' worth while one is built from the other): at 32k tokens of an 8B model 0
 GiB, where the fp16 cache is 4 GiB.
 
 How the layers run without forking the model's code: for the pass of layer j, the entries of
-`model.layers` are stand-ins (`_Stand`). The model is called on a chunk as usual (its own
-embedding, mask and rope offsets, from the staging cache every entry of the cache list points
-to); stand-ins before j-1 hand their input on untouched, the stand-in of j-1 returns that
-chunk's stored output of layer j-1, and the stand-in of j runs the real layer, keeps its output
-and stops the call (`_Stop`): nothing after layer j is built. Unused lazy arrays (the
-embedding, past layer 0) are never computed. A model whose call does not go through
-`model.layers` is seen at its first chunk (the stand-in of layer 0 is never reached) and gets
-the token-major loop, with nothing written yet.
+the list the model's call iterates (`layer_list`) are stand-ins (`_Stand`). The model is called
+on a chunk as usual (its own embedding, mask and rope offsets, from the staging cache every entry
+of the cache list points to); every stand-in before j returns that chunk's stored output of
+layer j-1 (whatever it was: an array, or a tuple a model unpacks), and the stand-in of j runs the
+real layer with the arguments the model passed, keeps its output and stops the call (`_Stop`):
+nothing after layer j is built. Unused lazy arrays (the embedding, past layer 0) are never
+computed. The first chunk is a probe: a model whose call does not reach the stand-ins, fails
+with them, or has more than one layer write the staging cache gets the token-major loop, with
+nothing written yet.
 
 Where: `applies` (the `prefill_order` setting: `auto` takes this path on a GPU for an empty
 cache whose layers are all compressed; the CPU keeps the token-major loop, already faster than
