@@ -113,12 +113,14 @@ def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: 
     scores = s.q_heads * last * tokens * 4
     if cpu:
         return int(weights_bytes + cache + scores + activations)
-    if any(d not in FUSED_SDPA_DIMS for d in dims):
+    if layer_major(s, preset):
+        unfused = any(d not in FUSED_SDPA_DIMS for d in dims)
+        transient = layer_major_transient(s, tokens, chunk, fp16_token,
+                                          scores if unfused else 0)
+    elif any(d not in FUSED_SDPA_DIMS for d in dims):
         transient = scores
     elif preset.kind == "fp16":
         transient = fp16_token * tokens
-    elif layer_major(s, preset):
-        transient = layer_major_transient(s, tokens, chunk, fp16_token)
     else:  # the dequantized fp16 rows of every layer are fp16_token x tokens in all
         rows = fp16_token * tokens
         transient = min(config.get("prefill_inflight") or rows, rows) + rows / max(1, len(dims))
@@ -134,19 +136,21 @@ def layer_major(s: Shapes, preset: Preset) -> bool:
             and config.get("prefill_order") != "token")
 
 
-def layer_major_transient(s: Shapes, tokens: int, chunk: int, fp16_token: int) -> float:
+def layer_major_transient(s: Shapes, tokens: int, chunk: int, fp16_token: int,
+                          scores: float = 0) -> float:
     """A layer-major prefill's working set on a GPU (`longctx.prefill_layers`): the hidden states
     of two layers (the one read, the one written), one layer's staging keys and values, and the
     queued layer-chunks (`chunk_bytes` each: the staging buffer it reads and its activations),
     as many as `prefill_group_tokens` makes two groups of, bounded by `prefill_inflight`, plus
-    one."""
+    one. `scores`: a chunk's materialized attention scores (head dims the GPUs' SDPA does not
+    fuse), which every queued chunk holds."""
     from longctx import config
     from longctx.prefill_layers import ACTIVATIONS
 
     elem = 2
     hidden = 2 * tokens * s.hidden * elem
     staging = fp16_token * tokens / max(1, len(s.head_dims))
-    per_chunk = staging + ACTIVATIONS * chunk * s.hidden * elem
+    per_chunk = staging + ACTIVATIONS * chunk * s.hidden * elem + scores
     group = max(1, config.get("prefill_group_tokens") // max(1, chunk))
     queued = 2 * group * per_chunk
     budget = config.get("prefill_inflight")
