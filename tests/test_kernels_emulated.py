@@ -582,3 +582,40 @@ def test_rotate(emulated, p, inverse, mean, dtype):
     if mean:
         ref = (ref.reshape(1, 2, 3, 3, p) + m[:, :, None]).reshape(1, 6, 3, p)
     assert np.abs(np.array(want.astype(mx.float32)) - np.array(ref.astype(dtype).astype(mx.float32))).max() < tol
+
+
+def test_layer_major_prefill_through_the_fused_encode(tmp_path):
+    """The GPU's default prefill (layer-major: the fused `prefill_encode` appends in spans, the
+    window copied out of them) with the kernels emulated: it stores what an fp16 prefill's keys
+    and values give appended chunk by chunk through the same kernels (`update_and_fetch`)."""
+    from conftest import make_tiny_model
+
+    from longctx import config, engine, kvcache
+    from longctx.runtime import models
+
+    path = make_tiny_model(tmp_path / "tiny-2", layers=2, attn_gain=2.0, head_dim=64)
+    model = models.load(models.resolve(str(path))).model
+    preset = kvcache.get_preset("tq4")
+    chunk = 256  # past the window (128): the fused appends take the chunks
+    tokens = np.random.default_rng(0).integers(3, 200, 2 * chunk + 37).tolist()
+
+    def arrays(cache):
+        kvcache.seal(cache)
+        return {k: np.array(v.astype(mx.float32))
+                for k, v in kvcache.to_arrays(cache, preset).items()}
+
+    with _prelude.executor(kernel_emu.emulator()), config.override(compile="0"):
+        layered = kvcache.make(model, preset)
+        engine.prefill(model, tokens, layered, chunk=chunk)
+        assert layered[0]._rot_window is not None  # the fused path's window
+        exact = kvcache.make(model, kvcache.get_preset("fp16"))
+        engine.prefill(model, tokens, exact, chunk=chunk)
+        oracle = kvcache.make(model, preset)
+        for c, e in zip(oracle, exact):
+            k, v = e.keys[..., :e.offset, :], e.values[..., :e.offset, :]
+            for lo in range(0, len(tokens), chunk):
+                c.update_and_fetch(k[:, :, lo:lo + chunk], v[:, :, lo:lo + chunk])
+        got, want = arrays(layered), arrays(oracle)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
