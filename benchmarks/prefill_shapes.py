@@ -30,7 +30,6 @@ from shapes import random_model  # noqa: E402
 
 from longctx import engine, kvcache  # noqa: E402
 from longctx import config  # noqa: E402
-from longctx.kvcache import turbo  # noqa: E402
 
 
 class _Timed:

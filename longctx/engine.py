@@ -109,18 +109,18 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
     times = None  # on a GPU, an empty compressed cache fills layer by layer (`prefill_layers`)
     if total and prefill_layers.applies(model, cache):
         times = prefill_layers.prefill(model, tokens, cache, bounds, progress)
-    for lo, hi in bounds if times is None else ():
-        times = times or []
-        t = time.perf_counter()
-        piece = mx.array(tokens[lo:hi], dtype=mx.int32)[None]  # (1, T)
-        model(piece, cache=cache)  # logits stay an unevaluated graph node
-        mx.eval(_cache_arrays(cache))
-        turbo.drain()  # the chunk's queued layers are done
-        times.append(time.perf_counter() - t)
-        if progress:
-            progress(hi, total)
+    if times is None:
+        times = []
+        for lo, hi in bounds:
+            t = time.perf_counter()
+            piece = mx.array(tokens[lo:hi], dtype=mx.int32)[None]  # (1, T)
+            model(piece, cache=cache)  # logits stay an unevaluated graph node
+            mx.eval(_cache_arrays(cache))
+            turbo.drain()  # the chunk's queued layers are done
+            times.append(time.perf_counter() - t)
+            if progress:
+                progress(hi, total)
     mx.synchronize()
-    times = times or []
     return PrefillStats(total, time.perf_counter() - start, mx.get_peak_memory(),
                         max(times, default=0.0), tuple(times))
 

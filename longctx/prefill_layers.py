@@ -138,7 +138,7 @@ def chunk_bytes(stage, out) -> int:
 
     arrays = [a for _, a in tree_flatten(out) if hasattr(a, "nbytes")]
     total = stage.keys.nbytes + stage.values.nbytes + ACTIVATIONS * sum(a.nbytes for a in arrays)
-    b, _, length, dim = stage.keys.shape
+    b, _, _, dim = stage.keys.shape
     if dim not in FUSED_SDPA_DIMS and arrays and arrays[0].ndim == 3:
         n, width = arrays[0].shape[1:]
         total += 4 * b * max(1, width // dim) * n * stage.offset

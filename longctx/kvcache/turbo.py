@@ -235,7 +235,6 @@ class TurboQuantCache:
         self._rot_sink: tuple[mx.array, mx.array] | None = None  # rotated_sink() in fp16, once
         self._plan = [None]  # the decode step's kept launch (`CompressedKV.plan`)
         self._step_base = None  # (state, fields) of the last decode view (`_step_view`)
-        self._absorbing = False  # in `absorb`: no in-flight bound
 
     @property
     def sink_len(self) -> int:
@@ -309,12 +308,13 @@ class TurboQuantCache:
                 store[name][:, :, lo:hi] = arr
         self.tail_len = hi
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
+    def update_and_fetch(self, keys: mx.array, values: mx.array, *, bound: bool = True):
         """Append (B, H_kv, L, D) keys/values; return the view attention reads.
 
         The view holds the compressed tokens as they were before this call plus the window and
         the new tokens uncompressed: a chunk attends to itself exactly. Afterwards whatever falls
-        out of the window is compressed into the tail.
+        out of the window is compressed into the tail. `bound`: a prefill chunk over a compressed
+        prefix bounds the layers queued (`_bound_inflight`; `absorb` builds none).
         """
         self.head_dim = keys.shape[-1]
         self.dtype = values.dtype
@@ -326,7 +326,7 @@ class TurboQuantCache:
             self._window_write(*_center_pair(keys, values, *self.means))
             view = self._step_view()
             return view, view
-        if self.prefix_len + self.tail_len and not self._absorbing:
+        if bound and self.prefix_len + self.tail_len:
             self._bound_inflight(keys, values)
         fused = self._fused_chunk(keys, values)
         if fused is not None:
@@ -357,11 +357,7 @@ class TurboQuantCache:
             the span's centered rows and of its rotated rows: kept for every layer, by count
             ~8 GiB at 32k tokens of an 8B model). Evaluate them with `state`.
         """
-        self._absorbing = True
-        try:
-            self.update_and_fetch(keys, values)
-        finally:
-            self._absorbing = False
+        self.update_and_fetch(keys, values, bound=False)
         copies = []
         if self.window is not None:
             self.window = tuple(mx.contiguous(x) for x in self.window)
