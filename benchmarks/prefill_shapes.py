@@ -7,11 +7,13 @@ compressed preset with the dense GPU prefill path switched off (the blocked MLX 
 before `kvcache.dense_gpu`); `--sync-ab` with no bound on the layers a chunk keeps in flight
 (`prefill_inflight` 0, as before the bound: every layer queued at once) and with a wait at every
 layer (a 1-byte budget), both token-major; `--orders token` the token-major loop beside the default
-(layer-major on a GPU, `longctx.prefill_layers`).
+(layer-major on a GPU, `longctx.prefill_layers`); `--inflight 512` the layer-major prefill with
+that many MiB queued at most (`prefill_inflight`).
 
 Usage: python benchmarks/prefill_shapes.py [--shapes smollm2-135m llama-3.1-8b] [--tokens 8192 32768]
        [--kv fp16 tq4] [--bits 0] [--blocked] [--sync-ab] [--queue-every 4 8]
-       [--group-tokens 16384] [--orders token] [--host-profile] [--name prefill_gpu]
+       [--group-tokens 16384] [--orders token] [--inflight 512] [--host-profile]
+       [--name prefill_gpu]
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ def main() -> None:
                          "a layer (prefill_group_tokens), e.g. 2048 16384")
     ap.add_argument("--orders", nargs="*", default=[], choices=["layer", "token"],
                     help="also each compressed preset in this prefill order (prefill_order)")
+    ap.add_argument("--inflight", type=int, nargs="*", default=[],
+                    help="also the layer-major prefill at these prefill_inflight MiB, e.g. 512")
     ap.add_argument("--host-profile", action="store_true",
                     help="also one more prefill per compressed preset under cProfile (printed: "
                          "where the host's time goes, evaluation included)")
@@ -131,6 +135,8 @@ def main() -> None:
             # the other prefill order (`prefill_order`; the default on a GPU is layer)
             variants += [(f"{kv}:{order}", {"prefill_order": order})
                          for kv in compressed for order in args.orders]
+            variants += [(f"{kv}:inflight{m}", {"prefill_inflight": m * 2**20})
+                         for kv in compressed for m in args.inflight]
             for label, settings in variants:
                 preset = kvcache.get_preset(label.split(":")[0])
                 with config.override(**settings):
