@@ -101,6 +101,9 @@ def main() -> None:
                     help="also each compressed preset in this prefill order (prefill_order)")
     ap.add_argument("--inflight", type=int, nargs="*", default=[],
                     help="also the layer-major prefill at these prefill_inflight MiB, e.g. 512")
+    ap.add_argument("--once", action="store_true",
+                    help="run the A/B rows once each (the --kv rows before them have met every "
+                         "chunk's shapes: their one run is steady; first_run_* then repeat it)")
     ap.add_argument("--host-profile", action="store_true",
                     help="also one more prefill per compressed preset under cProfile (printed: "
                          "where the host's time goes, evaluation included)")
@@ -144,8 +147,10 @@ def main() -> None:
                     # kernels, cuDNN graphs keyed by shape and strides), as one ingest does;
                     # the second is the steady rate, the same for every variant whatever ran
                     # before it
-                    s0, _, longest0, _ = prefill_once(model, ids, preset, args.chunk)
-                    s, peak, longest, _ = prefill_once(model, ids, preset, args.chunk)
+                    s0, peak, longest0, _ = prefill_once(model, ids, preset, args.chunk)
+                    s, longest = s0, longest0
+                    if not (args.once and ":" in label):
+                        s, peak, longest, _ = prefill_once(model, ids, preset, args.chunk)
                 rows.append({"shape": shape, "kv": label, "tokens": n, "seconds": s,
                              "tokens_per_second": n / s, "peak_bytes": peak,
                              "weights_bytes": weights, "longest_eval_seconds": longest,
