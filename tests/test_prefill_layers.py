@@ -214,16 +214,24 @@ def test_the_filled_cache_holds_no_span_buffers(lm):
 
     preset = kvcache.get_preset("tq4")
     tokens = _tokens(8 * CHUNK)
-    held = {}
-    for order in ("token", "layer"):
+
+    def held_by(order: str) -> int:
         gc.collect()
         mx.clear_cache()
         before = mx.get_active_memory()
         cache, _ = _prefill(lm.model, tokens, preset, order)
         gc.collect()
         mx.clear_cache()
-        held[order] = mx.get_active_memory() - before
+        held = mx.get_active_memory() - before
         del cache
+        return held
+
+    # a first pass of each fills what a process keeps (compiled steps, kernels' constant
+    # arrays; on the H200 a first token-major pass measured -167 KB, freeing earlier tests')
+    for order in ("token", "layer"):
+        held_by(order)
+    held = {order: held_by(order) for order in ("token", "layer")}
+    assert held["token"] > 0, held
     assert held["layer"] <= 1.1 * held["token"], held
 
 
