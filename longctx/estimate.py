@@ -13,8 +13,9 @@ ahead of it hold (`peak_bytes`). Against the measured peaks (tests/test_multidoc
 25% on the CPU (benchmarks/results/prefill_cpu.json) and within 10% for 8B shapes on the H200
 (prefill_gpu.json, product_path_h200.json at 128k), never more than 20% under; it over-estimates
 small models there (SmolLM2: up to 2.2x). The layer-major GPU prefill's (`layer_major_transient`)
-against its first H200 run (before its in-flight bound: `prefill_inflight` 0 here): 0.98x / 0.99x
-the 8B shape's measured peak at 8k / 32k, 1.33x / 1.37x SmolLM2's.
+against the H200's runs with its in-flight bound: 0.99-1.03x the 8B shape's measured peaks at
+8k / 32k (bf16, three settings each), 0.89-1.01x at 128k (4-bit, the bound at 1-8 GiB),
+1.10-1.31x SmolLM2's.
 """
 
 from __future__ import annotations
@@ -140,10 +141,12 @@ def layer_major_transient(s: Shapes, tokens: int, chunk: int, fp16_token: int,
                           scores: float = 0) -> float:
     """A layer-major prefill's working set on a GPU (`longctx.prefill_layers`): the hidden states
     of two layers (the one read, the one written), one layer's staging keys and values, and the
-    queued layer-chunks (`chunk_bytes` each: the staging buffer it reads and its activations),
-    as many as `prefill_group_tokens` makes two groups of, bounded by `prefill_inflight`, plus
-    one. `scores`: a chunk's materialized attention scores (head dims the GPUs' SDPA does not
-    fuse), which every queued chunk holds."""
+    queued layer-chunks (`chunk_bytes` each: the staging buffer it reads and its activations)
+    plus one. The host waits only once `prefill_inflight` bytes are queued, so that many are
+    (at most a layer's chunks), whatever `prefill_group_tokens` (on the H200 SmolLM2's 32k peak
+    was the same with groups of 2048 and 4096 tokens); with no bound, two groups' worth (as
+    measured before the bound). `scores`: a chunk's materialized attention scores (head dims
+    the GPUs' SDPA does not fuse), which every queued chunk holds."""
     from longctx import config
     from longctx.prefill_layers import ACTIVATIONS
 
@@ -151,10 +154,13 @@ def layer_major_transient(s: Shapes, tokens: int, chunk: int, fp16_token: int,
     hidden = 2 * tokens * s.hidden * elem
     staging = fp16_token * tokens / max(1, len(s.head_dims))
     per_chunk = staging + ACTIVATIONS * chunk * s.hidden * elem + scores
-    group = max(1, config.get("prefill_group_tokens") // max(1, chunk))
-    queued = 2 * group * per_chunk
+    layer = -(-tokens // max(1, chunk)) * per_chunk
     budget = config.get("prefill_inflight")
-    return hidden + staging + (min(budget, queued) if budget else queued) + per_chunk
+    if budget:
+        queued = min(budget, layer)
+    else:
+        queued = 2 * max(1, config.get("prefill_group_tokens") // max(1, chunk)) * per_chunk
+    return hidden + staging + queued + per_chunk
 
 
 def weights_bytes(path, s: Shapes, cpu: bool) -> int:
