@@ -283,9 +283,10 @@ def main() -> None:
                     help="query and KV heads (default Llama-3.1-8B's 32 8; Qwen2.5-7B: 28 4)")
     ap.add_argument("--profile", action="store_true",
                     help="only run the tq4 kernels at the largest length (for ncu), no output")
-    ap.add_argument("--mma-variants", nargs="+", metavar="WARPS,STAGES[,FUSE]",
+    ap.add_argument("--mma-variants", nargs="+", metavar="WARPS,STAGES[,FUSE[,RESIDENT]]",
                     help="only the tq4 step and fp16 SDPA, for these tensor-core kernel shapes "
-                         "(e.g. 4,2 8,3; 4,2,0: two launches, the finish its own), merged as "
+                         "(e.g. 4,2 8,3; 4,2,0: two launches, the finish its own; 4,1,1,5: one "
+                         "stage, registers capped for 5 threadgroups per SM), merged as "
                          "`mma_variants` into the results file")
     args = ap.parse_args()
     HQ, HKV = args.heads
@@ -374,29 +375,32 @@ def mma_variants(args) -> None:
     from _common import RESULTS, environment
 
     rows = []
-    saved = dm.WARPS, dm.STAGES, dm.FUSE_FINISH
+    saved = dm.WARPS, dm.STAGES, dm.FUSE_FINISH, dm.RESIDENT
     try:
         for s in args.lengths:
             env = setup(s, presets=("tq4",), affine=False)
             q, k, v, view, scale = env["q"], env["k"], env["v"], env["tq4"], D ** -0.5
             fp16 = lambda: mx.fast.scaled_dot_product_attention(  # noqa: E731
                 q, k, v, scale=scale)
-            # WARPS,STAGES[,FUSE]: FUSE 0 is the two-launch step (the finish its own launch)
-            variants = [tuple(int(x) for x in v.split(",")) + (1,) for v in args.mma_variants]
+            # WARPS,STAGES[,FUSE[,RESIDENT]]: FUSE 0 is the two-launch step (the finish its own
+            # launch); RESIDENT the threadgroups per SM the register cap fits (0: the default)
+            given = [tuple(int(x) for x in v.split(",")) for v in args.mma_variants]
+            variants = [g + (1, 0)[len(g) - 2:] for g in given]  # FUSE 1, RESIDENT 0 if left out
             for label, fn, knobs in ([("fp16_sdpa", fp16, None)]
-                                     + [(f"fused_tq4_w{w}s{st}" + ("" if f else "_two_launch"),
-                                         None, (w, st, bool(f)))
-                                        for w, st, f, *_ in variants]):
+                                     + [(f"fused_tq4_w{w}s{st}" + (f"r{r}" if r else "")
+                                         + ("" if f else "_two_launch"), None, (w, st, bool(f), r))
+                                        for w, st, f, r in variants]):
                 if knobs:
-                    dm.WARPS, dm.STAGES, dm.FUSE_FINISH = knobs
+                    dm.WARPS, dm.STAGES, dm.FUSE_FINISH, dm.RESIDENT = knobs
                     fn = lambda: compressed_attention(q, view, scale)  # noqa: E731
                 rows.append({"S": s, "method": label, "warps": knobs and knobs[0],
                              "stages": knobs and knobs[1], "one_launch": knobs and knobs[2],
+                             "resident": knobs and dm.resident(D),
                              "sync_ms": sync_ms(fn), "pipelined_ms": pipelined_ms(fn)})
                 print(rows[-1], flush=True)
             del env
     finally:
-        dm.WARPS, dm.STAGES, dm.FUSE_FINISH = saved
+        dm.WARPS, dm.STAGES, dm.FUSE_FINISH, dm.RESIDENT = saved
     path = RESULTS / f"{args.name or 'attend_' + _prelude.backend()}.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     data["mma_variants"] = {"environment": environment(), "rows": rows}

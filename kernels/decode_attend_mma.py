@@ -88,6 +88,11 @@ BLOCK = 16  # keys per warp block (the MMA's M)
 DIMS = (64, 128, 256)
 MAX_ROWS = 8  # the MMA's N
 MIN_WARP_BLOCKS = 1  # fewest 16-key blocks each warp of a split walks (more: fewer splits)
+# threadgroups per SM the launch is sized for and the register cap fits (0: 16 warps' worth,
+# as shared memory allows; `resident`). E.g. 5 with STAGES 1 (43 KiB): 102 registers a thread.
+# (STAGES 1 fits P <= 128 only: at P = 256 the exact tokens' rounds need two stages' space.)
+# A benchmark knob (benchmarks/attend.py --mma-variants 4,1,1,5), not measured on a GPU yet
+RESIDENT = 0
 ENABLED = True  # benchmarks/attend.py turns it off for the portable kernel's rows
 # the whole step in one launch where it applies (`decode_step_mma`; False: the partials, then
 # `decode_finish`, two launches)
@@ -675,15 +680,16 @@ def shared_bytes(p: int) -> int:
 def resident(p: int) -> int:
     """Threadgroups per SM the launch is sized for, and the register cap fits: 16 warps of 128
     registers (12 of 168 at P = 256, whose fragments need them), as shared memory allows (one
-    KiB per threadgroup is the driver's). At P = 128 with the defaults: 4 (55 KiB each)."""
-    warps = (16 if p <= 128 else 12) // WARPS
+    KiB per threadgroup is the driver's). At P = 128 with the defaults: 4 (55 KiB each).
+    `RESIDENT`, when set, instead of the 16 warps (as shared memory allows)."""
+    warps = RESIDENT or (16 if p <= 128 else 12) // WARPS
     return max(1, min(warps, SMEM_PER_SM // (shared_bytes(p) + 1024)))
 
 
 def _spec(p: int, exact: bool = False) -> KernelSpec:
     """The partials' kernel at head dim p; `exact`: the variant that folds the exact tokens into
     the splits' states (`_EXACT_SPLIT`)."""
-    key = (p, WARPS, STAGES, exact)
+    key = (p, WARPS, STAGES, RESIDENT, exact)
     if key not in _SPECS:
         bounds = da._min_blocks_header(resident(p), 32 * WARPS)
         extra = (dict(inputs=_SPEC.inputs + _EXACT_INPUTS, source=_source(_EXACT_SPLIT))
@@ -912,7 +918,7 @@ def keep_counter(n: int, c: mx.array) -> None:
 
 
 def _step_spec(p: int) -> KernelSpec:
-    key = ("step", p, WARPS, STAGES, EXACT_IN_SPLITS)
+    key = ("step", p, WARPS, STAGES, RESIDENT, EXACT_IN_SPLITS)
     if key not in _SPECS:
         base = _spec(p)
         _SPECS[key] = dataclasses.replace(_STEP_SPEC, shared_memory=base.shared_memory,

@@ -698,7 +698,7 @@ def test_decode_step_plan_replays_and_checks(monkeypatch):
         assert _rel(first[1], compressed_attention(q, bare, 0.125, fused=False)) < 1e-2
 
 
-@pytest.mark.parametrize("shape", [(4, 2), (4, 3), (8, 2), (8, 3)])
+@pytest.mark.parametrize("shape", [(4, 2), (4, 3), (8, 2), (8, 3), (4, 1, 5)])
 def test_decode_attend_mma_launch_plan(monkeypatch, shape):
     """The tensor-core kernel's launch plan at every threadgroup shape: shared memory within an
     H200 block's 227 KiB, at least one threadgroup per SM, splits of whole 16 x WARPS-key tiles
@@ -709,6 +709,9 @@ def test_decode_attend_mma_launch_plan(monkeypatch, shape):
 
     monkeypatch.setattr(dm, "WARPS", shape[0])
     monkeypatch.setattr(dm, "STAGES", shape[1])
+    if len(shape) > 2:  # RESIDENT: one stage leaves room for 5 threadgroups of 4 warps at P 128
+        monkeypatch.setattr(dm, "RESIDENT", shape[2])
+        assert dm.resident(128) == 5 and "__launch_bounds__(128, 5)" in dm._spec(128).header
     for p in dm.DIMS:
         assert dm.shared_bytes(p) <= 227 * 1024 and dm.resident(p) >= 1
         assert dm.resident(p) * (dm.shared_bytes(p) + 1024) <= dm.SMEM_PER_SM

@@ -333,7 +333,8 @@ MMA_CASES = [  # B, H, R, P, L, capacity, q dtype, SM_COUNT (1: several blocks p
 ]
 
 
-@pytest.mark.parametrize("shape", [(4, 2), (8, 3)], ids=["4warps-2stages", "8warps-3stages"])
+@pytest.mark.parametrize("shape", [(4, 2), (8, 3), (4, 1)],
+                         ids=["4warps-2stages", "8warps-3stages", "4warps-1stage"])
 @pytest.mark.parametrize("odd_rows", [False, True], ids=["aligned", "odd-rows"])
 @pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}")
 def test_decode_attend_mma(monkeypatch, case, odd_rows, shape):
