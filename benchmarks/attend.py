@@ -396,7 +396,9 @@ def mma_variants(args) -> None:
                 rows.append({"S": s, "method": label, "warps": knobs and knobs[0],
                              "stages": knobs and knobs[1], "one_launch": knobs and knobs[2],
                              "resident": knobs and dm.resident(D),
-                             "sync_ms": sync_ms(fn), "pipelined_ms": pipelined_ms(fn)})
+                             "sync_ms": sync_ms(fn), "pipelined_ms": pipelined_ms(fn),
+                             # a variant that failed to build times its fallback: say so
+                             "failed": sorted(n for n in (dm.NAME, dm.STEP_NAME) if dm.failed(n))})
                 print(rows[-1], flush=True)
             del env
     finally:

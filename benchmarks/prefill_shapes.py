@@ -102,8 +102,9 @@ def main() -> None:
     ap.add_argument("--inflight", type=int, nargs="*", default=[],
                     help="also the layer-major prefill at these prefill_inflight MiB, e.g. 512")
     ap.add_argument("--once", action="store_true",
-                    help="run the A/B rows once each (the --kv rows before them have met every "
-                         "chunk's shapes: their one run is steady; first_run_* then repeat it)")
+                    help="run the layer-major A/B rows (--group-tokens, --inflight) once each (the "
+                         "--kv rows before them have met every chunk's shapes: their one run is "
+                         "steady; first_run_* then repeat it)")
     ap.add_argument("--host-profile", action="store_true",
                     help="also one more prefill per compressed preset under cProfile (printed: "
                          "where the host's time goes, evaluation included)")
@@ -149,9 +150,12 @@ def main() -> None:
                     # before it
                     s0, peak, longest0, _ = prefill_once(model, ids, preset, args.chunk)
                     s, longest = s0, longest0
-                    if not (args.once and ":" in label):
+                    # --once: the layer-major A/B rows, whose shapes the default rows have met
+                    once = args.once and label.split(":")[-1].startswith(("group", "inflight"))
+                    if not once:
                         s, peak, longest, _ = prefill_once(model, ids, preset, args.chunk)
-                rows.append({"shape": shape, "kv": label, "tokens": n, "seconds": s,
+                rows.append({"shape": shape, "kv": label, "settings": settings,
+                             "runs": 1 if once else 2, "tokens": n, "seconds": s,
                              "tokens_per_second": n / s, "peak_bytes": peak,
                              "weights_bytes": weights, "longest_eval_seconds": longest,
                              "first_run_seconds": s0, "first_run_tokens_per_second": n / s0,

@@ -195,6 +195,11 @@ def strip_source(src: str) -> str:
     cache key), ~7.6 us for the 40 KB of the whole-step kernel on a 2-core x86 host, once per
     layer and token: this drops ~30% of it (what the kernel files keep for their readers)."""
     out, i, n = [], 0, len(src)
+
+    def blank():
+        if not (out and out[-1].endswith(" ")):
+            out.append(" ")
+
     while i < n:
         c = src[i]
         if c == '"' or (c == "'" and not (i and (src[i - 1].isalnum() or src[i - 1] == "_"))):
@@ -203,20 +208,24 @@ def strip_source(src: str) -> str:
                 j += 2 if src[j] == "\\" else 1
             out.append(src[i:j + 1])
             i = j + 1
-        elif src.startswith("//", i):
+        elif src.startswith("//", i):  # to the end of the line, and of lines it splices on
             j = src.find("\n", i)
+            while 0 <= j < n - 1 and src[j - 1] == "\\":
+                out.append("\n")
+                j = src.find("\n", j + 1)
             i = n if j < 0 else j
         elif src.startswith("/*", i):
             j = src.find("*/", i + 2)
             j = n if j < 0 else j + 2
-            out.append(" " + "\n" * src.count("\n", i, j))
+            blank()
+            lines = src.count("\n", i, j)
+            if lines:  # each line it spans stays, spliced (a directive continues past it)
+                out.append("\\\n" * lines)
             i = j
         elif c in " \t":
-            j = i
-            while j < n and src[j] in " \t":
-                j += 1
-            out.append(" ")
-            i = j
+            while i < n and src[i] in " \t":
+                i += 1
+            blank()
         else:
             out.append(c)
             i += 1

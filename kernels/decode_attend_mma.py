@@ -681,8 +681,9 @@ def resident(p: int) -> int:
     """Threadgroups per SM the launch is sized for, and the register cap fits: 16 warps of 128
     registers (12 of 168 at P = 256, whose fragments need them), as shared memory allows (one
     KiB per threadgroup is the driver's). At P = 128 with the defaults: 4 (55 KiB each).
-    `RESIDENT`, when set, instead of the 16 warps (as shared memory allows)."""
-    warps = RESIDENT or (16 if p <= 128 else 12) // WARPS
+    `RESIDENT`, when set, instead of the 16 warps at P <= 128 (as shared memory allows; P = 256's
+    fragments need their 168 registers)."""
+    warps = (RESIDENT if p <= 128 else 0) or (16 if p <= 128 else 12) // WARPS
     return max(1, min(warps, SMEM_PER_SM // (shared_bytes(p) + 1024)))
 
 

@@ -13,9 +13,9 @@ ahead of it hold (`peak_bytes`). Against the measured peaks (tests/test_multidoc
 25% on the CPU (benchmarks/results/prefill_cpu.json) and within 10% for 8B shapes on the H200
 (prefill_gpu.json, product_path_h200.json at 128k), never more than 20% under; it over-estimates
 small models there (SmolLM2: up to 2.2x). The layer-major GPU prefill's (`layer_major_transient`)
-against the H200's runs with its in-flight bound: 0.99-1.03x the 8B shape's measured peaks at
-8k / 32k (bf16, three settings each), 0.89-1.01x at 128k (4-bit, the bound at 1-8 GiB),
-1.10-1.31x SmolLM2's.
+against the H200's runs with its in-flight bound: 1.00-1.07x the 8B shape's measured peaks at
+8k / 32k (bf16, three settings each), 1.02-1.13x at 128k (4-bit, the bound at 1-8 GiB),
+1.34-3.28x SmolLM2's (the GPU keeps up with a small model's queued work).
 """
 
 from __future__ import annotations
@@ -142,24 +142,28 @@ def layer_major_transient(s: Shapes, tokens: int, chunk: int, fp16_token: int,
     """A layer-major prefill's working set on a GPU (`longctx.prefill_layers`): the hidden states
     of two layers (the one read, the one written), one layer's staging keys and values, and the
     queued layer-chunks (`chunk_bytes` each: the staging buffer it reads and its activations)
-    plus one. The host waits only once `prefill_inflight` bytes are queued, so that many are
-    (at most a layer's chunks), whatever `prefill_group_tokens` (on the H200 SmolLM2's 32k peak
-    was the same with groups of 2048 and 4096 tokens); with no bound, two groups' worth (as
-    measured before the bound). `scores`: a chunk's materialized attention scores (head dims
-    the GPUs' SDPA does not fuse), which every queued chunk holds."""
+    plus one. The host waits only once `prefill_inflight` bytes are queued, and a group (up to
+    `prefill_group_tokens`, or half the bound) is queued before the oldest is waited for: so up
+    to the bound plus a group is in flight, whatever the group size (on the H200 SmolLM2's 32k
+    peak was the same with groups of 2048 and 4096 tokens), at most the whole prompt's
+    layer-chunks; with no bound, two groups' worth (as measured before the bound). `scores`: a
+    chunk's materialized attention scores (head dims the GPUs' SDPA does not fuse), which
+    every queued chunk holds."""
     from longctx import config
     from longctx.prefill_layers import ACTIVATIONS
 
     elem = 2
     hidden = 2 * tokens * s.hidden * elem
-    staging = fp16_token * tokens / max(1, len(s.head_dims))
+    layers = max(1, len(s.head_dims))
+    staging = fp16_token * tokens / layers
     per_chunk = staging + ACTIVATIONS * chunk * s.hidden * elem + scores
-    layer = -(-tokens // max(1, chunk)) * per_chunk
+    group = max(1, config.get("prefill_group_tokens") // max(1, chunk)) * per_chunk
     budget = config.get("prefill_inflight")
     if budget:
-        queued = min(budget, layer)
+        everything = layers * -(-tokens // max(1, chunk)) * per_chunk
+        queued = min(everything, budget + min(budget / 2, group))
     else:
-        queued = 2 * max(1, config.get("prefill_group_tokens") // max(1, chunk)) * per_chunk
+        queued = 2 * group
     return hidden + staging + queued + per_chunk
 
 

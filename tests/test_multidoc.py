@@ -252,11 +252,12 @@ def test_gpu_peak_estimate_follows_the_measured_h200_peaks():
     """The GPU branch of the estimate against the H200's measured prefill peaks with the final
     code: prefill_gpu.json (bf16 SmolLM2-135M and Llama-3.1-8B shapes, 8k and 32k, and its A/B
     rows), prefill_gpu_128k.json (the 4-bit 8B shape, with the bound at 1-8 GiB) and the
-    product path's 128k ingests (4-bit Llama-3.1-8B and Qwen2.5-7B shapes). Within 10% on the 8B
-    shapes (15% for fp16 at 128k); never more than 20% under (an ingest told it fits must fit);
-    small models are over-estimated (up to ~2.2x at SmolLM2 32k: the GPU keeps up with the
-    queued layers). Each row is estimated with the settings it was measured under (the order,
-    the bound, the group size)."""
+    product path's 128k ingests (4-bit Llama-3.1-8B and Qwen2.5-7B shapes). Within 15% over on
+    the 8B shapes (fp16 at 128k: 1.12x, mlx-lm's buffer reallocations; tq4 with a 4 GiB bound:
+    1.13x, the bound plus a group counted in flight); never more than 20% under (an ingest told
+    it fits must fit); small models are over-estimated (up to ~3x at SmolLM2 8k: the GPU keeps
+    up with the queued work). Each row is estimated with the settings it was measured under
+    (its `settings`, or those its label names)."""
     from longctx.kvcache import get_preset
 
     root = Path(__file__).resolve().parents[1]
@@ -269,13 +270,15 @@ def test_gpu_peak_estimate_follows_the_measured_h200_peaks():
     for name in ("prefill_gpu.json", "prefill_gpu_128k.json"):  # the 128k rows: 4-bit weights
         for r in json.loads((results / name).read_text())["rows"]:
             kv, _, variant = r["kv"].partition(":")  # every row, with the settings it ran under
-            settings = {"prefill_order": "token"} if kv == "fp16" or variant == "token" else {}
-            if variant.startswith("inflight"):
-                settings["prefill_inflight"] = int(variant[len("inflight"):]) * 2**20
-            elif variant.startswith("group"):
-                settings["prefill_group_tokens"] = int(variant[len("group"):])
-            elif variant not in ("", "token"):
-                raise AssertionError(f"{name}: a row of unknown settings, {r['kv']}")
+            settings = r.get("settings")
+            if settings is None:  # rows written before prefill_shapes recorded them
+                settings = {"prefill_order": "token"} if variant == "token" else {}
+                if variant.startswith("inflight"):
+                    settings["prefill_inflight"] = int(variant[len("inflight"):]) * 2**20
+                elif variant.startswith("group"):
+                    settings["prefill_group_tokens"] = int(variant[len("group"):])
+                elif variant not in ("", "token"):
+                    raise AssertionError(f"{name}: a row of unknown settings, {r['kv']}")
             cases.append((r["shape"], {}, settings, kv, r["tokens"], r["weights_bytes"],
                           r["peak_bytes"]))
     product = json.loads((results / "product_path_h200.json").read_text())
@@ -290,5 +293,5 @@ def test_gpu_peak_estimate_follows_the_measured_h200_peaks():
         with config.override(**settings):
             ratio = estimate.peak_bytes(s, get_preset(kv), tokens, weights, False, 512) / measured
         assert ratio >= 0.8, (shape, kv, tokens, ratio)
-        if shape != "smollm2-135m":  # fp16 at 128k: 1.12x (mlx-lm's buffer reallocations)
+        if shape != "smollm2-135m":
             assert ratio <= 1.15, (shape, kv, tokens, ratio)
