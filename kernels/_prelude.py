@@ -51,6 +51,7 @@ call, `kvcache.attention`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import sys
 import types
@@ -185,7 +186,7 @@ COMMON = r"""
 """
 
 
-
+@functools.lru_cache(maxsize=None)
 def strip_source(src: str) -> str:
     """`src` without its comments and indentation, runs of blanks as one, every line kept (so
     line numbers in compiler messages are unchanged); string literals as they are, and a line
@@ -193,7 +194,11 @@ def strip_source(src: str) -> str:
 
     MLX hashes a kernel's whole source at every launch (CUDA and Metal, mlx 0.32: the module's
     cache key), ~7.6 us for the 40 KB of the whole-step kernel on a 2-core x86 host, once per
-    layer and token: this drops ~30% of it (what the kernel files keep for their readers)."""
+    layer and token: this drops ~30% of it (what the kernel files keep for their readers).
+    `assemble` strips a spec's texts when a kernel is first built (~30 ms for all of them: not
+    at import, where the CPU, which launches none, would pay it); the preludes are stripped
+    here, so their lengths are those of the assembled source (`metal_check` maps lines by
+    them)."""
     out, i, n = [], 0, len(src)
 
     def blank():
@@ -293,10 +298,6 @@ class KernelSpec:
     row_contiguous: bool = True  # False: the body reads `<input>_strides` itself
     shared_memory: int = 0  # bytes of dynamic shared memory (CUDA only: `LC_DYN_SHARED`)
 
-    def __post_init__(self):  # what MLX hashes per launch, without comments (`strip_source`)
-        object.__setattr__(self, "source", strip_source(self.source))
-        object.__setattr__(self, "header", strip_source(self.header))
-
 
 @dataclass
 class Launch:
@@ -312,9 +313,10 @@ class Launch:
 
 
 def assemble(spec: KernelSpec, which: str, preludes: dict | None = None) -> tuple[str, str]:
-    """(header, body) for backend `which`: prelude header + COMMON + spec header; ids + body."""
+    """(header, body) for backend `which`: prelude header + COMMON + spec header; ids + body,
+    the spec's texts without comments (`strip_source`)."""
     header, ids = (preludes or PRELUDES)[which]
-    return header + COMMON + spec.header, ids + spec.source
+    return header + COMMON + strip_source(spec.header), ids + strip_source(spec.source)
 
 
 _KERNELS: dict = {}
