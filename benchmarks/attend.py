@@ -89,6 +89,48 @@ def pipelined_ms(fn, steps=30, reps=7) -> float:
     return 1e3 * statistics.median(burst() for _ in range(reps))
 
 
+def head_to_head(env, rounds: int = 9) -> dict:
+    """fp16 SDPA and the tq4 step (the default path) timed in alternating pipelined bursts, right
+    after the length's setup, so that both see the same host and GPU state (the method loop
+    below times each method once, one after another: its tq4 rows have swung by 1.6x between
+    runs at 8k-32k while fp16's held). Also, per tq4 step: the host time to build it (the
+    Python call, not evaluated) and how many of the timed steps replayed the layer's kept plan
+    (`attend_step.replay`; a step that does not takes the path choice, ~10-15 us more)."""
+    from longctx.kvcache import attend_step
+
+    q, k, v, view, scale = env["q"], env["k"], env["v"], env["tq4"], D ** -0.5
+    fns = {"fp16_sdpa": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
+           "fused_tq4": lambda: compressed_attention(q, view, scale)}
+    times = {name: [] for name in fns}
+    replay, hits = attend_step.replay, [0, 0]
+
+    def counted(*a):
+        out = replay(*a)
+        hits[out is not None] += 1
+        return out
+
+    attend_step.replay = counted
+    try:
+        for fn in fns.values():
+            mx.eval(fn())
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                times[name].append(pipelined_ms(fn, reps=1))
+        build = []
+        for _ in range(5):
+            t = time.perf_counter()
+            outs = [fns["fused_tq4"]() for _ in range(30)]
+            build.append((time.perf_counter() - t) / 30)
+            mx.eval(outs)
+    finally:
+        attend_step.replay = replay
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    ratios = sorted(a / b for a, b in zip(times["fp16_sdpa"], times["fused_tq4"]))
+    return {"rounds": rounds, "pipelined_ms": med, "speedup": med["fp16_sdpa"] / med["fused_tq4"],
+            "speedup_per_round": ratios, "tq4_build_us": 1e6 * statistics.median(build),
+            "tq4_replayed": hits[1], "tq4_not_replayed": hits[0]}
+
+
 def nbytes(arrays) -> int:
     return sum(a.nbytes for a in arrays)
 
@@ -283,11 +325,13 @@ def main() -> None:
                     help="query and KV heads (default Llama-3.1-8B's 32 8; Qwen2.5-7B: 28 4)")
     ap.add_argument("--profile", action="store_true",
                     help="only run the tq4 kernels at the largest length (for ncu), no output")
-    ap.add_argument("--mma-variants", nargs="+", metavar="WARPS,STAGES[,FUSE[,RESIDENT]]",
+    ap.add_argument("--mma-variants", nargs="+",
+                    metavar="WARPS,STAGES[,FUSE[,RESIDENT[,BANKS[,WAVES]]]]",
                     help="only the tq4 step and fp16 SDPA, for these tensor-core kernel shapes "
                          "(e.g. 4,2 8,3; 4,2,0: two launches, the finish its own; 4,1,1,5: one "
-                         "stage, registers capped for 5 threadgroups per SM), merged as "
-                         "`mma_variants` into the results file")
+                         "stage, registers capped for 5 threadgroups per SM; 4,2,1,0,0: the "
+                         "shared layouts before the bank-conflict fixes; 4,2,1,0,1,2: splits for "
+                         "two waves), merged as `mma_variants` into the results file")
     args = ap.parse_args()
     HQ, HKV = args.heads
     if HQ % HKV:
@@ -304,9 +348,17 @@ def main() -> None:
     if args.mma_variants:
         mma_variants(args)
         return
-    rows, sweeps, checks = [], {}, {}
+    rows, sweeps, checks, duels = [], {}, {}, {}
     for s in args.lengths:
         env = setup(s)
+        if backend != "cpu":
+            duels[s] = head_to_head(env)
+            d = duels[s]
+            print(f"S={s:>6} head to head: fp16 {d['pipelined_ms']['fp16_sdpa']:.4f} ms, tq4 "
+                  f"{d['pipelined_ms']['fused_tq4']:.4f} ms: {d['speedup']:.2f}x (rounds "
+                  f"{d['speedup_per_round'][0]:.2f}-{d['speedup_per_round'][-1]:.2f}x); tq4 "
+                  f"build {d['tq4_build_us']:.1f} us, replayed {d['tq4_replayed']} / "
+                  f"{d['tq4_replayed'] + d['tq4_not_replayed']}", flush=True)
         checks[s] = check(env)
         for name, (fn, cache_bytes) in methods(env, s).items():
             if args.methods and name not in args.methods:
@@ -339,6 +391,7 @@ def main() -> None:
         "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "batch": B, "query_tokens": 1},
         "kernel_backend": backend, "peak_gbs": PEAK_GBS, "rows": rows, "ratios": ratios,
         "fused_vs_mlx_path_max_rel_diff": checks, "sweep": sweeps,
+        "head_to_head": duels or None,
         "knobs": {"TARGET_GROUPS": da.TARGET_GROUPS or "auto", "SM_COUNT": da.SM_COUNT,
                   "NT": da.NT, "PREFETCH": da.PREFETCH, "MIN_SPLIT_TILES": da.MIN_SPLIT_TILES,
                   "MIN_BLOCKS": da.MIN_BLOCKS, "STAGE_WORDS": da.STAGE_WORDS,
@@ -375,34 +428,42 @@ def mma_variants(args) -> None:
     from _common import RESULTS, environment
 
     rows = []
-    saved = dm.WARPS, dm.STAGES, dm.FUSE_FINISH, dm.RESIDENT
+    saved = dm.WARPS, dm.STAGES, dm.FUSE_FINISH, dm.RESIDENT, dm.BANKS, dm.WAVES
     try:
         for s in args.lengths:
             env = setup(s, presets=("tq4",), affine=False)
             q, k, v, view, scale = env["q"], env["k"], env["v"], env["tq4"], D ** -0.5
             fp16 = lambda: mx.fast.scaled_dot_product_attention(  # noqa: E731
                 q, k, v, scale=scale)
-            # WARPS,STAGES[,FUSE[,RESIDENT]]: FUSE 0 is the two-launch step (the finish its own
-            # launch); RESIDENT the threadgroups per SM the register cap fits (0: the default)
+            # WARPS,STAGES[,FUSE[,RESIDENT[,BANKS[,WAVES]]]]: FUSE 0 is the two-launch step
+            # (the finish its own launch); RESIDENT the threadgroups per SM the register cap
+            # fits (0: the default); BANKS 0 the shared layouts before the bank-conflict fixes;
+            # WAVES the waves of threadgroups the splits are sized for
             given = [tuple(int(x) for x in v.split(",")) for v in args.mma_variants]
-            variants = [g + (1, 0)[len(g) - 2:] for g in given]  # FUSE 1, RESIDENT 0 if left out
+            # left out: FUSE 1, RESIDENT 0, BANKS 1, WAVES 1
+            variants = [g + (1, 0, 1, 1)[len(g) - 2:] for g in given]
             for label, fn, knobs in ([("fp16_sdpa", fp16, None)]
                                      + [(f"fused_tq4_w{w}s{st}" + (f"r{r}" if r else "")
-                                         + ("" if f else "_two_launch"), None, (w, st, bool(f), r))
-                                        for w, st, f, r in variants]):
+                                         + ("" if bk else "_b0") + (f"_v{v}" if v > 1 else "")
+                                         + ("" if f else "_two_launch"), None,
+                                         (w, st, bool(f), r, bool(bk), v))
+                                        for w, st, f, r, bk, v in variants]):
                 if knobs:
-                    dm.WARPS, dm.STAGES, dm.FUSE_FINISH, dm.RESIDENT = knobs
+                    (dm.WARPS, dm.STAGES, dm.FUSE_FINISH, dm.RESIDENT, dm.BANKS,
+                     dm.WAVES) = knobs
                     fn = lambda: compressed_attention(q, view, scale)  # noqa: E731
                 rows.append({"S": s, "method": label, "warps": knobs and knobs[0],
                              "stages": knobs and knobs[1], "one_launch": knobs and knobs[2],
                              "resident": knobs and dm.resident(D),
+                             "banks": knobs and knobs[4], "waves": knobs and knobs[5],
+                             "splits": knobs and dm.splits(s, B * HKV, D)[1],
                              "sync_ms": sync_ms(fn), "pipelined_ms": pipelined_ms(fn),
                              # a variant that failed to build times its fallback: say so
                              "failed": sorted(n for n in (dm.NAME, dm.STEP_NAME) if dm.failed(n))})
                 print(rows[-1], flush=True)
             del env
     finally:
-        dm.WARPS, dm.STAGES, dm.FUSE_FINISH, dm.RESIDENT = saved
+        dm.WARPS, dm.STAGES, dm.FUSE_FINISH, dm.RESIDENT, dm.BANKS, dm.WAVES = saved
     path = RESULTS / f"{args.name or 'attend_' + _prelude.backend()}.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     data["mma_variants"] = {"environment": environment(), "rows": rows}

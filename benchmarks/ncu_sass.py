@@ -56,6 +56,18 @@ def main() -> None:
     print("samples by instruction kind:",
           ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in
                     sorted(kinds.items(), key=lambda kv: -kv[1])[:14]))
+    # where shared-memory wavefronts and global sectors exceed the ideal (bank conflicts,
+    # uncoalesced accesses), per instruction
+    for col in [c for c in cols if "Excessive" in c]:
+        tot = sum(_num(r[col]) for r in rows)
+        if not tot:
+            continue
+        print(f"--- {col}: {tot:.0f} in all; the instructions with most:")
+        for i in sorted(range(len(rows)), key=lambda i: -_num(rows[i][col]))[:12]:
+            if _num(rows[i][col]):
+                print(f"   {i:5d} {100 * _num(rows[i][col]) / tot:5.1f}%  {_num(rows[i][col]):10.0f}"
+                      + (f"  executed {rows[i][execd]}" if execd else "") + f"  {rows[i][src]}")
+    print("columns:", "; ".join(cols))
     order = sorted(range(len(rows)), key=lambda i: -_num(rows[i][sample]))[:args.top]
     for i in sorted(order):
         r = rows[i]

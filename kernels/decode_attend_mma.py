@@ -100,6 +100,12 @@ FUSE_FINISH = True
 # the whole step's exact tokens (sink, window) spread over the head's splits, each folding its
 # share into its state (False: the last threadgroup attends them all in the finish's body)
 EXACT_IN_SPLITS = True
+# conflict-free shared layouts for the staged rows' copies and P' (template BK; False: the
+# layouts before, for benchmarks/attend.py's A/B rows)
+BANKS = True
+# waves of threadgroups a launch is sized for (`splits`): 1, about one wave (at 128k on the
+# H200, 512 threadgroups for 528 slots); more: shorter splits, more of them to merge
+WAVES = 1
 SMEM_PER_SM = 233472  # bytes of shared memory an H200 SM gives its threadgroups (228 KiB)
 
 _HEADER = r"""
@@ -176,6 +182,8 @@ _PRE = r"""
   constexpr int NWP = NT / 32;
   constexpr int STG = 32 * RS;       // one stage: 16 key rows, then 16 value rows (NST per warp)
   constexpr int TAB = 256 * 32;      // pair table, 32 copies
+  constexpr int PTW = 72;            // words of a warp's P' (8 rows of 8 words; rows 4..7 of
+                                     // them 4 words further when BK: `PSK`)
   // Output rows of the PV MMA: row m (0..15) of tile j is dim 8 VW + VN, chosen so that a
   // thread's value codes come from few words at nibble positions known at compile time:
   //   P = 64:   VW = m % 8,                  VN = 2 j + m / 8  (one word per key row)
@@ -188,9 +196,9 @@ _PRE = r"""
   LC_DYN_SHARED(lc_smem);
   uint32_t* tab = lc_smem;
   uint32_t* stg = lc_smem + TAB;                   // [warp][NST][STG]
-  uint32_t* ptb = stg + NWP * NST * STG;           // [warp][64 words]: P' fp16
+  uint32_t* ptb = stg + NWP * NST * STG;           // [warp][PTW words]: P' fp16
                                                    // [row 0..7][key 0..15]
-  float* mlb = (float*)(ptb + NWP * 64);           // m [warp][8], then l [warp][8]
+  float* mlb = (float*)(ptb + NWP * PTW);          // m [warp][8], then l [warp][8]
   float* qst = (float*)tab;                        // q staging, before the table
   float* red = (float*)tab;                        // [warp][8][P], after the loop
 
@@ -237,8 +245,15 @@ _PRE = r"""
   // after; a block that ends past the split clamps its rows to the split's last.
   constexpr int STEP = BLK * NWP;
   constexpr int RPJ = 32 / CH;
-  const int crow = lane / CH;
-  const int cpart = lane - crow * CH;
+  // lane -> (row, chunk) of a copy; BK: each quarter-warp's eight 16-byte chunks land on
+  // distinct banks (a 16-byte store is served 8 lanes at a time). Rows r and r + 4 (P = 128,
+  // RS = 20 words) or rows of one parity (P = 64, RS = 12) fill the 32 banks; lane / CH (BK 0)
+  // put rows 2q and 2q + 1 in quarter q: two of its chunks on one bank group, 8 wavefronts per
+  // copy instead of 4. (P = 256: a quarter is one row's 8 chunks either way.)
+  const int crow = !BK || CH == 8 ? lane / CH
+                   : CH == 4 ? (lane >> 3) + 4 * ((lane >> 2) & 1)
+                             : 8 * (lane >> 4) + ((lane >> 3) & 1) + 2 * ((lane >> 1) & 3);
+  const int cpart = lane & (CH - 1);
   // (`vec_path`: 16-byte `cp.async` copies where strides and alignment allow, `vec`, else word
   // by word; the main loop below is instantiated once per way with a literal `vec_path`, so
   // neither instance carries the other's address arithmetic)
@@ -328,8 +343,15 @@ _PRE = r"""
   const uint32_t* tabl = tab + lane;
 #define LC_TAB(x) tabl[(x) * 32u]
 #endif
-  uint32_t* ptw = ptb + warp * 64;
+  uint32_t* ptw = ptb + warp * PTW;
   uint16_t* pth = reinterpret_cast<uint16_t*>(ptw);
+  // P' row r starts at word 8 r + PSK(r): with BK, rows 4..7 four words (banks) on, so that
+  // the stores of rows 2t (t = 0..3) and the loads of rows g (g = 0..7) each hit 32 distinct
+  // banks (without: rows r and r + 4 share their banks, two wavefronts per access)
+#define PSK(r) (BK ? 4 * (((r) >> 2) & 1) : 0)
+  // (loop-invariant: this lane's P' offsets, halfwords for the stores, words for the loads)
+  const int pso = (2 * t) * 16 + 2 * PSK(2 * t) + g;
+  const int plo = g * 8 + PSK(g) + t;
 """
 
 _LOOP = r"""  for (int it = 0; kb < k1; ++it, kb += STEP) {
@@ -406,14 +428,14 @@ _LOOP = r"""  for (int it = 0; kb < k1; ++it, kb += STEP) {
     l0 += p0 + p2;
     l1 += p1 + p3;
     // P' (keys g, g + 8 x rows 2t, 2t + 1) -> [row][key] fp16 -> the PV MMA's B fragment
-    pth[(2 * t) * 16 + g] = (uint16_t)LC_F2H_BITS(p0 * nva);
-    pth[(2 * t + 1) * 16 + g] = (uint16_t)LC_F2H_BITS(p1 * nva);
-    pth[(2 * t) * 16 + g + 8] = (uint16_t)LC_F2H_BITS(p2 * nvc);
-    pth[(2 * t + 1) * 16 + g + 8] = (uint16_t)LC_F2H_BITS(p3 * nvc);
+    pth[pso] = (uint16_t)LC_F2H_BITS(p0 * nva);           // row 2t, key g
+    pth[pso + 16] = (uint16_t)LC_F2H_BITS(p1 * nva);      // row 2t + 1 (same PSK)
+    pth[pso + 8] = (uint16_t)LC_F2H_BITS(p2 * nvc);       // row 2t, key g + 8
+    pth[pso + 24] = (uint16_t)LC_F2H_BITS(p3 * nvc);
     LC_SYNCWARP();
     uint32_t pb[2];
-    pb[0] = ptw[g * 8 + t];      // row g, keys 2t, 2t + 1
-    pb[1] = ptw[g * 8 + 4 + t];  // row g, keys 2t + 8, 2t + 9
+    pb[0] = ptw[plo];      // row g, keys 2t, 2t + 1
+    pb[1] = ptw[plo + 4];  // row g, keys 2t + 8, 2t + 9
 
     // values: a register of the V^T operand is one dim of keys (2t, 2t + 1) or (2t + 8, 2t + 9).
     // Its row m of tile j is the dim at word VW(j, m), nibble VN(j, m) (see the top): this
@@ -485,6 +507,7 @@ _POST = r"""  LC_CP_WAIT0();
 #undef SLOTW
 #undef VDIM
 #undef LC_TAB
+#undef PSK
   LC_BARRIER();
   const int64_t so = (int64_t)bh * S + split;
 """
@@ -674,7 +697,7 @@ def shared_bytes(p: int) -> int:
     """Dynamic shared memory of one threadgroup at head dim p: the pair table, each warp's stages
     of 16 key and 16 value rows, P' and the merge's m and l."""
     rs = p // 8 + 4
-    return 4 * (256 * 32 + WARPS * STAGES * 32 * rs + WARPS * 64 + 2 * WARPS * 8)
+    return 4 * (256 * 32 + WARPS * STAGES * 32 * rs + WARPS * 72 + 2 * WARPS * 8)
 
 
 def resident(p: int) -> int:
@@ -717,7 +740,8 @@ def splits(length: int, bh: int, p: int = 128) -> tuple[int, int]:
     rotation, the warps' merge, and the finish's merge of every split, against its blocks)."""
     tile = BLOCK * WARPS
     tiles = groups(length, tile)
-    want = max(1, min(tiles // max(1, MIN_WARP_BLOCKS), groups(da.SM_COUNT * resident(p), bh)))
+    want = max(1, min(tiles // max(1, MIN_WARP_BLOCKS),
+                      groups(da.SM_COUNT * resident(p) * max(1, WAVES), bh)))
     chunk = groups(tiles, want) * tile
     return chunk, groups(length, chunk)
 
@@ -800,7 +824,7 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale, si
     # two score chains only at P = 256: at 128 the second spills under the 128-register cap
     nt = 32 * WARPS
     template = [("P", P), ("R", R), ("NT", nt), ("NST", STAGES), ("BLK", BLOCK),
-                ("SC", 2 if P == 256 else 1),
+                ("SC", 2 if P == 256 else 1), ("BK", int(BANKS)),
                 ("QT", queries.dtype)]
     if exact:
         inputs += [*exact_arrays, valid_array, da._as(v_signs, f32)]
@@ -966,7 +990,8 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
               da._as(v_signs, f32), mean, count_in]
     nt = 32 * WARPS
     template = [("P", P), ("R", R), ("NT", nt), ("NST", STAGES), ("BLK", BLOCK),
-                ("SC", 2 if P == 256 else 1), ("QT", queries.dtype), *exact_template,
+                ("SC", 2 if P == 256 else 1), ("BK", int(BANKS)), ("QT", queries.dtype),
+                *exact_template,
                 ("OT", out_dtype), ("XS", int(EXACT_IN_SPLITS)),  # (the two sources: one name, other templates)
                 ("SW", int(df.SCORE_BY_WARP))]  # (the tail's exact tokens, XS = 0)
     n = B * H * n_split

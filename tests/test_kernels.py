@@ -698,8 +698,9 @@ def test_decode_step_plan_replays_and_checks(monkeypatch):
         assert _rel(first[1], compressed_attention(q, bare, 0.125, fused=False)) < 1e-2
 
 
+@pytest.mark.parametrize("waves", [1, 2])
 @pytest.mark.parametrize("shape", [(4, 2), (4, 3), (8, 2), (8, 3), (4, 1, 5)])
-def test_decode_attend_mma_launch_plan(monkeypatch, shape):
+def test_decode_attend_mma_launch_plan(monkeypatch, shape, waves):
     """The tensor-core kernel's launch plan at every threadgroup shape: shared memory within an
     H200 block's 227 KiB, at least one threadgroup per SM, splits of whole 16 x WARPS-key tiles
     that cover the keys with none empty, about one wave; and it applies only to what it decodes
@@ -709,6 +710,7 @@ def test_decode_attend_mma_launch_plan(monkeypatch, shape):
 
     monkeypatch.setattr(dm, "WARPS", shape[0])
     monkeypatch.setattr(dm, "STAGES", shape[1])
+    monkeypatch.setattr(dm, "WAVES", waves)  # WAVES: splits for that many waves of threadgroups
     if len(shape) > 2:  # RESIDENT: one stage leaves room for 5 threadgroups of 4 warps at P 128
         monkeypatch.setattr(dm, "RESIDENT", shape[2])
         assert dm.resident(128) == 5 and "__launch_bounds__(128, 5)" in dm._spec(128).header
@@ -721,7 +723,9 @@ def test_decode_attend_mma_launch_plan(monkeypatch, shape):
                     monkeypatch.setattr(dm, "MIN_WARP_BLOCKS", least)
                     chunk, n = dm.splits(length, bh, p)
                     assert chunk % (16 * shape[0]) == 0 and (n - 1) * chunk < length <= n * chunk
-                    assert bh * n <= max(bh, da.SM_COUNT * dm.resident(p) + bh)
+                    assert bh * n <= max(bh, waves * da.SM_COUNT * dm.resident(p) + bh)
+                    if length == 131072 and least == 1:  # long enough to fill the waves
+                        assert bh * n > (waves - 0.5) * da.SM_COUNT * dm.resident(p)
                     assert n == 1 or chunk >= 16 * shape[0] * least
     kc, vc = codecs_for(get_preset("tq4"), 128, layer=0)
     with _prelude.force_backend("cuda"):

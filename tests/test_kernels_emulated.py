@@ -333,8 +333,9 @@ MMA_CASES = [  # B, H, R, P, L, capacity, q dtype, SM_COUNT (1: several blocks p
 ]
 
 
-@pytest.mark.parametrize("shape", [(4, 2), (8, 3), (4, 1)],
-                         ids=["4warps-2stages", "8warps-3stages", "4warps-1stage"])
+@pytest.mark.parametrize("shape", [(4, 2), (8, 3), (4, 1), (4, 2, False, 1), (4, 2, True, 2)],
+                         ids=["4warps-2stages", "8warps-3stages", "4warps-1stage",
+                              "layouts-before-banks", "two-waves"])
 @pytest.mark.parametrize("odd_rows", [False, True], ids=["aligned", "odd-rows"])
 @pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}")
 def test_decode_attend_mma(monkeypatch, case, odd_rows, shape):
@@ -350,6 +351,9 @@ def test_decode_attend_mma(monkeypatch, case, odd_rows, shape):
         monkeypatch.setattr(da, "SM_COUNT", sm)
     monkeypatch.setattr(dm, "WARPS", shape[0])  # the threadgroup shapes benchmarks/attend.py
     monkeypatch.setattr(dm, "STAGES", shape[1])  # --mma-variants compares
+    if len(shape) > 2:  # the shared layouts before the bank-conflict fixes; two waves of splits
+        monkeypatch.setattr(dm, "BANKS", shape[2])
+        monkeypatch.setattr(dm, "WAVES", shape[3])
     q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L,
                                                capacity=cap)
     q = q.astype(getattr(mx, qdt))

@@ -120,8 +120,9 @@ def _step(kc, vc, scale, dtype, mma, whole, queries, seg_k, seg_v, k_arrays, v_a
 def _tunables() -> tuple:
     """The kernels' tunables a step's trace depends on (benchmarks and tests change them)."""
     return (da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS, da.SM_COUNT,
-            da.MIN_SPLIT_TILES, dm.ENABLED, dm.WARPS, dm.STAGES, dm.RESIDENT, dm.MIN_WARP_BLOCKS,
-            dm.FUSE_FINISH, dm.EXACT_IN_SPLITS, df.ROWS_PER_GROUP, df.SCORE_BY_WARP)
+            da.MIN_SPLIT_TILES, dm.ENABLED, dm.WARPS, dm.STAGES, dm.RESIDENT, dm.BANKS,
+            dm.WAVES, dm.MIN_WARP_BLOCKS, dm.FUSE_FINISH, dm.EXACT_IN_SPLITS, df.ROWS_PER_GROUP,
+            df.SCORE_BY_WARP)
 
 
 def _env() -> tuple:
