@@ -122,12 +122,28 @@ def head_to_head(env, rounds: int = 9) -> dict:
             outs = [fns["fused_tq4"]() for _ in range(30)]
             build.append((time.perf_counter() - t) / 30)
             mx.eval(outs)
+        # of that, the kept plan's compiled call alone (its count chained as a step chains it)
+        call, p = [], view.plan[0]
+        if p is not None:
+            from longctx.kernels import decode_finish as df
+
+            counts = dm.counter(p.heads)
+            for _ in range(5):
+                outs = []
+                t = time.perf_counter()
+                for _ in range(30):
+                    out, counts = p.fn(q, *p.args, df.count(0), p.mean, counts)
+                    outs.append(out)
+                call.append((time.perf_counter() - t) / 30)
+                mx.eval(outs, counts)
+            dm.keep_counter(p.heads, counts)
     finally:
         attend_step.replay = replay
     med = {name: statistics.median(ts) for name, ts in times.items()}
     ratios = sorted(a / b for a, b in zip(times["fp16_sdpa"], times["fused_tq4"]))
     return {"rounds": rounds, "pipelined_ms": med, "speedup": med["fp16_sdpa"] / med["fused_tq4"],
             "speedup_per_round": ratios, "tq4_build_us": 1e6 * statistics.median(build),
+            "tq4_compiled_call_us": 1e6 * statistics.median(call) if call else None,
             "tq4_replayed": hits[1], "tq4_not_replayed": hits[0]}
 
 
@@ -153,7 +169,26 @@ def setup(s: int, seed: int = 0, presets=TQ, affine=True) -> dict:
         env[name] = view
     mx.eval([q, k, v] + [env[a] for a in ("a8", "a4") if a in env]
             + [list(env[n].segments[0][i].values()) for n in presets for i in (0, 1)])
+    if "tq4" in presets and affine:
+        env["answer_tq4"] = answer_view(k, v)
     return env
+
+
+def answer_view(k, v, window: int = 256):
+    """A tq4 cache as `ask` holds it while answering: the prefix sealed, restored and forked,
+    then `window` exact tokens (a question and an answer so far) in its window buffer, plus the
+    sink: the view a layer's decode step reads (its plan kept between calls)."""
+    from longctx.kvcache.turbo import TurboQuantCache
+
+    preset = get_preset("tq4")
+    c = TurboQuantCache(preset, 0)
+    c.update_and_fetch(k, v)
+    c.seal()
+    tq = TurboQuantCache.from_arrays(preset, 0, c.arrays(), D).fork(exact_new=1024)
+    new = mx.random.normal((B, HKV, window, D), key=mx.random.key(3)).astype(k.dtype)
+    view, _ = tq.update_and_fetch(new, new)
+    mx.eval(tq.state)
+    return view
 
 
 def methods(env: dict, s: int) -> dict:
@@ -190,7 +225,18 @@ def methods(env: dict, s: int) -> dict:
             out[f"dequant_sdpa_{name}"] = (lambda view=view: _dequant_sdpa(q, view, scale),
                                            cache_bytes)
             out[f"kernel_{name}"] = (_kernel_only(q, view, scale), cache_bytes)
+    if "answer_tq4" in env:  # a step while answering: the sink and a 256-token window as well
+        view = env["answer_tq4"]
+        cache_bytes = nbytes(view.segments[0][0].values()) + nbytes(view.segments[0][1].values())
+        for variant in ANSWER_VARIANTS:
+            out[variant] = (lambda view=view: compressed_attention(q, view, scale), cache_bytes)
     return out
+
+
+# the answering step's rows (`answer_view`): the default step (tensor-core kernel, exact tokens in
+# its splits), the portable kernel (what Metal runs) with the exact tokens in its splits, and the
+# portable kernel with the finish attending them (before this round, on Metal)
+ANSWER_VARIANTS = ("answer_tq4", "answer_tq4_portable", "answer_tq4_portable_finish_exact")
 
 
 def _compiled(q, view, scale):
@@ -213,7 +259,12 @@ KNOBS = {"fused_tq4_portable": {"ENABLED": False},  # the portable kernel, then 
          "answer_tq4_two_launch": {"FUSE_FINISH": False},
          "answer_tq4_two_launch_finish_exact": {"FUSE_FINISH": False, "EXACT_IN_SPLITS": False},
          "answer_tq4_two_launch_warp_keys": {"FUSE_FINISH": False, "EXACT_IN_SPLITS": False,
-                                             "decode_finish.SCORE_BY_WARP": True}}
+                                             "decode_finish.SCORE_BY_WARP": True},
+         # (attend.py's answering rows) the portable kernel, the exact tokens in its splits or
+         # in the finish
+         "answer_tq4_portable": {"ENABLED": False},
+         "answer_tq4_portable_finish_exact": {"ENABLED": False,
+                                              "decode_attend.EXACT_IN_SPLITS": False}}
 
 
 @contextlib.contextmanager
@@ -357,7 +408,8 @@ def main() -> None:
             print(f"S={s:>6} head to head: fp16 {d['pipelined_ms']['fp16_sdpa']:.4f} ms, tq4 "
                   f"{d['pipelined_ms']['fused_tq4']:.4f} ms: {d['speedup']:.2f}x (rounds "
                   f"{d['speedup_per_round'][0]:.2f}-{d['speedup_per_round'][-1]:.2f}x); tq4 "
-                  f"build {d['tq4_build_us']:.1f} us, replayed {d['tq4_replayed']} / "
+                  f"build {d['tq4_build_us']:.1f} us (its compiled call "
+                  f"{d['tq4_compiled_call_us'] or 0:.1f}), replayed {d['tq4_replayed']} / "
                   f"{d['tq4_replayed'] + d['tq4_not_replayed']}", flush=True)
         checks[s] = check(env)
         for name, (fn, cache_bytes) in methods(env, s).items():

@@ -183,11 +183,13 @@ def main() -> None:
         # after a 16-token question) and attention, fp16 vs tq4 (one layer; no layers32 row),
         # each on a cache of its own (its window grows by the calls' tokens); tq4 also with the
         # exact tokens in the whole step's tail, and in two launches: in the partials' splits,
-        # or in the finish, scored a thread per key (its default) or a warp per key
+        # or in the finish, scored a thread per key (its default) or a warp per key; and the
+        # portable kernel (Metal's) with the exact tokens in its splits or in the finish
         # (attend.KNOBS)
         methods += [(f"answer_{x}", x.split("_")[0], None)
                     for x in ("fp16", "tq4", "tq4_tail_exact", "tq4_two_launch",
-                              "tq4_two_launch_finish_exact", "tq4_two_launch_warp_keys")]
+                              "tq4_two_launch_finish_exact", "tq4_two_launch_warp_keys",
+                              "tq4_portable", "tq4_portable_finish_exact")]
         for label, fn, knobs in methods:
             if isinstance(fn, str):
                 fn = answer_step(fn, k, v, q, scale)

@@ -64,6 +64,7 @@ import math
 import mlx.core as mx
 
 from ._prelude import KernelSpec, Launch, backend, constant, groups, run, watch
+from .decode_finish import count, exact_inputs, exact_into_partials
 from .pack import unpack_reference
 from .split_combine import split_combine
 
@@ -77,6 +78,9 @@ TARGET_GROUPS = 0  # threadgroups per launch to aim for; 0: SM_COUNT x resident 
 MIN_SPLIT_TILES = 1  # fewest tiles one split walks (more: fewer splits where the cache is short)
 PREFETCH = True  # issue the next tile's key rows and this tile's value words before the scores
 STAGE_WORDS = 2304  # threadgroup words for a tile's staged key rows (sets keys per tile)
+# a decode step's exact tokens (sink, window) spread over the splits of `decode_attend_partials`
+# (`attend_step`; False: `decode_finish` attends them, one threadgroup per KV head)
+EXACT_IN_SPLITS = True
 
 _SPEC = KernelSpec(
     name="lc_decode_attend",
@@ -450,6 +454,120 @@ _SPEC = KernelSpec(
 )
 
 
+# The exact tokens in the splits (the decode step's variant, `decode_attend_partials(...,
+# sink=, window=)`, XE = 1): split s takes exact keys s * per .. (s + 1) * per - 1 of the E
+# (sink, then the window's valid slots), per = ceil(E / S), and folds them into its state as
+# one more tile each round of up to XK keys: the round's keys and values, times their rotations'
+# signs, staged in the weight buffer and turned into the codecs' frames by the Walsh-Hadamard
+# butterfly (k: the key frame, where q_s holds q; v: the value frame of the accumulators), a
+# warp per key scoring it against the rows (lanes split the dims), then the online-softmax
+# update and the values' weighted sum as in the main loop. On the GPU the finish then only
+# merges; attended there, by one threadgroup per KV head, an answer's window cost 20-30 us a
+# layer on the H200 (docs/performance.md). Reference: `decode_finish.exact_into_partials`.
+_EXACT = r"""
+  {
+    constexpr int XK0 = (NT * R * DPT) / (2 * P + R);  // keys a round stages, up to 32
+    constexpr int XK = XK0 < 32 ? XK0 : 32;
+    static_assert(XK >= 1, "a round of exact keys fits the weight buffer");
+    // the weight buffer, named (Metal: no pointers into threadgroup memory): [2 nk][P] the
+    // round's keys then its values, and from 2 XK P on their scores [XK][R] (base 2)
+#define LC_XS(i) scratch[2 * XK * P + (i)]
+    const int ns = HAS_SINK ? sink_k_shape[2] : 0;
+    const int E = ns + (HAS_WIN ? win_n[0] : 0);  // the window's valid slots (buffers may be longer)
+    const int per = (E + S - 1) / S;
+    const int e0 = split * per < E ? split * per : E;
+    const int e1 = e0 + per < E ? e0 + per : E;
+    const float rsp = scales[2];  // 1 / sqrt(P): the butterfly's scale
+    const int lane = (int)lc_lane;
+    const int wp = (int)lc_warp;
+    const int64_t sko = bb * sink_k_strides[0] + hh * sink_k_strides[1];
+    const int64_t svo = bb * sink_v_strides[0] + hh * sink_v_strides[1];
+    const int64_t wko = bb * win_k_strides[0] + hh * win_k_strides[1];
+    const int64_t wvo = bb * win_v_strides[0] + hh * win_v_strides[1];
+    LC_BARRIER();  // every thread is done with the last tile's weights
+    for (int x0 = e0; x0 < e1; x0 += XK) {  // (uniform: every thread takes every round)
+      const int nk = XK < e1 - x0 ? XK : e1 - x0;
+      for (int i = tid; i < nk * P; i += NT) {
+        const int j = i / P;
+        const int d = i - j * P;
+        const int e = x0 + j;
+        float kx, vx;
+        if (e < ns) {
+          kx = LC_TOF(sink_k[sko + (int64_t)e * sink_k_strides[2] + d * sink_k_strides[3]]);
+          vx = LC_TOF(sink_v[svo + (int64_t)e * sink_v_strides[2] + d * sink_v_strides[3]]);
+        } else {
+          const int w = e - ns;
+          kx = LC_TOF(win_k[wko + (int64_t)w * win_k_strides[2] + d * win_k_strides[3]]);
+          vx = LC_TOF(win_v[wvo + (int64_t)w * win_v_strides[2] + d * win_v_strides[3]]);
+        }
+        scratch[i] = kx * q_signs[d];
+        scratch[nk * P + i] = vx * v_signs[d];
+      }
+      LC_BARRIER();
+      LC_WHT_ROWS(scratch, 2 * nk, P, NT, tid)
+      for (int j = wp; j < nk; j += NW) {  // warp-uniform: a warp per key, lanes split the dims
+        LC_UNROLL for (int r = 0; r < R; ++r) {
+          float part = 0.0f;
+          LC_UNROLL for (int i = 0; i < P / 32; ++i) {
+            const LC_F4 qv = q_s[(lane + 32 * i) * R4 + r / 4];
+            const float qr = (r & 3) == 0 ? qv.x : (r & 3) == 1 ? qv.y : (r & 3) == 2 ? qv.z : qv.w;
+            part += qr * scratch[j * P + lane + 32 * i];
+          }
+          const float sr = lc_simd_sum(part);
+          if (lane == 0) LC_XS(j * R + r) = sr * rsp;
+        }
+      }
+      LC_BARRIER();
+      LC_UNROLL for (int r = 0; r < R; ++r) {
+        float tm = -LC_INF;
+        for (int j = 0; j < nk; ++j) tm = LC_MAX(tm, LC_XS(j * R + r));
+        const float mn = LC_MAX(m_run[r], tm);  // finite: the round has a key
+        const float alpha = LC_EXP2(m_run[r] - mn);
+        l_loc[r] *= alpha;
+        if (tid < nk) l_loc[r] += LC_EXP2(LC_XS(tid * R + r) - mn);
+        LC_UNROLL for (int i = 0; i < DPT; ++i) acc[r * DPT + i] *= alpha;
+        m_run[r] = mn;
+      }
+      for (int j = vg; j < nk; j += G) {  // this thread's DPT dims of the round's values
+        LC_UNROLL for (int r = 0; r < R; ++r) {
+          const float w = LC_EXP2(LC_XS(j * R + r) - m_run[r]) * rsp;
+          LC_UNROLL for (int i = 0; i < DPT; ++i) {
+            acc[r * DPT + i] += w * scratch[(nk + j) * P + d0 + i];
+          }
+        }
+      }
+      LC_BARRIER();  // the next round rewrites the buffer
+    }
+#undef LC_XS
+  }
+"""
+_EXACT_INPUTS = ("sink_k", "sink_v", "win_k", "win_v", "win_n", "v_signs")
+# The exact variant takes the decode step's shape only (q rotated in the kernel, single-stage keys,
+# no QJL), so the inputs that shape leaves unread are not passed: their names stand for inputs
+# of the same types (their code is compiled, never run). Metal allows 31 buffers a kernel, and
+# with them the variant's inputs, strides and outputs came to 38.
+_EXACT_DROPPED = ("qp", "k_idx2", "k_qjl", "k_rnorm")
+_EXACT_ALIASES = """#define qp q_signs
+#define qp_strides k_idx_strides
+#define k_idx2 k_idx
+#define k_idx2_strides k_idx_strides
+#define k_qjl k_idx
+#define k_qjl_strides k_idx_strides
+#define k_rnorm k_norm
+#define k_rnorm_strides k_norm_strides
+  static_assert(ROTQ && B2 == 0 && !QJL, "the exact variant: q rotated here, one stage, no QJL");
+"""
+_EXACT_UNALIASES = """#undef qp
+#undef qp_strides
+#undef k_idx2
+#undef k_idx2_strides
+#undef k_qjl
+#undef k_qjl_strides
+#undef k_rnorm
+#undef k_rnorm_strides
+"""
+
+
 def _min_blocks_header(min_blocks: int, nt: int = NT) -> str:
     """CUDA only: MLX writes the kernel's signature itself, so its `__global__` is redefined to
     carry `__launch_bounds__(nt, min_blocks)` (registers capped to fit min_blocks threadgroups of
@@ -463,10 +581,22 @@ def _min_blocks_header(min_blocks: int, nt: int = NT) -> str:
 _SPECS: dict = {}
 
 
-def _spec(min_blocks: int) -> KernelSpec:
-    if min_blocks not in _SPECS:
-        _SPECS[min_blocks] = dataclasses.replace(_SPEC, header=_min_blocks_header(min_blocks))
-    return _SPECS[min_blocks]
+_MARK = "  // Sum the G key groups' accumulators and the threads' partial l; write this split's state.\n"
+
+
+def _spec(min_blocks: int, exact: bool = False) -> KernelSpec:
+    """The kernel with min_blocks' register cap; `exact`: the variant that folds the exact
+    tokens into the splits' states (`_EXACT`, before the final sums)."""
+    key = (min_blocks, exact)
+    if key not in _SPECS:
+        extra = {}
+        if exact:
+            head, tail = _SPEC.source.split(_MARK)
+            inputs = tuple(n for n in _SPEC.inputs if n not in _EXACT_DROPPED) + _EXACT_INPUTS
+            extra = dict(inputs=inputs, source=_EXACT_ALIASES + head + _EXACT + _MARK + tail
+                         + _EXACT_UNALIASES)
+        _SPECS[key] = dataclasses.replace(_SPEC, header=_min_blocks_header(min_blocks), **extra)
+    return _SPECS[key]
 
 
 def _unpack_codes(keys: dict, p: int, key_bits: int, key_bits2: int, lo: int, hi: int):
@@ -622,8 +752,17 @@ def _rotate_reference(q: mx.array, signs: mx.array) -> mx.array:
     return mx.hadamard_transform(q.astype(mx.float32) * signs, scale=1.0 / math.sqrt(p))
 
 
+def exact_fits(p: int, rows: int, value_bits: int) -> bool:
+    """Whether `decode_attend_partials` can take the exact tokens at this size: a round of at
+    least one exact key (its key and value rows and scores) fits the weight buffer."""
+    per_block, _ = row_blocks(rows, p)
+    dpt = _dpt(p, per_block, value_bits)
+    return dpt is not None and NT * per_block * dpt >= 2 * p + per_block
+
+
 def decode_attend_partials(queries, keys, values, key_table, value_table, signs, *, key_bits,
-                           value_bits, scale):
+                           value_bits, scale, sink=None, window=None, v_signs=None,
+                           valid_array=None):
     """The kernel's per-split softmax states for unrotated queries (one decode step), unmerged.
 
     The queries are rotated in the kernel (signs, then the Walsh-Hadamard transform at 1/sqrt(P)),
@@ -635,27 +774,49 @@ def decode_attend_partials(queries, keys, values, key_table, value_table, signs,
         queries: (B, H, R, P) any float dtype, rows grouped per KV head (one token: R = r).
         keys, values, key_table, value_table, key_bits, value_bits, scale: as `decode_attend`.
         signs: (P,) float32, the key rotation's +-1 diagonal (`RandomHadamard.signs`).
+        sink, window: (keys, values) (B, H, n, P) exact centered tokens in the original frame
+            (as `decode_finish.decode_finish` takes them), or None: with either, the splits
+            also take the exact tokens (`exact_fits` must hold), and v_signs (P,) float32 is the
+            value rotation's diagonal, valid_array the window's valid slots
+            (`decode_finish.count`; default: all of `window`).
 
     Returns:
         (m_p (B*H, S, R), l_p (B*H, S, R), acc_p (B*H, S, R, P)) float32, natural-log units, the
-        values' rotated frame; splits that saw nothing hold m = -inf, l = 0, acc = 0.
+        values' rotated frame; splits that saw nothing hold m = -inf, l = 0, acc = 0. With
+        exact tokens their softmax state is merged in (into some splits; a finish without them
+        gives the step's output).
     """
     B, H, R, P = queries.shape
     L = keys["norm"].shape[2]
     kw = dict(key_bits=key_bits, value_bits=value_bits, scale=scale)
+    sink, window, exact_arrays, exact_template = exact_inputs(sink, window)
+    exact = sink is not None or window is not None
+    if exact and valid_array is None:
+        valid_array = count(window[0].shape[2] if window is not None else 0)
+
+    def with_exact(parts):
+        return (exact_into_partials(*parts, queries, sink, window, v_signs, scale, valid_array)
+                if exact else parts)
+
     if backend() == "cpu" or L == 0 or not rotates_queries(P, R, value_bits):
         m, l, acc = decode_attend_reference(_rotate_reference(queries, signs), keys, values,
                                             key_table, value_table, **kw)
-        return m.reshape(B * H, 1, R), l.reshape(B * H, 1, R), acc.reshape(B * H, 1, R, P)
+        return with_exact((m.reshape(B * H, 1, R), l.reshape(B * H, 1, R),
+                           acc.reshape(B * H, 1, R, P)))
+    if exact and not exact_fits(P, R, value_bits):
+        raise ValueError(f"decode_attend_partials cannot take exact tokens at q {queries.shape}, "
+                         f"{value_bits}-bit values (exact_fits)")
     c = scale * LOG2E
     scales = constant((c, c, 1.0 / math.sqrt(P)), mx.float32)
 
     def reference(splits):
-        return _reference_partials(splits, _rotate_reference(queries, signs), keys, values,
-                                   key_table, value_table, **kw)
+        return with_exact(_reference_partials(splits, _rotate_reference(queries, signs), keys,
+                                              values, key_table, value_table, **kw))
 
+    extra = (list(exact_arrays) + [valid_array, _as(v_signs, mx.float32)], exact_template
+             + [("XE", 1)]) if exact else None
     return _launch(queries, None, signs, scales, keys, values, key_table, value_table, key_bits,
-                   0, value_bits, 32, 1, None, reference)
+                   0, value_bits, 32, 1, None, reference, extra)
 
 
 def _check(q_rot, keys, values, key_table, value_table, key_bits, key_bits2, value_bits, q_proj):
@@ -718,10 +879,11 @@ def _reference_partials(splits: int, q_rot, keys, values, key_table, value_table
 
 
 def _launch(q, qp, signs, scales, keys, values, key_table, value_table, key_bits, key_bits2,
-            value_bits, m_qjl, lq, causal_base, reference):
+            value_bits, m_qjl, lq, causal_base, reference, exact=None):
     """One kernel launch for all rows (row blocks x KV heads x splits threadgroups): the splits'
     partial states. `signs`: the key rotation's, when q is unrotated (the kernel rotates it);
-    `reference(splits)`: the same partials in pure MLX, for the fallback."""
+    `reference(splits)`: the same partials in pure MLX, for the fallback; `exact`: (inputs,
+    template entries) of the exact tokens' variant."""
     B, H, R, P = q.shape
     L = keys["norm"].shape[2]
     per_block, nrb = row_blocks(R, P, m_qjl if qp is not None else 0)
@@ -742,8 +904,11 @@ def _launch(q, qp, signs, scales, keys, values, key_table, value_table, key_bits
                 ("CAUSAL", int(causal_base is not None)), ("NT", NT),
                 ("DPT", _dpt(P, per_block, value_bits)), ("TK", tk), ("PF", int(PREFETCH)),
                 ("ROTQ", int(signs is not None)), ("QT", q.dtype)]
+    if exact is not None:  # (the inputs the exact variant leaves out: `_EXACT_DROPPED`)
+        inputs = [a for n, a in zip(_SPEC.inputs, inputs) if n not in _EXACT_DROPPED] + exact[0]
+        template += exact[1]
     n = B * H * splits * nrb
-    return run(_spec(min_blocks), Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
+    return run(_spec(min_blocks, exact is not None), Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
                                          [(B * H, splits, R), (B * H, splits, R),
                                           (B * H, splits, R, P)], [mx.float32] * 3),
                reference=lambda: reference(splits))

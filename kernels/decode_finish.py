@@ -421,6 +421,30 @@ def exact_scores(q, sink, window, scale, count=None):
     return s, values
 
 
+def exact_into_partials(m_p, l_p, acc_p, queries, sink, window, v_signs, scale, count):
+    """Pure-MLX: the exact tokens' softmax state (natural-log units), its values rotated into
+    the value frame (R_v v = H (signs v) / sqrt(P)), merged into the first split of each head:
+    partials whose merge without exact tokens is the step's (what the kernel's variant writes,
+    up to which splits hold the exact keys)."""
+    B, H, R, P = queries.shape
+    s, vals = exact_scores(queries, sink, window, scale, count)  # (B, H, R, E), (B, H, E, P)
+    m_e = s.max(axis=-1)  # (B, H, R)
+    safe = mx.where(m_e == -mx.inf, 0.0, m_e)
+    p = mx.exp(s - safe[..., None])
+    a_e = mx.hadamard_transform((p @ vals) * v_signs, scale=1.0 / math.sqrt(P))
+    m_e, l_e = m_e.reshape(B * H, R), p.sum(axis=-1).reshape(B * H, R)
+    a_e = a_e.reshape(B * H, R, P)
+    m0, l0, a0 = m_p[:, 0], l_p[:, 0], acc_p[:, 0]
+    big = mx.maximum(m0, m_e)
+    ref = mx.where(big == -mx.inf, 0.0, big)
+    c0, ce = mx.exp(m0 - ref), mx.exp(m_e - ref)
+    m_p = mx.concatenate([big[:, None], m_p[:, 1:]], axis=1)
+    l_p = mx.concatenate([(l0 * c0 + l_e * ce)[:, None], l_p[:, 1:]], axis=1)
+    acc_p = mx.concatenate([(a0 * c0[..., None] + a_e * ce[..., None])[:, None], acc_p[:, 1:]],
+                           axis=1)
+    return m_p, l_p, acc_p
+
+
 def supported(p: int, rows: int) -> bool:
     """Whether the kernel takes rows x P: its three rows x P float buffers stay within 24 KiB
     of threadgroup memory (Metal allows 32 KiB, CUDA 48 KiB of static shared memory)."""

@@ -107,6 +107,27 @@ def extra_launches(tool, full: bool) -> list:
     return rec.launches
 
 
+def _short_names(generate_sources, most: int = 200):
+    """The tool's `generate_sources` with kernel names past `most` characters shortened (a prefix
+    and a hash of the whole), in the name and in the source alike. MLX names a Metal kernel by its
+    template values and every input's dtype; the decode step's variant with the exact tokens
+    (20 inputs) comes to ~300 characters, past the 255 bytes of a file name, and the tool
+    writes each source to a file named after its kernel. MLX itself keeps the library in
+    memory under the long name; the compiled text is the same but for the function's name."""
+    import hashlib
+
+    def wrapped(variants, verify):
+        mismatches = generate_sources(variants, verify)
+        for v in variants:
+            if len(v.kernel_name) > most:
+                digest = hashlib.sha1(v.kernel_name.encode()).hexdigest()[:16]
+                short = f"{v.kernel_name[:most - 17]}_{digest}"
+                v.source = v.source.replace(v.kernel_name, short)
+                v.kernel_name = short
+        return mismatches
+    return wrapped
+
+
 def main(argv: list[str]) -> int:
     spec = importlib.util.spec_from_file_location("metal_check", TOOL)
     tool = importlib.util.module_from_spec(spec)
@@ -114,6 +135,7 @@ def main(argv: list[str]) -> int:
     spec.loader.exec_module(tool)
     planned = tool.enumerate_launches
     tool.enumerate_launches = lambda full: planned(full) + extra_launches(tool, full)
+    tool.generate_sources = _short_names(tool.generate_sources)
     rc = tool.main(argv)
     print("note: lc_decode_attend_mma is CUDA only (never launched on Metal); see this script's "
           "docstring")

@@ -480,13 +480,18 @@ def test_decode_step_references(n_sink, n_win, qdt):
 @pytest.mark.parametrize("shape", [(8, 4, 128, 4096), (8, 4, 128, 32768), (3, 3, 64, 5000),
                                    (1, 4, 256, 3000), (2, 16, 64, 700)])
 @pytest.mark.parametrize("qdt", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("name", ["tq4", "tq3", "tq4k3v"])
-def test_gpu_decode_step(shape, qdt, name):
+@pytest.mark.parametrize("name", ["tq4", "tq3", "tq4k3v", "tq4:portable"])
+def test_gpu_decode_step(shape, qdt, name, monkeypatch):
     """On the device, a decode step takes the two-launch path and matches the blocked path and
-    the compiled fused path (LONGCTX_FUSED_STEP=0)."""
+    the compiled fused path (LONGCTX_FUSED_STEP=0); its sink and window are in the decode-attend
+    kernel's splits, the tensor-core one's or the portable one's (tq4:portable: the kernel Metal
+    runs, the tensor-core kernel off)."""
     from longctx import config
     from longctx.kvcache.attention import choose_path
 
+    if name.endswith(":portable"):
+        name = name.split(":")[0]
+        monkeypatch.setattr(dm, "ENABLED", False)
     H, r, P, L = shape
     view = _step_view(H, P, L, 4, 57, name, seed=L)
     q = (mx.random.normal((1, H * r, 1, P), key=mx.random.key(L)) * 2).astype(getattr(mx, qdt))

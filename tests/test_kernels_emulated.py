@@ -443,6 +443,54 @@ def test_decode_attend_mma_partials_take_the_exact_tokens(monkeypatch, case):
     assert np.isfinite(out).all() and np.linalg.norm(out - want) / np.linalg.norm(want) < 2e-3
 
 
+PORTABLE_EXACT_CASES = [  # B, H, R, P, L, n_sink, n_win (of a 2x longer buffer), q dtype,
+    # SM_COUNT, value bits
+    (1, 2, 3, 64, 700, 4, 150, "float16", 1, 4),  # SmolLM2's head dim; several rounds per split
+    (1, 1, 4, 128, 2000, 0, 5, "bfloat16", None, 4),  # fewer exact keys than splits
+    (2, 1, 2, 256, 600, 2, 70, "float32", 1, 4),  # Gemma's head dim
+    (1, 1, 1, 128, 300, 3, 40, "float16", 1, 3),  # one row: three keys a round; 3-bit values
+    (1, 1, 16, 64, 500, 0, 33, "float32", 1, 4),  # 16 rows a threadgroup (two dims a thread)
+    (1, 1, 20, 64, 400, 1, 9, "float16", 1, 4),  # two row blocks of 10
+]
+
+
+@pytest.mark.parametrize("case", PORTABLE_EXACT_CASES,
+                         ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}-v{c[9]}")
+def test_decode_attend_partials_take_the_exact_tokens(monkeypatch, case):
+    """The portable kernel (the one Metal runs) with the exact tokens folded into its splits,
+    merged by a finish without exact tokens, gives the step's output: the reference partials
+    then the finish with the sink and the window; the sink and the window's valid slots only
+    (the buffer's other slots hold garbage)."""
+    from longctx.kernels import decode_finish as dfin
+
+    B, H, R, P, L, n_sink, n_win, qdt, sm, bv = case
+    q, _, keys, values, kt, vt = random_segment(B, H, R, P, L, 4, 0, bv, False, seed=L + P)
+    q = q.astype(getattr(mx, qdt))
+    sink, window, k_signs, v_signs, mean, _ = _exact_step_inputs(B, H, P, n_sink, n_win, seed=P)
+    if window is not None:  # a buffer twice as long, its valid prefix n_win - 2 slots
+        count = dfin.count(n_win - 2)
+    else:
+        count = dfin.count(0)
+    scale = P ** -0.5
+    assert da.exact_fits(P, R, bv)
+    parts = da.decode_attend_partials(q, keys, values, kt, vt, k_signs, key_bits=4,
+                                      value_bits=bv, scale=scale)
+    want = np.array(dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, scale,
+                                                 mx.float32, count))
+    if sm:
+        monkeypatch.setattr(da, "SM_COUNT", sm)
+    launched = []
+    with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
+        got = da.decode_attend_partials(q, keys, values, kt, vt, k_signs, key_bits=4,
+                                        value_bits=bv, scale=scale, sink=sink, window=window,
+                                        v_signs=v_signs, valid_array=count)
+        assert not _prelude.failed("lc_decode_attend")
+    assert launched == ["lc_decode_attend"] and got[0].shape[1] > 1
+    out = np.array(dfin.decode_finish_reference(*got, q, None, None, v_signs, mean, scale,
+                                                mx.float32))
+    assert np.isfinite(out).all() and np.linalg.norm(out - want) / np.linalg.norm(want) < 1e-4
+
+
 WHOLE_CASES = [  # B, H, R, P, L, n_sink, n_win (of a 2x longer buffer), q dtype, SM_COUNT, warps
     (1, 2, 4, 128, 999, 2, 9, "float32", 1, 4),  # several splits a head, in a shuffled order
     (2, 1, 8, 128, 300, 0, 0, "float16", None, 4),  # GQA 8, no exact tokens

@@ -9,12 +9,14 @@ the exact block as separate launches:
 
     decode_attend_partials   rotates q in the kernel, writes each split's softmax state (on
                              CUDA, 4-bit keys and values: `decode_attend_mma`, tensor cores)
-    decode_finish            merges the splits, rotates the values back, attends the sink and
-                             the window, normalizes, adds the value mean, casts
+    decode_finish            merges the splits, rotates the values back, normalizes, adds the
+                             value mean, casts (and attends the sink and the window where the
+                             splits did not take them)
 
-On CUDA at 4-bit keys and values the tensor-core kernel's splits also take the exact tokens (the
-sink and the window, a share each), so the finish only merges (`decode_attend_mma`,
-EXACT_IN_SPLITS): attended by the finish alone they cost 30-40 us per layer of an answer.
+The decode-attend kernel's splits also take the exact tokens (the sink and the window, a share
+each), so the finish only merges (`decode_attend_mma.EXACT_IN_SPLITS` for the tensor-core kernel
+on CUDA at 4-bit keys and values, `decode_attend.EXACT_IN_SPLITS` for the portable kernel, the
+one Metal runs): attended by the finish alone they cost 30-40 us per layer of an answer.
 
 Per layer that replaces ~14 launches (the compiled fused path) by 2, and the Python around them
 is a few attribute reads: below 32k cached tokens a step was bound by issuing launches, not by
@@ -109,10 +111,17 @@ def _step(kc, vc, scale, dtype, mma, whole, queries, seg_k, seg_v, k_arrays, v_a
             v_signs=v_arrays[1], valid_array=count)
         if folded:  # the finish only merges
             sink = window = None
-    else:
+    else:  # the portable kernel, the exact tokens in its splits where they fit
+        folded = (da.EXACT_IN_SPLITS and (sink is not None or window is not None)
+                  and da.exact_fits(q.shape[3], q.shape[2], vc.spec.bits))
         partials = da.decode_attend_partials(q, seg_k, seg_v, k_arrays[0], v_arrays[0],
                                              k_arrays[1], key_bits=kc.spec.bits,
-                                             value_bits=vc.spec.bits, scale=scale)
+                                             value_bits=vc.spec.bits, scale=scale,
+                                             sink=sink if folded else None,
+                                             window=window if folded else None,
+                                             v_signs=v_arrays[1], valid_array=count)
+        if folded:  # the finish only merges
+            sink = window = None
     return df.decode_finish(*partials, q, sink, window, v_arrays[1], mean, scale, dtype,
                             valid_array=count).reshape(B, Hq, 1, D), counts
 
@@ -120,9 +129,9 @@ def _step(kc, vc, scale, dtype, mma, whole, queries, seg_k, seg_v, k_arrays, v_a
 def _tunables() -> tuple:
     """The kernels' tunables a step's trace depends on (benchmarks and tests change them)."""
     return (da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS, da.SM_COUNT,
-            da.MIN_SPLIT_TILES, dm.ENABLED, dm.WARPS, dm.STAGES, dm.RESIDENT, dm.BANKS,
-            dm.WAVES, dm.MIN_WARP_BLOCKS, dm.FUSE_FINISH, dm.EXACT_IN_SPLITS, df.ROWS_PER_GROUP,
-            df.SCORE_BY_WARP)
+            da.MIN_SPLIT_TILES, da.EXACT_IN_SPLITS, dm.ENABLED, dm.WARPS, dm.STAGES,
+            dm.RESIDENT, dm.BANKS, dm.WAVES, dm.MIN_WARP_BLOCKS, dm.FUSE_FINISH,
+            dm.EXACT_IN_SPLITS, df.ROWS_PER_GROUP, df.SCORE_BY_WARP)
 
 
 def _env() -> tuple:
