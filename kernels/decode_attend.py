@@ -542,6 +542,9 @@ _EXACT = r"""
   }
 """
 _EXACT_INPUTS = ("sink_k", "sink_v", "win_k", "win_v", "win_n", "v_signs")
+# its own name: a variant that fails to build (one warning) leaves the plain kernel running, and
+# the decode step then gives the exact tokens to the finish again (`attend_step`)
+EXACT_NAME = "lc_decode_attend_exact"
 # The exact variant takes the decode step's shape only (q rotated in the kernel, single-stage keys,
 # no QJL), so the inputs that shape leaves unread are not passed: their names stand for inputs
 # of the same types (their code is compiled, never run). Metal allows 31 buffers a kernel, and
@@ -593,8 +596,8 @@ def _spec(min_blocks: int, exact: bool = False) -> KernelSpec:
         if exact:
             head, tail = _SPEC.source.split(_MARK)
             inputs = tuple(n for n in _SPEC.inputs if n not in _EXACT_DROPPED) + _EXACT_INPUTS
-            extra = dict(inputs=inputs, source=_EXACT_ALIASES + head + _EXACT + _MARK + tail
-                         + _EXACT_UNALIASES)
+            extra = dict(name=EXACT_NAME, inputs=inputs,
+                         source=_EXACT_ALIASES + head + _EXACT + _MARK + tail + _EXACT_UNALIASES)
         _SPECS[key] = dataclasses.replace(_SPEC, header=_min_blocks_header(min_blocks), **extra)
     return _SPECS[key]
 
@@ -754,7 +757,8 @@ def _rotate_reference(q: mx.array, signs: mx.array) -> mx.array:
 
 def exact_fits(p: int, rows: int, value_bits: int) -> bool:
     """Whether `decode_attend_partials` can take the exact tokens at this size: a round of at
-    least one exact key (its key and value rows and scores) fits the weight buffer."""
+    least one exact key (its key and value rows and scores) fits the weight buffer. (Whether the
+    variant has failed in this process is the caller's to ask: `EXACT_NAME`.)"""
     per_block, _ = row_blocks(rows, p)
     dpt = _dpt(p, per_block, value_bits)
     return dpt is not None and NT * per_block * dpt >= 2 * p + per_block
@@ -803,6 +807,9 @@ def decode_attend_partials(queries, keys, values, key_table, value_table, signs,
                                             key_table, value_table, **kw)
         return with_exact((m.reshape(B * H, 1, R), l.reshape(B * H, 1, R),
                            acc.reshape(B * H, 1, R, P)))
+    if exact and v_signs is None:
+        raise ValueError("decode_attend_partials takes the exact tokens with v_signs, the value "
+                         "rotation's signs")
     if exact and not exact_fits(P, R, value_bits):
         raise ValueError(f"decode_attend_partials cannot take exact tokens at q {queries.shape}, "
                          f"{value_bits}-bit values (exact_fits)")

@@ -267,8 +267,11 @@ def test_decode_step(monkeypatch, case, kernel):
         got = attend_step.attention(q, view, P ** -0.5)
     mma = kernel != "portable" and name == "tq4" and P in dm.DIMS and R <= 8
     whole = mma and kernel == "whole" and P == 32 * dm.WARPS
+    # the portable kernel takes the sink and the window in its splits where they fit
+    exact = (n_sink or n_win) and da.exact_fits(P, R, view.value_codec.spec.bits)
     assert launched == ([dm.STEP_NAME] if whole else
-                        [dm.NAME if mma else "lc_decode_attend", "lc_decode_finish"])
+                        [dm.NAME if mma else da.EXACT_NAME if exact else "lc_decode_attend",
+                         "lc_decode_finish"])
     assert got.dtype == q.dtype and got.shape == q.shape
     a, b = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     # the tensor-core kernel's products are fp16 (fp32 accumulation)
@@ -484,8 +487,8 @@ def test_decode_attend_partials_take_the_exact_tokens(monkeypatch, case):
         got = da.decode_attend_partials(q, keys, values, kt, vt, k_signs, key_bits=4,
                                         value_bits=bv, scale=scale, sink=sink, window=window,
                                         v_signs=v_signs, valid_array=count)
-        assert not _prelude.failed("lc_decode_attend")
-    assert launched == ["lc_decode_attend"] and got[0].shape[1] > 1
+        assert not _prelude.failed(da.EXACT_NAME)
+    assert launched == [da.EXACT_NAME] and got[0].shape[1] > 1
     out = np.array(dfin.decode_finish_reference(*got, q, None, None, v_signs, mean, scale,
                                                 mx.float32))
     assert np.isfinite(out).all() and np.linalg.norm(out - want) / np.linalg.norm(want) < 1e-4
@@ -540,12 +543,13 @@ def test_decode_step_mma_whole(monkeypatch, case, in_splits):
     assert np.array_equal(np.array(again), a)
 
 
-@pytest.mark.parametrize("broken", [dm.STEP_NAME, dm.NAME])
+@pytest.mark.parametrize("broken", [dm.STEP_NAME, dm.NAME, da.EXACT_NAME])
 def test_decode_step_falls_back_to_the_portable_kernel(monkeypatch, broken):
-    """A tensor-core variant that fails to build (one KernelFallbackWarning) costs its first step
-    the reference; every later step takes the next kernels, not the reference: the tensor-core
-    kernel and the finish after the whole-step variant, the portable kernel after the
-    tensor-core kernel."""
+    """A variant that fails to build (one KernelFallbackWarning) costs its first step the
+    reference; every later step takes the next kernels, not the reference: the tensor-core
+    kernel and the finish after the whole-step variant, the portable kernel (the exact tokens in
+    its splits) after the tensor-core kernel, and after the portable kernel's variant with the
+    exact tokens the plain one (the finish attending them)."""
     import warnings
 
     from longctx.kvcache import attend_step, attention
@@ -563,6 +567,7 @@ def test_decode_step_falls_back_to_the_portable_kernel(monkeypatch, broken):
         return inner(spec, launch)
 
     monkeypatch.setattr(dm, "FUSE_FINISH", broken == dm.STEP_NAME)
+    monkeypatch.setattr(dm, "ENABLED", broken != da.EXACT_NAME)
     attend_step._COMPILED.clear()
     with _prelude.executor(failing):
         with warnings.catch_warnings(record=True) as caught:
@@ -572,8 +577,8 @@ def test_decode_step_falls_back_to_the_portable_kernel(monkeypatch, broken):
         assert _prelude.failed(broken)
         launched.clear()
         second = attend_step.attention(q, view, P ** -0.5)
-        assert launched == [dm.NAME if broken == dm.STEP_NAME else da._SPEC.name,
-                            "lc_decode_finish"]
+        assert launched == [{dm.STEP_NAME: dm.NAME, dm.NAME: da.EXACT_NAME,
+                             da.EXACT_NAME: da._SPEC.name}[broken], "lc_decode_finish"]
     # the tensor-core kernel's products are fp16
     for got, tol in ((first, 2e-5), (second, 2e-3 if broken == dm.STEP_NAME else 2e-5)):
         a, b = np.array(got), np.array(want)

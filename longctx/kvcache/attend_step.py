@@ -113,7 +113,8 @@ def _step(kc, vc, scale, dtype, mma, whole, queries, seg_k, seg_v, k_arrays, v_a
             sink = window = None
     else:  # the portable kernel, the exact tokens in its splits where they fit
         folded = (da.EXACT_IN_SPLITS and (sink is not None or window is not None)
-                  and da.exact_fits(q.shape[3], q.shape[2], vc.spec.bits))
+                  and da.exact_fits(q.shape[3], q.shape[2], vc.spec.bits)
+                  and not _prelude.failed(da.EXACT_NAME))
         partials = da.decode_attend_partials(q, seg_k, seg_v, k_arrays[0], v_arrays[0],
                                              k_arrays[1], key_bits=kc.spec.bits,
                                              value_bits=vc.spec.bits, scale=scale,
@@ -222,7 +223,7 @@ def attention(queries, kv: CompressedKV, scale: float):
     whole = mma and dm.fuses_finish(kc.padded_dim, shape[1] // H)
     key = (codecs.spec, float(scale), queries.dtype, shape, H, length,
            tuple([a.shape for a in sink]), tuple([a.shape for a in window]), kv.sink is not None and
-           kv.sink[0].dtype, mma, whole, _tunables())
+           kv.sink[0].dtype, mma, whole, _prelude.failed(da.EXACT_NAME), _tunables())
     dtype = queries.dtype  # the closure below must not keep this call's arrays alive
     # An executor sees every launch (unless a test compiles under it), and `LONGCTX_COMPILE=0` /
     # `question` ask for eager steps
