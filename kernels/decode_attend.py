@@ -473,7 +473,7 @@ _EXACT = r"""
     // round's keys then its values, and from 2 XK P on their scores [XK][R] (base 2)
 #define LC_XS(i) scratch[2 * XK * P + (i)]
     const int ns = HAS_SINK ? sink_k_shape[2] : 0;
-    const int E = ns + (HAS_WIN ? win_n[0] : 0);  // the window's valid slots (buffers may be longer)
+    const int E = ns + (HAS_WIN ? win_n[0] : 0);  // the window's valid slots, not its buffer's
     const int per = (E + S - 1) / S;
     const int e0 = split * per < E ? split * per : E;
     const int e1 = e0 + per < E ? e0 + per : E;
@@ -584,7 +584,8 @@ def _min_blocks_header(min_blocks: int, nt: int = NT) -> str:
 _SPECS: dict = {}
 
 
-_MARK = "  // Sum the G key groups' accumulators and the threads' partial l; write this split's state.\n"
+_MARK = ("  // Sum the G key groups' accumulators and the threads' partial l; write this split's "
+         "state.\n")
 
 
 def _spec(min_blocks: int, exact: bool = False) -> KernelSpec:
@@ -915,9 +916,10 @@ def _launch(q, qp, signs, scales, keys, values, key_table, value_table, key_bits
         inputs = [a for n, a in zip(_SPEC.inputs, inputs) if n not in _EXACT_DROPPED] + exact[0]
         template += exact[1]
     n = B * H * splits * nrb
-    return run(_spec(min_blocks, exact is not None), Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
-                                         [(B * H, splits, R), (B * H, splits, R),
-                                          (B * H, splits, R, P)], [mx.float32] * 3),
+    return run(_spec(min_blocks, exact is not None),
+               Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
+                      [(B * H, splits, R), (B * H, splits, R), (B * H, splits, R, P)],
+                      [mx.float32] * 3),
                reference=lambda: reference(splits))
 
 

@@ -91,7 +91,8 @@ MIN_WARP_BLOCKS = 1  # fewest 16-key blocks each warp of a split walks (more: fe
 # threadgroups per SM the launch is sized for and the register cap fits (0: 16 warps' worth,
 # as shared memory allows; `resident`). E.g. 5 with STAGES 1 (43 KiB): 102 registers a thread.
 # (STAGES 1 fits P <= 128 only: at P = 256 the exact tokens' rounds need two stages' space.)
-# A benchmark knob (benchmarks/attend.py --mma-variants 4,1,1,5), not measured on a GPU yet
+# A benchmark knob (benchmarks/attend.py --mma-variants 4,1,1,5): on the H200 at 128k one stage
+# and 5 threadgroups took 0.078 ms against the default's 0.075
 RESIDENT = 0
 ENABLED = True  # benchmarks/attend.py turns it off for the portable kernel's rows
 # the whole step in one launch where it applies (`decode_step_mma`; False: the partials, then
@@ -104,7 +105,8 @@ EXACT_IN_SPLITS = True
 # layouts before, for benchmarks/attend.py's A/B rows)
 BANKS = True
 # waves of threadgroups a launch is sized for (`splits`): 1, about one wave (at 128k on the
-# H200, 512 threadgroups for 528 slots); more: shorter splits, more of them to merge
+# H200, 512 threadgroups for 528 slots); more: shorter splits, more of them to merge (2 at 128k:
+# 0.086 ms against 0.075)
 WAVES = 1
 SMEM_PER_SM = 233472  # bytes of shared memory an H200 SM gives its threadgroups (228 KiB)
 
@@ -744,9 +746,6 @@ def splits(length: int, bh: int, p: int = 128) -> tuple[int, int]:
                       groups(da.SM_COUNT * resident(p) * max(1, WAVES), bh)))
     chunk = groups(tiles, want) * tile
     return chunk, groups(length, chunk)
-
-
-exact_into_partials = df.exact_into_partials  # (its oracle; the portable kernel's too)
 
 
 def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale, sink=None,

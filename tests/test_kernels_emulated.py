@@ -429,7 +429,7 @@ def test_decode_attend_mma_partials_take_the_exact_tokens(monkeypatch, case):
                                       value_bits=4, scale=scale)
     want = np.array(dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, scale,
                                                  mx.float32, count))
-    folded = dm.exact_into_partials(*parts, q, sink, window, v_signs, scale, count)
+    folded = dfin.exact_into_partials(*parts, q, sink, window, v_signs, scale, count)
     ref = np.array(dfin.decode_finish_reference(*folded, q, None, None, v_signs, mean, scale,
                                                 mx.float32))
     assert np.linalg.norm(ref - want) / np.linalg.norm(want) < 1e-5

@@ -109,8 +109,6 @@ def _step(kc, vc, scale, dtype, mma, whole, queries, seg_k, seg_v, k_arrays, v_a
             q, seg_k, seg_v, k_arrays[0], k_arrays[1], scale=scale,
             sink=sink if folded else None, window=window if folded else None,
             v_signs=v_arrays[1], valid_array=count)
-        if folded:  # the finish only merges
-            sink = window = None
     else:  # the portable kernel, the exact tokens in its splits where they fit
         folded = (da.EXACT_IN_SPLITS and (sink is not None or window is not None)
                   and da.exact_fits(q.shape[3], q.shape[2], vc.spec.bits)
@@ -121,8 +119,8 @@ def _step(kc, vc, scale, dtype, mma, whole, queries, seg_k, seg_v, k_arrays, v_a
                                              sink=sink if folded else None,
                                              window=window if folded else None,
                                              v_signs=v_arrays[1], valid_array=count)
-        if folded:  # the finish only merges
-            sink = window = None
+    if folded:  # the finish only merges
+        sink = window = None
     return df.decode_finish(*partials, q, sink, window, v_arrays[1], mean, scale, dtype,
                             valid_array=count).reshape(B, Hq, 1, D), counts
 
