@@ -1,0 +1,135 @@
+"""An optional native helper: `Tape`, a captured MLX graph replayed on new inputs (replay.cpp).
+
+The decode step replays its kept plan through it instead of `mx.compile`'s call where it is built
+(`attend_step`): the same primitives over the same inputs, ~10 us less host time per layer and
+token on the H200 machine's host. Without it everything works as before, through `mx.compile`.
+
+It is built once, by `scripts/setup.sh` (`python -m longctx.native build`), against the installed
+MLX and the `nanobind` whose ABI MLX's Python module was built with (nanobind's internals must
+match for mx.array to pass between the two modules), into `_build/` beside this file, under a name
+that carries MLX's version, the Python ABI and the source's hash: a build for another MLX or
+source is never loaded. Nothing is built at run time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "replay.cpp"
+BUILD = HERE / "_build"
+# MLX 0.32's Python module is built with nanobind 3 (internals v22, backend ABI 1): the version
+# installed for the build must share them (`build` checks it against MLX's binary)
+NANOBIND = "nanobind>=3,<4"
+
+_MODULE: list = []  # [module or None] once looked up
+
+
+def _key() -> str:
+    import mlx.core as mx
+
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(f"{mx.__version__} {sys.implementation.cache_tag} {platform.machine()}".encode())
+    return h.hexdigest()[:16]
+
+
+def _path() -> Path:
+    return BUILD / f"_replay_{_key()}{sysconfig.get_config_var('EXT_SUFFIX')}"
+
+
+def load():
+    """The built module, or None (not built for this MLX and source, or `LONGCTX_NATIVE=0`)."""
+    if _MODULE:
+        return _MODULE[0]
+    mod = None
+    if os.environ.get("LONGCTX_NATIVE", "1") != "0":
+        try:
+            path = _path()
+            if path.exists():
+                spec = importlib.util.spec_from_file_location("_replay", path)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+                mod = mod if _works(mod) else None
+        except (ImportError, OSError):
+            mod = None
+    _MODULE.append(mod)
+    return mod
+
+
+def _works(mod) -> bool:
+    """Whether mx.array passes into the module (nanobind's internals shared with MLX's) and a
+    replay computes what the graph does."""
+    import mlx.core as mx
+
+    try:
+        a, b = mx.array([1.0, 2.0]), mx.array([3.0, 4.0])
+        t = mod.Tape([a, b], [a * b + 1], [0, 1])
+        return t.replay([b, b])[0].tolist() == [10.0, 17.0]
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def Tape(inputs, outputs, varying=None):  # noqa: N802 - the class's constructor
+    """A `_replay.Tape` over `inputs` -> `outputs` (lists of mx.array), replayed with new arrays
+    at the positions `varying` (default: all); needs `load()`."""
+    inputs = list(inputs)
+    return load().Tape(inputs, list(outputs),
+                       list(range(len(inputs))) if varying is None else list(varying))
+
+
+def command(out: Path) -> list[str]:
+    """The compiler call that builds the module into `out` ($CXX, default c++; $CXXFLAGS added)."""
+    import mlx.core as mx
+    import nanobind
+
+    mlx_dir = Path(mx.__file__).resolve().parent
+    nb = Path(nanobind.__file__).resolve().parent
+    cxx = os.environ.get("CXX", "c++")
+    cmd = [*shlex.split(cxx), "-O2", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
+           "-DNDEBUG", f"-I{sysconfig.get_paths()['include']}", f"-I{nb / 'include'}",
+           f"-I{nb / 'ext' / 'robin_map' / 'include'}", f"-I{mlx_dir / 'include'}",
+           str(SOURCE), str(nb / "src" / "nb_combined.cpp"),
+           f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(out)]
+    # MLX builds its module in nanobind's domain "mlx", under the limited API where Python has
+    # nanobind's stable ABI (3.12+): the internals' key carries both
+    cmd[1:1] = ["-DNB_DOMAIN=mlx"]
+    if sys.version_info >= (3, 12):
+        cmd[1:1] = ["-DPy_LIMITED_API=0x030C0000"]
+    if sys.platform == "darwin":
+        cmd[1:1] = ["-undefined", "dynamic_lookup"]
+    return cmd + shlex.split(os.environ.get("CXXFLAGS", ""))
+
+
+def build(quiet: bool = False) -> Path:
+    """Build the module for the installed MLX (a C++20 compiler, Python's headers and nanobind
+    are needed); returns its path. Raises RuntimeError with the compiler's message."""
+    out = _path()
+    BUILD.mkdir(exist_ok=True)
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    try:
+        done = subprocess.run(command(tmp), capture_output=True, text=True)
+    except OSError as err:
+        raise RuntimeError(f"no C++ compiler ({err})") from err
+    if done.returncode != 0:
+        raise RuntimeError("the native helper did not compile:\n" + done.stderr[-4000:])
+    os.replace(tmp, out)
+    for old in BUILD.glob("_replay_*"):
+        if old != out:
+            old.unlink(missing_ok=True)
+    _MODULE.clear()
+    if load() is None:
+        out.unlink(missing_ok=True)
+        _MODULE.clear()
+        raise RuntimeError(f"built {out.name}, but mx.array does not pass into it (nanobind's "
+                           f"ABI differs from MLX's: install {NANOBIND!r}); removed")
+    if not quiet:
+        print(f"built {out}", file=sys.stderr)
+    return out

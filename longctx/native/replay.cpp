@@ -1,0 +1,151 @@
+// A captured MLX graph replayed on new inputs: what `mx.compile`'s call does once a trace is
+// cached (mlx/compile.cpp, compile_replace), without its per-call costs: the Python tree walk
+// and constants key, the cache lookup, a hash map per call and the output tree.
+//
+// A decode step's graph is a handful of nodes (a reshape, one custom-kernel launch, a reshape),
+// but MLX's compiled call of it cost 11-15 us of host time per layer and token on the H200
+// machine's host (4 us on a 2-core x86 VM), against 1-2 us for one fp16 SDPA call: most of the
+// gap between the compressed step and fp16 below 32k cached tokens (docs/performance.md).
+//
+// Tape(inputs, outputs, varying): walks the lazy graph from `outputs` back to `inputs` (matched by
+// identity). Arrays with no primitive that are not inputs (constants, evaluated arrays) are kept
+// as they are; every other array becomes a node holding its primitive (shared with the traced
+// graph, as compile_replace shares it), its output shapes and dtypes. The graph must not be
+// evaluated before the capture (evaluation detaches it). The inputs at positions `varying` are
+// given at each replay; the others are kept by the tape and used as they are.
+// Tape.replay(arrays): new arrays for the nodes, `arrays` in place of the varying inputs (in
+// `varying`'s order); their shapes and dtypes must be the captured ones (checked).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+using mlx::core::array;
+
+namespace {
+
+// A value's reference: kind in the low 2 bits (0 varying input, 1 constant or kept input, 2 node
+// output), index above
+inline int ref(int kind, int index) { return (index << 2) | kind; }
+
+struct Node {
+  std::shared_ptr<mlx::core::Primitive> prim;
+  std::vector<int> in;
+  std::vector<mlx::core::Shape> shapes;
+  std::vector<mlx::core::Dtype> dtypes;
+};
+
+class Tape {
+ public:
+  Tape(const std::vector<array>& inputs, const std::vector<array>& outputs,
+       const std::vector<int>& varying) {
+    std::vector<bool> given(inputs.size(), false);
+    for (int v : varying) {
+      if (v < 0 || v >= (int)inputs.size() || given[v])
+        throw std::invalid_argument("[Tape] varying positions must be distinct input positions");
+      given[v] = true;
+      ids_.emplace(inputs[v].id(), ref(0, (int)shapes_.size()));
+      shapes_.push_back(inputs[v].shape());
+      dtypes_.push_back(inputs[v].dtype());
+    }
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!given[i] && !ids_.count(inputs[i].id())) {
+        consts_.push_back(inputs[i]);
+        ids_.emplace(inputs[i].id(), ref(1, (int)consts_.size() - 1));
+      }
+    }
+    for (const auto& o : outputs) out_.push_back(visit(o));
+    ids_.clear();
+  }
+
+  std::vector<array> replay(const std::vector<array>& inputs) const {
+    if (inputs.size() != shapes_.size())
+      throw std::invalid_argument("[Tape.replay] expected " + std::to_string(shapes_.size()) +
+                                  " arrays, got " + std::to_string(inputs.size()));
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (inputs[i].dtype() != dtypes_[i] || inputs[i].shape() != shapes_[i])
+        throw std::invalid_argument("[Tape.replay] array " + std::to_string(i) +
+                                    " differs from the captured one in shape or dtype");
+    std::vector<array> vals;
+    vals.reserve(n_values_);
+    std::vector<array> args;
+    for (const auto& n : nodes_) {
+      args.clear();
+      for (int r : n.in) args.push_back(get(r, inputs, vals));
+      if (n.shapes.size() == 1) {
+        vals.emplace_back(n.shapes[0], n.dtypes[0], n.prim, args);
+      } else {
+        auto outs = array::make_arrays(n.shapes, n.dtypes, n.prim, args);
+        for (auto& o : outs) vals.push_back(std::move(o));
+      }
+    }
+    std::vector<array> out;
+    out.reserve(out_.size());
+    for (int r : out_) out.push_back(get(r, inputs, vals));
+    return out;
+  }
+
+  size_t nodes() const { return nodes_.size(); }
+  size_t constants() const { return consts_.size(); }
+
+ private:
+  const array& get(int r, const std::vector<array>& inputs, const std::vector<array>& vals) const {
+    switch (r & 3) {
+      case 0: return inputs[r >> 2];
+      case 1: return consts_[r >> 2];
+      default: return vals[r >> 2];
+    }
+  }
+
+  int visit(const array& a) {
+    auto it = ids_.find(a.id());
+    if (it != ids_.end()) return it->second;
+    if (!a.has_primitive()) {
+      consts_.push_back(a);
+      return ids_.emplace(a.id(), ref(1, (int)consts_.size() - 1)).first->second;
+    }
+    Node n;
+    for (const auto& in : a.inputs()) n.in.push_back(visit(in));
+    n.prim = a.primitive_ptr();
+    auto outs = a.siblings().empty() ? std::vector<array>{a} : a.outputs();
+    for (const auto& o : outs) {
+      n.shapes.push_back(o.shape());
+      n.dtypes.push_back(o.dtype());
+    }
+    const int first = n_values_;
+    n_values_ += (int)outs.size();
+    nodes_.push_back(std::move(n));
+    for (size_t k = 0; k < outs.size(); ++k) ids_.emplace(outs[k].id(), ref(2, first + (int)k));
+    return ids_.at(a.id());
+  }
+
+  std::unordered_map<std::uintptr_t, int> ids_;  // capture only
+  std::vector<mlx::core::Shape> shapes_;
+  std::vector<mlx::core::Dtype> dtypes_;
+  std::vector<array> consts_;
+  std::vector<Node> nodes_;
+  std::vector<int> out_;
+  int n_values_ = 0;
+};
+
+}  // namespace
+
+NB_MODULE(_replay, m) {
+  m.doc() = "A captured MLX graph replayed on new inputs (longctx.native)";
+  nb::module_::import_("mlx.core");  // mlx's array type, registered by its module
+  nb::class_<Tape>(m, "Tape")
+      .def(nb::init<const std::vector<array>&, const std::vector<array>&,
+                    const std::vector<int>&>(),
+           nb::arg("inputs"), nb::arg("outputs"), nb::arg("varying"))
+      .def("replay", &Tape::replay, nb::arg("inputs"))
+      .def_prop_ro("nodes", &Tape::nodes)
+      .def_prop_ro("constants", &Tape::constants);
+}

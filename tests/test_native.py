@@ -1,0 +1,163 @@
+"""The native helper (`longctx.native`): a captured MLX graph replayed on new inputs, and the GPU
+decode step replayed on it (its code paths on the CPU: the kernels run as their references).
+
+Skipped where the helper is not built (no C++ compiler at set-up), except under
+LONGCTX_REQUIRE_NATIVE=1 (CI builds it and runs these again with that set)."""
+
+import dataclasses
+import os
+
+import mlx.core as mx
+import pytest
+
+from longctx import kvcache, native
+from longctx.kernels import _prelude
+from longctx.kernels import decode_attend as da
+from longctx.kernels import decode_attend_mma as dm
+from longctx.kernels import decode_finish as df
+from longctx.kvcache import attend_step
+from longctx.kvcache.attention import compressed_attention
+from longctx.kvcache.turbo import TurboQuantCache
+
+if native.load() is None:
+    if os.environ.get("LONGCTX_REQUIRE_NATIVE") == "1":
+        raise RuntimeError("LONGCTX_REQUIRE_NATIVE=1 but the native helper is not built "
+                           "(python -m longctx.native build)")
+    pytest.skip("the native helper is not built", allow_module_level=True)
+
+
+def _graph(a, b, c):
+    x = a.reshape(4, 16) * c  # (4, 16)
+    q, r = mx.divmod(x, b)  # one primitive, two outputs (siblings)
+    return (q + r).sum(axis=1), mx.concatenate([q, r]).T
+
+
+def _arrays(seed):
+    k = mx.random.split(mx.random.key(seed), 3)
+    a = mx.random.normal((2, 2, 16), key=k[0])
+    b = mx.random.uniform(1.0, 2.0, (16,), key=k[1])
+    c = mx.random.normal((1,), key=k[2])
+    return a, b, c
+
+
+def test_tape_replays_the_graph_on_new_inputs():
+    ins = _arrays(0)
+    tape = native.Tape(ins, _graph(*ins))
+    assert tape.nodes >= 5
+    for seed in (1, 2):
+        new = _arrays(seed)
+        got = tape.replay(list(new))
+        want = _graph(*new)
+        assert len(got) == 2
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            assert mx.array_equal(g, w).item()
+
+
+def test_tape_keeps_the_inputs_not_varying_and_the_constants():
+    a, b, c = _arrays(0)
+    k = mx.array([0.5, 1.5])  # a constant the graph holds (no primitive, not an input)
+    tape = native.Tape([a, b, c], [(a.reshape(4, 16) * c + b) @ mx.ones((16, 2)) * k], [0])
+    assert tape.constants >= 3  # b, c and k (and the ones)
+    a2 = _arrays(5)[0]
+    got = tape.replay([a2])[0]
+    assert mx.array_equal(got, (a2.reshape(4, 16) * c + b) @ mx.ones((16, 2)) * k).item()
+
+
+def test_tape_refuses_other_arrays():
+    ins = _arrays(0)
+    tape = native.Tape(ins, _graph(*ins))
+    a, b, c = ins
+    with pytest.raises(ValueError, match="expected 3 arrays"):
+        tape.replay([a, b])
+    with pytest.raises(ValueError, match="array 0 differs"):
+        tape.replay([a.reshape(4, 16), b, c])
+    with pytest.raises(ValueError, match="array 2 differs"):
+        tape.replay([a, b, c.astype(mx.float16)])
+    with pytest.raises(ValueError, match="distinct input positions"):
+        native.Tape(ins, _graph(*ins), [0, 0])
+    with pytest.raises(ValueError, match="distinct input positions"):
+        native.Tape(ins, _graph(*ins), [3])
+
+
+def test_an_evaluated_graph_has_no_nodes():
+    """Evaluation detaches a graph: what the tape then holds is the value, not the work (why the
+    decode step captures its graph before anything evaluates it)."""
+    a, b, c = _arrays(0)
+    out = a * c
+    mx.eval(out)
+    tape = native.Tape([a, b, c], [out])
+    assert tape.nodes == 0
+    assert mx.array_equal(tape.replay([b.reshape(1, 1, 16) + a, b, c])[0], out).item()
+
+
+def _references(monkeypatch):
+    def references(spec, launch, reference=None):
+        return list(reference())
+
+    for module in (da, dm, df):
+        monkeypatch.setattr(module, "run", references)
+
+
+def _fork(d: int = 64):
+    preset = kvcache.get_preset("tq4")
+    parent = TurboQuantCache(preset, 0)
+    kv = mx.random.normal((2, 1, 2, 300, d), key=mx.random.key(3)).astype(mx.bfloat16)
+    parent.update_and_fetch(kv[0], kv[1])
+    parent.seal()
+    return TurboQuantCache.from_arrays(preset, 0, parent.arrays(), d).fork(exact_new=300)
+
+
+def test_native_decode_steps_match_the_compiled_plan(monkeypatch):
+    """Two forks of one cache take the same tokens and queries: one keeps its plan on a tape, the
+    other (the helper off) on MLX's compiled call. Each step's output is the same bit for bit,
+    through the window's buffer filling (its tokens written in place: a tape that kept the
+    buffers' arrays would read a stale window) and growing (a new plan)."""
+    _references(monkeypatch)
+    helper = native.load()
+    forks = {"tape": _fork(), "compiled": _fork()}
+    attend_step._COMPILED.clear()
+    kinds = {"tape": set(), "compiled": set()}
+    with _prelude.force_backend("cuda"):
+        question = mx.random.normal((2, 1, 2, 250, 64), key=mx.random.key(4)).astype(mx.bfloat16)
+        for f in forks.values():
+            f.update_and_fetch(question[0], question[1])
+        for step in range(10):  # window 251..260: its buffer of 256 fills at 256, then grows
+            new = mx.random.normal((2, 1, 2, 1, 64), key=mx.random.key(10 + step)).astype(mx.bfloat16)
+            q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(20 + step)).astype(mx.bfloat16)
+            outs = {}
+            for name, f in forks.items():
+                native._MODULE[:] = [helper if name == "tape" else None]
+                try:
+                    view, _ = f.update_and_fetch(new[0], new[1])
+                    outs[name] = compressed_attention(q, view, 0.125)
+                finally:
+                    native._MODULE[:] = [helper]
+                p = view.plan[0] if view.plan is not None else None
+                if p is not None:
+                    kinds[name].add("tape" if p.tape is not None else "compiled")
+            mx.eval(outs)
+            assert mx.array_equal(outs["tape"], outs["compiled"]).item(), step
+    assert kinds == {"tape": {"tape"}, "compiled": {"compiled"}}
+
+
+def test_native_plan_serves_a_bare_view_and_checks_its_arrays(monkeypatch):
+    """A view without a window (benchmarks/attend.py's) keeps a tape plan; its replay with new
+    queries equals the step built afresh, and queries of another dtype are not replayed (the
+    plan's check, before the tape's own)."""
+    _references(monkeypatch)
+    fork = _fork()
+    bare = dataclasses.replace(fork.view(), window=None, window_buffer=None, sink=None,
+                               plan=[None])
+    attend_step._COMPILED.clear()
+    q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(7)).astype(mx.bfloat16)
+    with _prelude.force_backend("cuda"):
+        first = [compressed_attention(q, bare, 0.125) for _ in range(2)]
+        assert bare.plan[0] is not None and bare.plan[0].tape is not None
+        again = attend_step.replay(q, bare, 0.125)
+        assert again is not None and mx.array_equal(again, first[1]).item()
+        q2 = mx.random.normal((1, 8, 1, 64), key=mx.random.key(8)).astype(mx.bfloat16)
+        got = attend_step.replay(q2, bare, 0.125)
+        want = attend_step.attention(q2, dataclasses.replace(bare, plan=[None]), 0.125)
+        assert mx.array_equal(got, want).item()
+        assert attend_step.replay(q2.astype(mx.float16), bare, 0.125) is None
