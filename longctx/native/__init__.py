@@ -98,10 +98,10 @@ def command(out: Path) -> list[str]:
            f"-I{nb / 'ext' / 'robin_map' / 'include'}", f"-I{mlx_dir / 'include'}",
            str(SOURCE), str(nb / "src" / "nb_combined.cpp"),
            f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(out)]
-    # MLX builds its module in nanobind's domain "mlx", under the limited API where Python has
-    # nanobind's stable ABI (3.12+): the internals' key carries both
+    # MLX builds its module in nanobind's domain "mlx", and under Python's limited API where its
+    # module is an abi3 one: nanobind's internals key carries both, and must match MLX's
     cmd[1:1] = ["-DNB_DOMAIN=mlx"]
-    if sys.version_info >= (3, 12):
+    if ".abi3." in Path(mx.__file__).name:
         cmd[1:1] = ["-DPy_LIMITED_API=0x030C0000"]
     if sys.platform == "darwin":
         cmd[1:1] = ["-undefined", "dynamic_lookup"]
