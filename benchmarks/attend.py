@@ -47,7 +47,7 @@ from _common import write  # noqa: E402  (imports longctx first: OpenBLAS before
 
 import mlx.core as mx  # noqa: E402
 
-from longctx import native  # noqa: E402
+from longctx import config, native  # noqa: E402
 from longctx.kernels import _prelude  # noqa: E402
 from longctx.kernels import decode_attend as da  # noqa: E402
 from longctx.kernels import decode_attend_mma as dm  # noqa: E402
@@ -111,12 +111,9 @@ def head_to_head(env, rounds: int = 9) -> dict:
     views = {"fused_tq4": view}
     if helper is not None:  # the same step with its plan on MLX's compiled call
         compiled_view = dataclasses.replace(view, plan=[None])
-        native._MODULE[:] = [None]
-        try:
+        with config.override(native=False):
             for _ in range(2):  # a key's first step traces; the next keeps the compiled plan
                 mx.eval(compressed_attention(q, compiled_view, scale))
-        finally:
-            native._MODULE[:] = [helper]
         views["fused_tq4_compiled_call"] = compiled_view
         fns["fused_tq4_compiled_call"] = lambda: compressed_attention(q, compiled_view, scale)
     times = {name: [] for name in fns}
@@ -272,8 +269,6 @@ ANSWER_VARIANTS = ("answer_tq4", "answer_tq4_portable", "answer_tq4_portable_fin
 
 
 def _compiled(q, view, scale):
-    from longctx import config
-
     with config.override(fused_step=False):
         return compressed_attention(q, view, scale)
 

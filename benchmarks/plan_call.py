@@ -24,7 +24,7 @@ import attend  # noqa: E402  (imports longctx first: OpenBLAS before mlx)
 
 import mlx.core as mx  # noqa: E402
 
-from longctx import native  # noqa: E402
+from longctx import config, native  # noqa: E402
 from longctx.kernels import decode_attend_mma as dm  # noqa: E402
 from longctx.kernels import decode_finish as df  # noqa: E402
 from longctx.kvcache import attend_step  # noqa: E402
@@ -50,12 +50,10 @@ def main() -> None:
     args = ap.parse_args()
     env = attend.setup(args.length, presets=("tq4",), affine=False)
     q, view, scale = env["q"], env["tq4"], attend.D ** -0.5
-    helper = native.load()
     compiled = dataclasses.replace(view, plan=[None])
-    native._MODULE[:] = [None]
-    for _ in range(2):
-        mx.eval(compressed_attention(q, compiled, scale))
-    native._MODULE[:] = [helper]
+    with config.override(native=False):
+        for _ in range(2):
+            mx.eval(compressed_attention(q, compiled, scale))
     for _ in range(2):
         mx.eval(compressed_attention(q, view, scale))
     p, c = view.plan[0], compiled.plan[0]

@@ -10,7 +10,7 @@ import os
 import mlx.core as mx
 import pytest
 
-from longctx import kvcache, native
+from longctx import config, kvcache, native
 from longctx.kernels import _prelude
 from longctx.kernels import decode_attend as da
 from longctx.kernels import decode_attend_mma as dm
@@ -110,11 +110,10 @@ def _fork(d: int = 64):
 
 def test_native_decode_steps_match_the_compiled_plan(monkeypatch):
     """Two forks of one cache take the same tokens and queries: one keeps its plan on a tape, the
-    other (the helper off) on MLX's compiled call. Each step's output is the same bit for bit,
+    other (LONGCTX_NATIVE=0) on MLX's compiled call. Each step's output is the same bit for bit,
     through the window's buffer filling (its tokens written in place: a tape that kept the
     buffers' arrays would read a stale window) and growing (a new plan)."""
     _references(monkeypatch)
-    helper = native.load()
     forks = {"tape": _fork(), "compiled": _fork()}
     attend_step._COMPILED.clear()
     kinds = {"tape": set(), "compiled": set()}
@@ -127,12 +126,9 @@ def test_native_decode_steps_match_the_compiled_plan(monkeypatch):
             q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(20 + step)).astype(mx.bfloat16)
             outs = {}
             for name, f in forks.items():
-                native._MODULE[:] = [helper if name == "tape" else None]
-                try:
+                with config.override(native=name == "tape"):  # LONGCTX_NATIVE
                     view, _ = f.update_and_fetch(new[0], new[1])
                     outs[name] = compressed_attention(q, view, 0.125)
-                finally:
-                    native._MODULE[:] = [helper]
                 p = view.plan[0] if view.plan is not None else None
                 if p is not None:
                     kinds[name].add("tape" if p.tape is not None else "compiled")

@@ -274,7 +274,7 @@ def attention(queries, kv: CompressedKV, scale: float):
     # after a key's first (checked, compiled) step, a layer's first step with the native helper
     # builds the graph eagerly and keeps it as a tape: its replay costs a fraction of the
     # compiled call's host time (`longctx.native`)
-    if fn is not None and _plans(kv) and native.load() is not None:
+    if fn is not None and _plans(kv) and config.get("native") and native.load() is not None:
         return _taped(kv, codecs, scale, dtype, mma, whole, queries, args, heads)
     if fn is None:
         out, counts = _step(kc, vc, scale, dtype, mma, whole, *args)

@@ -46,20 +46,19 @@ def _path() -> Path:
 
 
 def load():
-    """The built module, or None (not built for this MLX and source, or `LONGCTX_NATIVE=0`)."""
+    """The built module, or None (not built for this MLX and source, or it does not work)."""
     if _MODULE:
         return _MODULE[0]
     mod = None
-    if os.environ.get("LONGCTX_NATIVE", "1") != "0":
-        try:
-            path = _path()
-            if path.exists():
-                spec = importlib.util.spec_from_file_location("_replay", path)
-                mod = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(mod)
-                mod = mod if _works(mod) else None
-        except (ImportError, OSError):
-            mod = None
+    try:
+        path = _path()
+        if path.exists():
+            spec = importlib.util.spec_from_file_location("_replay", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            mod = mod if _works(mod) else None
+    except (ImportError, OSError):
+        mod = None
     _MODULE.append(mod)
     return mod
 
