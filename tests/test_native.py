@@ -157,3 +157,32 @@ def test_native_plan_serves_a_bare_view_and_checks_its_arrays(monkeypatch):
         want = attend_step.attention(q2, dataclasses.replace(bare, plan=[None]), 0.125)
         assert mx.array_equal(got, want).item()
         assert attend_step.replay(q2.astype(mx.float16), bare, 0.125) is None
+
+
+def test_replayed_compiled_function_matches_and_recaptures():
+    """`native.Replayed` over a compiled function (the cache's centering of a decode step's keys
+    and values): its replays equal the compiled call bit for bit, new shapes are captured
+    again, and LONGCTX_NATIVE=0 calls the function itself."""
+    calls = []
+
+    def center(k, v, km, vm):
+        calls.append(1)
+        return k.astype(mx.float32) - km, v.astype(mx.float32) - vm
+
+    compiled = mx.compile(center)
+    fn = native.Replayed(compiled)
+    km, vm = mx.random.normal((1, 2, 1, 8)), mx.random.normal((1, 2, 1, 8))
+    for step, n in enumerate((1, 1, 1, 5, 1)):
+        k = mx.random.normal((1, 2, n, 8), key=mx.random.key(step)).astype(mx.bfloat16)
+        v = mx.random.normal((1, 2, n, 8), key=mx.random.key(50 + step)).astype(mx.bfloat16)
+        got, want = fn(k, v, km, vm), compiled(k, v, km, vm)
+        assert all(mx.array_equal(g, w).item() for g, w in zip(got, want)), step
+    assert sorted(key[0] for key in fn.tapes) == [(1, 2, 1, 8), (1, 2, 5, 8)]
+    # a mean of another shape at a captured key shape: captured again, right
+    km2 = mx.random.normal((1, 2, 1, 1))
+    k = mx.random.normal((1, 2, 1, 8)).astype(mx.bfloat16)
+    assert mx.array_equal(fn(k, k, km2, km2)[0], compiled(k, k, km2, km2)[0]).item()
+    n = len(calls)
+    with config.override(native=False):
+        assert mx.array_equal(fn(k, k, km, vm)[1], compiled(k, k, km, vm)[1]).item()
+    assert len(calls) == n  # (traced before: the compiled function's cache, no new trace)

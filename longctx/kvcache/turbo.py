@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from longctx import config
+from longctx import config, native
 from longctx.kernels import backend as _backend
 from longctx.kernels.prefill_encode import prefill_encode
 from longctx.kvcache import compiling
@@ -182,8 +182,9 @@ def _center(keys, values, k_mu, v_mu):
 
 # A decode step's new keys and values centered in one compiled call: two fused launches where
 # the eager casts and subtractions are four (a step's launches cost host time on a GPU: 32
-# layers x 2 saved per token); bit for bit the eager arithmetic
-_center_pair = mx.compile(_center)
+# layers x 2 saved per token); bit for bit the eager arithmetic. With the native helper the
+# compiled call's graph is replayed from a tape (`native.Replayed`: its host time a fraction)
+_center_pair = native.Replayed(mx.compile(_center))
 
 
 _MASKS: dict = {}

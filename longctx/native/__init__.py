@@ -132,3 +132,33 @@ def build(quiet: bool = False) -> Path:
     if not quiet:
         print(f"built {out}", file=sys.stderr)
     return out
+
+
+class Replayed:
+    """A function of arrays returning a tuple of arrays (typically `mx.compile`d), called through
+    a `Tape` of its graph where the helper is built and `LONGCTX_NATIVE` is on: the first call at
+    a first argument's shape and dtype runs `fn` and captures its (unevaluated) graph, later ones
+    replay it (a compiled call's fused kernels are nodes like any other). Arguments whose shapes
+    or dtypes differ from the captured ones are captured again."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.tapes: dict = {}
+
+    def __call__(self, *args):
+        from longctx import config
+
+        if not config.get("native") or load() is None:
+            return self.fn(*args)
+        a0 = args[0]
+        tape = self.tapes.get((a0.shape, a0.dtype))
+        if tape is not None:
+            try:
+                return tuple(tape.replay(list(args)))
+            except ValueError:  # another argument's shape or dtype: capture again
+                pass
+        out = self.fn(*args)
+        if len(self.tapes) > 64:
+            self.tapes.clear()
+        self.tapes[(a0.shape, a0.dtype)] = Tape(args, out)
+        return out
