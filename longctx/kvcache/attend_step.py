@@ -241,7 +241,10 @@ def attention(queries, kv: CompressedKV, scale: float):
     whole buffers plus a count, so all layers and all steps until the buffers grow share one
     trace; before the first trace of a key, one eager call checks the kernels' variants
     (`kernels._prelude.run`), as `attend_fused` does. The step's inputs are then kept with the
-    layer's cache (`_Plan`), so that its next steps replay it directly.
+    layer's cache (`_Plan`), so that its next steps replay it directly. With the native helper
+    (`longctx.native`, `LONGCTX_NATIVE`), a layer's plan is a tape of its step's graph instead
+    (`_taped`): MLX's compiled call of the step took 8-19 us of host time per layer and token on
+    the H200 machine's hosts, the tape's replay 5-7 (`benchmarks/plan_call.py`).
     """
     shape = queries.shape
     H = kv.value_mean.shape[1]
