@@ -186,3 +186,15 @@ def test_replayed_compiled_function_matches_and_recaptures():
     with config.override(native=False):
         assert mx.array_equal(fn(k, k, km, vm)[1], compiled(k, k, km, vm)[1]).item()
     assert len(calls) == n  # (traced before: the compiled function's cache, no new trace)
+
+
+def test_tape_refuses_another_default_stream():
+    """A tape's primitives carry the stream they were captured on: under another default stream
+    its replay is refused (as mx.compile's cache retraces there), and the decode step's replay
+    then falls back to the full path."""
+    ins = _arrays(0)
+    tape = native.Tape(ins, _graph(*ins))
+    with mx.stream(mx.new_stream(mx.default_device())):
+        with pytest.raises(ValueError, match="default stream"):
+            tape.replay(list(ins))
+    assert len(tape.replay(list(ins))) == 2

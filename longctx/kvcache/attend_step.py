@@ -176,7 +176,10 @@ def replay(queries, kv: CompressedKV, scale: float):
     if p.tape is not None:  # the step's arrays as the call reads them (`_taped`)
         flat = p.args
         flat[0], flat[-3], flat[-1] = queries, count, dm.counter(p.heads)
-        out, counts = p.tape.replay(flat)
+        try:
+            out, counts = p.tape.replay(flat)
+        except ValueError:  # another default stream (or an array changed shape): a new plan
+            return None
     else:
         out, counts = p.fn(queries, *p.args, count, p.mean, dm.counter(p.heads))
     dm.keep_counter(p.heads, counts)

@@ -92,8 +92,9 @@ def command(out: Path) -> list[str]:
     mlx_dir = Path(mx.__file__).resolve().parent
     nb = Path(nanobind.__file__).resolve().parent
     cxx = os.environ.get("CXX", "c++")
+    # (nanobind's own CMake builds its library with -fno-strict-aliasing: Python's type punning)
     cmd = [*shlex.split(cxx), "-O2", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
-           "-DNDEBUG", f"-I{sysconfig.get_paths()['include']}", f"-I{nb / 'include'}",
+           "-fno-strict-aliasing", "-DNDEBUG", f"-I{sysconfig.get_paths()['include']}", f"-I{nb / 'include'}",
            f"-I{nb / 'ext' / 'robin_map' / 'include'}", f"-I{mlx_dir / 'include'}",
            str(SOURCE), str(nb / "src" / "nb_combined.cpp"),
            f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(out)]
@@ -102,6 +103,8 @@ def command(out: Path) -> list[str]:
     cmd[1:1] = ["-DNB_DOMAIN=mlx"]
     if ".abi3." in Path(mx.__file__).name:
         cmd[1:1] = ["-DPy_LIMITED_API=0x030C0000"]
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):  # a free-threaded Python: nanobind's "_ft"
+        cmd[1:1] = ["-DNB_FREE_THREADED"]
     if sys.platform == "darwin":
         cmd[1:1] = ["-undefined", "dynamic_lookup"]
     return cmd + shlex.split(os.environ.get("CXXFLAGS", ""))

@@ -14,7 +14,8 @@
 // evaluated before the capture (evaluation detaches it). The inputs at positions `varying` are
 // given at each replay; the others are kept by the tape and used as they are.
 // Tape.replay(arrays): new arrays for the nodes, `arrays` in place of the varying inputs (in
-// `varying`'s order); their shapes and dtypes must be the captured ones (checked).
+// `varying`'s order); their shapes and dtypes must be the captured ones, and the default stream
+// the capture's (checked, as mx.compile's cache checks them: a ValueError, then capture again).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
@@ -26,6 +27,7 @@
 
 #include "mlx/array.h"
 #include "mlx/primitives.h"
+#include "mlx/stream.h"
 
 namespace nb = nanobind;
 using mlx::core::array;
@@ -46,7 +48,8 @@ struct Node {
 class Tape {
  public:
   Tape(const std::vector<array>& inputs, const std::vector<array>& outputs,
-       const std::vector<int>& varying) {
+       const std::vector<int>& varying)
+      : stream_(mlx::core::default_stream(mlx::core::default_device())) {
     std::vector<bool> given(inputs.size(), false);
     for (int v : varying) {
       if (v < 0 || v >= (int)inputs.size() || given[v])
@@ -74,6 +77,8 @@ class Tape {
       if (inputs[i].dtype() != dtypes_[i] || inputs[i].shape() != shapes_[i])
         throw std::invalid_argument("[Tape.replay] array " + std::to_string(i) +
                                     " differs from the captured one in shape or dtype");
+    if (mlx::core::default_stream(mlx::core::default_device()) != stream_)
+      throw std::invalid_argument("[Tape.replay] the default stream is not the capture's");
     std::vector<array> vals;
     vals.reserve(n_values_);
     std::vector<array> args;
@@ -127,6 +132,7 @@ class Tape {
     return ids_.at(a.id());
   }
 
+  mlx::core::Stream stream_;
   std::unordered_map<std::uintptr_t, int> ids_;  // capture only
   std::vector<mlx::core::Shape> shapes_;
   std::vector<mlx::core::Dtype> dtypes_;
