@@ -198,3 +198,27 @@ def test_tape_refuses_another_default_stream():
         with pytest.raises(ValueError, match="default stream"):
             tape.replay(list(ins))
     assert len(tape.replay(list(ins))) == 2
+
+
+def test_window_write_is_the_python_indexing():
+    """`native.window_write` writes both buffers in place (the same Python objects, seen through
+    every reference) and returns the windows, as `buf[:, :, lo:hi] = x; buf[:, :, :hi]` do; a
+    write past the buffer is refused."""
+    bufs = [mx.zeros((1, 2, 8, 4)) for _ in range(4)]
+    held = bufs[0]  # another reference to a buffer object
+    lo = 0
+    for step, n in enumerate((3, 1, 1, 2)):
+        k = mx.random.normal((1, 2, n, 4), key=mx.random.key(step))
+        v = mx.random.normal((1, 2, n, 4), key=mx.random.key(10 + step)).astype(mx.bfloat16)
+        wk, wv = native.window_write(bufs[0], bufs[1], k, v, lo)
+        bufs[2][:, :, lo:lo + n] = k
+        bufs[3][:, :, lo:lo + n] = v
+        lo += n
+        assert mx.array_equal(bufs[0], bufs[2]).item() and mx.array_equal(bufs[1], bufs[3]).item()
+        assert mx.array_equal(wk, bufs[2][:, :, :lo]).item()
+        assert mx.array_equal(wv, bufs[3][:, :, :lo]).item() and wv.dtype == mx.float32
+    assert held is bufs[0] and mx.array_equal(held, bufs[2]).item()
+    with pytest.raises(ValueError, match="past the buffer"):
+        native.window_write(bufs[0], bufs[1], mx.zeros((1, 2, 2, 4)), mx.zeros((1, 2, 2, 4)), 7)
+    with config.override(native=False):
+        assert native.window_write(bufs[0], bufs[1], k, v, 0) is None

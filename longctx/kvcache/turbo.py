@@ -483,9 +483,12 @@ class TurboQuantCache:
                     buf[:, :, :lo] = old
                 bufs.append(buf)
             self._wbuf = (bufs[0], bufs[1])
-        self._wbuf[0][:, :, lo:hi] = k
-        self._wbuf[1][:, :, lo:hi] = v
-        self.window = (self._wbuf[0][:, :, :hi], self._wbuf[1][:, :, :hi])
+        written = native.window_write(self._wbuf[0], self._wbuf[1], k, v, lo)
+        if written is None:
+            self._wbuf[0][:, :, lo:hi] = k
+            self._wbuf[1][:, :, lo:hi] = v
+            written = (self._wbuf[0][:, :, :hi], self._wbuf[1][:, :, :hi])
+        self.window = written
 
     def seal(self) -> None:
         """Compress the uncompressed window, so that every token is stored compressed."""

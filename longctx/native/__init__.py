@@ -165,3 +165,16 @@ class Replayed:
             self.tapes.clear()
         self.tapes[(a0.shape, a0.dtype)] = Tape(args, out)
         return out
+
+
+def window_write(buf_k, buf_v, k, v, lo: int):
+    """`buf[:, :, lo:hi] = x` for both window buffers (in place: the objects take the new arrays)
+    and the windows `buf[:, :, :hi]`, hi = lo + k.shape[2], in one native call; None where the
+    helper is not built or `LONGCTX_NATIVE` is off (the caller indexes in Python)."""
+    from longctx import config
+
+    mod = load()
+    if mod is None or not config.get("native"):
+        return None
+    wk, wv = mod.window_write(buf_k, buf_v, k, v, lo)
+    return wk, wv

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "mlx/array.h"
+#include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
 
@@ -142,6 +143,28 @@ class Tape {
   int n_values_ = 0;
 };
 
+// A decode step's tokens into the cache's window buffers (`TurboQuantCache._window_write`):
+// k and v (B, H, n, D) written at slots [lo, lo + n) of axis 2 of the buffers, in place (the
+// buffers' Python objects take the new arrays, as `buf[:, :, lo:hi] = k` does: the same
+// slice_update), then the windows buf[:, :, :lo + n]. One call for what was four indexing
+// expressions parsed in Python (~10 us of a layer's host time on a 2-core x86 VM).
+std::vector<array> window_write(array& bk, array& bv, const array& k, const array& v, int lo) {
+  auto write = [lo](array& buf, const array& x) {
+    if (buf.ndim() != 4 || x.ndim() != 4)
+      throw std::invalid_argument("[window_write] buffers and tokens are (B, H, L, D)");
+    const int hi = lo + x.shape(2);
+    if (lo < 0 || hi > buf.shape(2))
+      throw std::invalid_argument("[window_write] slots past the buffer");
+    mlx::core::Shape start = {0, 0, lo, 0};
+    mlx::core::Shape stop = {buf.shape(0), buf.shape(1), hi, buf.shape(3)};
+    buf.overwrite_descriptor(
+        mlx::core::slice_update(buf, mlx::core::astype(x, buf.dtype()), start, stop));
+    stop[2] = hi;
+    return mlx::core::slice(buf, {0, 0, 0, 0}, stop);
+  };
+  return {write(bk, k), write(bv, v)};
+}
+
 }  // namespace
 
 NB_MODULE(_replay, m) {
@@ -154,4 +177,6 @@ NB_MODULE(_replay, m) {
       .def("replay", &Tape::replay, nb::arg("inputs"))
       .def_prop_ro("nodes", &Tape::nodes)
       .def_prop_ro("constants", &Tape::constants);
+  m.def("window_write", &window_write, nb::arg("buf_k"), nb::arg("buf_v"), nb::arg("k"),
+        nb::arg("v"), nb::arg("lo"));
 }
