@@ -222,3 +222,19 @@ def test_window_write_is_the_python_indexing():
         native.window_write(bufs[0], bufs[1], mx.zeros((1, 2, 2, 4)), mx.zeros((1, 2, 2, 4)), 7)
     with config.override(native=False):
         assert native.window_write(bufs[0], bufs[1], k, v, 0) is None
+
+
+def test_tape_of_one_array_at_two_places():
+    """An array given at two input positions when captured (a cache's keys and values may be one
+    array): a replay with two different arrays there is refused (the graph reads the first
+    position only), and `Replayed` then captures again and computes the right thing."""
+    a, b = _arrays(0)[0], _arrays(1)[0]
+    tape = native.Tape([a, a], [a * 2.0 + a * 3.0])  # (two uses of one array)
+    assert mx.array_equal(tape.replay([b, b])[0], b * 2.0 + b * 3.0).item()
+    with pytest.raises(ValueError, match="were one array"):
+        tape.replay([a, b])
+    with pytest.raises(ValueError, match="both a kept and a varying"):
+        native.Tape([a, a], [a + 1], [0])
+    fn = native.Replayed(lambda x, y: (x * 2.0 + y * 3.0,))
+    assert mx.array_equal(fn(a, a)[0], a * 2.0 + a * 3.0).item()
+    assert mx.array_equal(fn(a, b)[0], a * 2.0 + b * 3.0).item()

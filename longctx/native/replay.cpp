@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <utility>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -56,12 +57,23 @@ class Tape {
       if (v < 0 || v >= (int)inputs.size() || given[v])
         throw std::invalid_argument("[Tape] varying positions must be distinct input positions");
       given[v] = true;
-      ids_.emplace(inputs[v].id(), ref(0, (int)shapes_.size()));
+      const int k = (int)shapes_.size();
+      // one array at two varying positions: the graph reads the first; a replay must give one
+      // array there again (checked), else the tape would read the first for both
+      auto it = ids_.find(inputs[v].id());
+      if (it != ids_.end())
+        same_.emplace_back(k, it->second >> 2);
+      else
+        ids_.emplace(inputs[v].id(), ref(0, k));
       shapes_.push_back(inputs[v].shape());
       dtypes_.push_back(inputs[v].dtype());
     }
     for (size_t i = 0; i < inputs.size(); ++i) {
-      if (!given[i] && !ids_.count(inputs[i].id())) {
+      if (given[i]) continue;
+      auto it = ids_.find(inputs[i].id());
+      if (it != ids_.end() && (it->second & 3) == 0)
+        throw std::invalid_argument("[Tape] an array is both a kept and a varying input");
+      if (it == ids_.end()) {
         consts_.push_back(inputs[i]);
         ids_.emplace(inputs[i].id(), ref(1, (int)consts_.size() - 1));
       }
@@ -78,6 +90,10 @@ class Tape {
       if (inputs[i].dtype() != dtypes_[i] || inputs[i].shape() != shapes_[i])
         throw std::invalid_argument("[Tape.replay] array " + std::to_string(i) +
                                     " differs from the captured one in shape or dtype");
+    for (const auto& [k, first] : same_)
+      if (inputs[k].id() != inputs[first].id())
+        throw std::invalid_argument("[Tape.replay] arrays " + std::to_string(first) + " and " +
+                                    std::to_string(k) + " were one array when captured");
     if (mlx::core::default_stream(mlx::core::default_device()) != stream_)
       throw std::invalid_argument("[Tape.replay] the default stream is not the capture's");
     std::vector<array> vals;
@@ -137,6 +153,7 @@ class Tape {
   std::unordered_map<std::uintptr_t, int> ids_;  // capture only
   std::vector<mlx::core::Shape> shapes_;
   std::vector<mlx::core::Dtype> dtypes_;
+  std::vector<std::pair<int, int>> same_;  // (varying slot, the slot it was captured equal to)
   std::vector<array> consts_;
   std::vector<Node> nodes_;
   std::vector<int> out_;
