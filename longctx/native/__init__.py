@@ -110,7 +110,7 @@ def command(out: Path) -> list[str]:
     return cmd + shlex.split(os.environ.get("CXXFLAGS", ""))
 
 
-def build(quiet: bool = False) -> Path:
+def build() -> Path:
     """Build the module for the installed MLX (a C++20 compiler, Python's headers and nanobind
     are needed); returns its path. Raises RuntimeError with the compiler's message."""
     out = _path()
@@ -132,8 +132,6 @@ def build(quiet: bool = False) -> Path:
         _MODULE.clear()
         raise RuntimeError(f"built {out.name}, but mx.array does not pass into it (nanobind's "
                            f"ABI differs from MLX's: install {NANOBIND!r}); removed")
-    if not quiet:
-        print(f"built {out}", file=sys.stderr)
     return out
 
 

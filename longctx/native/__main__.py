@@ -8,6 +8,6 @@ if __name__ == "__main__":
     if sys.argv[1:] != ["build"]:
         sys.exit("usage: python -m longctx.native build")
     try:
-        native.build()
+        print(f"built {native.build()}", file=sys.stderr)
     except (RuntimeError, ImportError) as err:
         sys.exit(f"longctx.native: {err}")
