@@ -238,3 +238,56 @@ def test_tape_of_one_array_at_two_places():
     fn = native.Replayed(lambda x, y: (x * 2.0 + y * 3.0,))
     assert mx.array_equal(fn(a, a)[0], a * 2.0 + a * 3.0).item()
     assert mx.array_equal(fn(a, b)[0], a * 2.0 + b * 3.0).item()
+
+
+def test_an_evaluated_capture_is_not_kept():
+    """A graph evaluated before its capture leaves only its value (`frozen_outputs`): `Replayed`
+    does not keep such a tape, and computes every call; a deep upstream graph is walked without
+    running out of stack."""
+    a = _arrays(0)[0]
+    out = a * 2.0
+    mx.eval(out)
+    assert native.Tape([a], [out]).frozen_outputs == 1
+    assert native.Tape([a], [out.reshape(-1), a * 2.0]).frozen_outputs == 1  # a node over it
+    assert native.Tape([a], [a * 2.0]).frozen_outputs == 0
+
+    def evaluated(x):
+        y = x * 2.0
+        mx.eval(y)
+        return (y,)
+
+    fn = native.Replayed(evaluated)
+    for seed in (1, 2):
+        x = _arrays(seed)[0]
+        assert mx.array_equal(fn(x)[0], x * 2.0).item()
+    assert fn.tapes == {}
+    deep = mx.zeros((2,))
+    for _ in range(200_000):
+        deep = deep + 1.0
+    unreached = mx.ones((2,))
+    tape = native.Tape([unreached], [deep * 3.0])  # the walk climbs the whole upstream graph
+    assert tape.nodes > 200_000 and mx.array_equal(tape.replay([unreached])[0],
+                                                   mx.full((2,), 600_000.0)).item()
+
+
+def test_a_step_evaluated_while_built_keeps_no_tape(monkeypatch):
+    """A kernel variant is checked on its first launch by evaluating it (`_prelude.run`): a step
+    built that way has no graph left, and its tape would return that step's output forever. Such
+    a step keeps no plan (each step then takes the full path), and its outputs stay right."""
+    def evaluating(spec, launch, reference=None):
+        outs = list(reference())
+        mx.eval(outs)
+        return outs
+
+    for module in (da, dm, df):
+        monkeypatch.setattr(module, "run", evaluating)
+    bare = dataclasses.replace(_fork().view(), window=None, window_buffer=None, sink=None,
+                               plan=[None])
+    attend_step._COMPILED.clear()
+    with _prelude.force_backend("cuda"):
+        for seed in range(3):
+            q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(seed)).astype(mx.bfloat16)
+            got = compressed_attention(q, bare, 0.125)
+            assert bare.plan[0] is None, seed
+            want = compressed_attention(q, bare, 0.125, fused=False)
+            assert float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()) < 0.05

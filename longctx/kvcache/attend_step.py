@@ -216,7 +216,11 @@ def _taped(kv: CompressedKV, codecs, scale, dtype, mma, whole, queries, args, he
     window count and head counter in it (first, third from last, last)."""
     out, counts = _step(codecs.kc, codecs.vc, scale, dtype, mma, whole, *args)
     flat = _flat(args)
-    _keep_plan(kv, None, queries, scale, args, heads, native.Tape(flat, [out, counts]), flat)
+    tape = native.Tape(flat, [out, counts])
+    # a step evaluated while it was built (a kernel variant checked on its first launch) left
+    # no graph from its inputs to replay: no plan then (the next step builds one)
+    if not tape.frozen_outputs:
+        _keep_plan(kv, None, queries, scale, args, heads, tape, flat)
     dm.keep_counter(heads, counts)
     return out
 

@@ -140,7 +140,9 @@ class Replayed:
     a `Tape` of its graph where the helper is built and `LONGCTX_NATIVE` is on: the first call at
     a first argument's shape and dtype runs `fn` and captures its (unevaluated) graph, later ones
     replay it (a compiled call's fused kernels are nodes like any other). Arguments whose shapes
-    or dtypes differ from the captured ones are captured again."""
+    or dtypes differ from the captured ones are captured again. `fn` must compute its outputs
+    from its arguments without evaluating them or writing into its arguments (a write would be
+    captured as done); a capture whose outputs were evaluated is not kept."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -159,9 +161,13 @@ class Replayed:
             except ValueError:  # another argument's shape or dtype: capture again
                 pass
         out = self.fn(*args)
+        tape = Tape(args, out)
         if len(self.tapes) > 64:
             self.tapes.clear()
-        self.tapes[(a0.shape, a0.dtype)] = Tape(args, out)
+        if tape.frozen_outputs:
+            self.tapes.pop((a0.shape, a0.dtype), None)
+        else:
+            self.tapes[(a0.shape, a0.dtype)] = tape
         return out
 
 

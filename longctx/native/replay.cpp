@@ -117,8 +117,23 @@ class Tape {
 
   size_t nodes() const { return nodes_.size(); }
   size_t constants() const { return consts_.size(); }
+  // outputs that depend on no input given at replay: a graph evaluated before its capture
+  // (evaluation detaches it) leaves constants, and its outputs would be what they were then
+  size_t frozen_outputs() const {
+    size_t n = 0;
+    for (int r : out_) n += !depends(r);
+    return n;
+  }
 
  private:
+  bool depends(int r) const {
+    switch (r & 3) {
+      case 0: return true;
+      case 1: return false;
+      default: return live_[r >> 2];
+    }
+  }
+
   const array& get(int r, const std::vector<array>& inputs, const std::vector<array>& vals) const {
     switch (r & 3) {
       case 0: return inputs[r >> 2];
@@ -127,26 +142,49 @@ class Tape {
     }
   }
 
-  int visit(const array& a) {
-    auto it = ids_.find(a.id());
-    if (it != ids_.end()) return it->second;
-    if (!a.has_primitive()) {
-      consts_.push_back(a);
-      return ids_.emplace(a.id(), ref(1, (int)consts_.size() - 1)).first->second;
+  // The walk from an output back to the inputs, iterative (a deep upstream graph must not run
+  // out of stack): a node is recorded after all its inputs, so nodes_ is in evaluation order.
+  int visit(const array& root) {
+    std::vector<std::pair<array, bool>> stack;  // (array, its inputs pushed)
+    stack.emplace_back(root, false);
+    while (!stack.empty()) {
+      const array a = stack.back().first;
+      if (ids_.count(a.id())) {
+        stack.pop_back();
+        continue;
+      }
+      if (!a.has_primitive()) {
+        consts_.push_back(a);
+        ids_.emplace(a.id(), ref(1, (int)consts_.size() - 1));
+        stack.pop_back();
+        continue;
+      }
+      if (!stack.back().second) {
+        stack.back().second = true;
+        for (const auto& in : a.inputs())
+          if (!ids_.count(in.id())) stack.emplace_back(in, false);
+        continue;
+      }
+      stack.pop_back();
+      Node n;
+      bool live = false;
+      for (const auto& in : a.inputs()) {
+        n.in.push_back(ids_.at(in.id()));
+        live = live || depends(n.in.back());
+      }
+      n.prim = a.primitive_ptr();
+      auto outs = a.siblings().empty() ? std::vector<array>{a} : a.outputs();
+      for (const auto& o : outs) {
+        n.shapes.push_back(o.shape());
+        n.dtypes.push_back(o.dtype());
+      }
+      const int first = n_values_;
+      n_values_ += (int)outs.size();
+      live_.insert(live_.end(), outs.size(), live);
+      nodes_.push_back(std::move(n));
+      for (size_t k = 0; k < outs.size(); ++k) ids_.emplace(outs[k].id(), ref(2, first + (int)k));
     }
-    Node n;
-    for (const auto& in : a.inputs()) n.in.push_back(visit(in));
-    n.prim = a.primitive_ptr();
-    auto outs = a.siblings().empty() ? std::vector<array>{a} : a.outputs();
-    for (const auto& o : outs) {
-      n.shapes.push_back(o.shape());
-      n.dtypes.push_back(o.dtype());
-    }
-    const int first = n_values_;
-    n_values_ += (int)outs.size();
-    nodes_.push_back(std::move(n));
-    for (size_t k = 0; k < outs.size(); ++k) ids_.emplace(outs[k].id(), ref(2, first + (int)k));
-    return ids_.at(a.id());
+    return ids_.at(root.id());
   }
 
   mlx::core::Stream stream_;
@@ -157,6 +195,7 @@ class Tape {
   std::vector<array> consts_;
   std::vector<Node> nodes_;
   std::vector<int> out_;
+  std::vector<bool> live_;  // per node output: depends on a varying input
   int n_values_ = 0;
 };
 
@@ -193,7 +232,8 @@ NB_MODULE(_replay, m) {
            nb::arg("inputs"), nb::arg("outputs"), nb::arg("varying"))
       .def("replay", &Tape::replay, nb::arg("inputs"))
       .def_prop_ro("nodes", &Tape::nodes)
-      .def_prop_ro("constants", &Tape::constants);
+      .def_prop_ro("constants", &Tape::constants)
+      .def_prop_ro("frozen_outputs", &Tape::frozen_outputs);
   m.def("window_write", &window_write, nb::arg("buf_k"), nb::arg("buf_v"), nb::arg("k"),
         nb::arg("v"), nb::arg("lo"));
 }
