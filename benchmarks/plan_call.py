@@ -24,7 +24,7 @@ import attend  # noqa: E402  (imports longctx first: OpenBLAS before mlx)
 
 import mlx.core as mx  # noqa: E402
 
-from longctx import config, native  # noqa: E402
+from longctx import native  # noqa: E402
 from longctx.kernels import decode_attend_mma as dm  # noqa: E402
 from longctx.kernels import decode_finish as df  # noqa: E402
 from longctx.kvcache import attend_step  # noqa: E402
@@ -51,7 +51,7 @@ def main() -> None:
     env = attend.setup(args.length, presets=("tq4",), affine=False)
     q, view, scale = env["q"], env["tq4"], attend.D ** -0.5
     compiled = dataclasses.replace(view, plan=[None])
-    with config.override(native=False):
+    with attend.native_off():
         for _ in range(2):
             mx.eval(compressed_attention(q, compiled, scale))
     for _ in range(2):

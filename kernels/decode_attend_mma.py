@@ -50,9 +50,9 @@ and their values turned into the value frame with a lane butterfly, folded into 
 state before it is written; the last threadgroup of each KV head (a count of finished ones)
 merges the head's splits, rotates back and adds the mean. Its split states go to one scratch
 output (`parts`: m, l, then acc) rather than three: MLX builds every output array of a launch at
-each step, each holding the launch's inputs (a replayed step's host time, `plan_call.py`). Attended by that last threadgroup
-alone, the exact tokens had cost 34-53 us per layer of a 256-token answer (8k-128k); spread
-over the splits, 2-3 us. The two-launch step (P = 64 / 256, or FUSE_FINISH off) folds them
+each step, each holding the launch's inputs (a replayed step's host time, `plan_call.py`).
+Attended by that last threadgroup alone, the exact tokens had cost 34-53 us per layer of a
+256-token answer (8k-128k); spread over the splits, 2-3 us. The two-launch step (P = 64 / 256, or FUSE_FINISH off) folds them
 into its partials the same way (`decode_attend_mma_partials(..., sink=, window=)`), and
 `decode_finish` then only merges.
 

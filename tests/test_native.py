@@ -122,7 +122,8 @@ def test_native_decode_steps_match_the_compiled_plan(monkeypatch):
         for f in forks.values():
             f.update_and_fetch(question[0], question[1])
         for step in range(10):  # window 251..260: its buffer of 256 fills at 256, then grows
-            new = mx.random.normal((2, 1, 2, 1, 64), key=mx.random.key(10 + step)).astype(mx.bfloat16)
+            new = mx.random.normal((2, 1, 2, 1, 64),
+                                   key=mx.random.key(10 + step)).astype(mx.bfloat16)
             q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(20 + step)).astype(mx.bfloat16)
             outs = {}
             for name, f in forks.items():

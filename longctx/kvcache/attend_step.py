@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from longctx import config, native
 from longctx.kernels import _prelude
@@ -148,10 +149,11 @@ class _Plan:
     """One layer's decode step as its compiled call takes it, kept by the layer's cache between
     steps (the view's `plan` slot): the compiled function and every input but the queries and
     the window's count; or, with the native helper, the step's graph as a `Tape` and the flat
-    list of its inputs (`_taped`). It serves while the view holds the same segment, sink, value mean and
-    window buffers (MLX writes a decode step's token into the window's buffer objects in place),
-    or no window, and `_env()` is unchanged. It skips the path choice, the checks and the trace
-    key: ~10-15 us of Python a layer and token on a 2-core x86 host (`benchmarks/decode_host.py`).
+    list of its inputs (`_taped`). It serves while the view holds the same segment, sink, value
+    mean and window buffers (MLX writes a decode step's token into the window's buffer objects in
+    place), or no window, and `_env()` is unchanged. It skips the path choice, the checks and the
+    trace key: ~10-15 us of Python a layer and token on a 2-core x86 host
+    (`benchmarks/decode_host.py`).
     """
 
     __slots__ = ("fn", "tape", "shape", "dtype", "scale", "seg", "sink", "wbuf", "args", "mean",
@@ -172,37 +174,31 @@ def replay(queries, kv: CompressedKV, scale: float):
     p = kv.plan[0]
     if p is None or not p.matches(queries, kv, scale):
         return None
-    count = df.count(kv.window[0].shape[2] if kv.window else 0)
-    if p.tape is not None:  # the step's arrays as the call reads them (`_taped`)
-        flat = p.args
-        flat[0], flat[-3], flat[-1] = queries, count, dm.counter(p.heads)
-        try:
-            out, counts = p.tape.replay(flat)
-        except ValueError:  # another default stream (or an array changed shape): a new plan
-            return None
-    else:
-        out, counts = p.fn(queries, *p.args, count, p.mean, dm.counter(p.heads))
+    try:
+        out, counts = call_plan(p, queries, df.count(kv.window[0].shape[2] if kv.window else 0),
+                                dm.counter(p.heads))
+    except ValueError:  # a tape's refusal: another default stream, another array: a new plan
+        if p.tape is None:
+            raise
+        return None
     dm.keep_counter(p.heads, counts)
     return out
+
+
+def call_plan(p: _Plan, queries, count, counter):
+    """A kept plan's call with this step's queries, window count and head counter: (out, the
+    counter for the next step). A tape takes the step's arrays as the compiled call reads them
+    (`_taped`); it raises ValueError where it refuses them."""
+    if p.tape is not None:
+        flat = p.args
+        flat[0], flat[-3], flat[-1] = queries, count, counter
+        return p.tape.replay(flat)
+    return p.fn(queries, *p.args, count, p.mean, counter)
 
 
 def _plans(kv: CompressedKV) -> bool:
     # a window that is not a buffer changes its arrays at every step: no plan
     return kv.plan is not None and (kv.window is None or kv.window_buffer is not None)
-
-
-def _flat(args) -> list:
-    """The step's arguments as one list of arrays, in `_step`'s order (dicts by their keys'
-    order, as `mx.compile` flattens them)."""
-    out = []
-    for a in args:
-        if isinstance(a, mx.array):
-            out.append(a)
-        elif isinstance(a, dict):
-            out.extend(_flat(a.values()))
-        else:
-            out.extend(_flat(a))
-    return out
 
 
 def _taped(kv: CompressedKV, codecs, scale, dtype, mma, whole, queries, args, heads: int):
@@ -215,7 +211,7 @@ def _taped(kv: CompressedKV, codecs, scale, dtype, mma, whole, queries, args, he
     would read a stale window. The plan keeps the flat list; a replay puts the new queries,
     window count and head counter in it (first, third from last, last)."""
     out, counts = _step(codecs.kc, codecs.vc, scale, dtype, mma, whole, *args)
-    flat = _flat(args)
+    flat = [a for _, a in tree_flatten(args)]  # (the queries first; count, mean, counter last)
     tape = native.Tape(flat, [out, counts])
     # a step evaluated while it was built (a kernel variant checked on its first launch) left
     # no graph from its inputs to replay: no plan then (the next step builds one)

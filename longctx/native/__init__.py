@@ -23,6 +23,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from longctx import config
+
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "replay.cpp"
 BUILD = HERE / "_build"
@@ -94,8 +96,9 @@ def command(out: Path) -> list[str]:
     cxx = os.environ.get("CXX", "c++")
     # (nanobind's own CMake builds its library with -fno-strict-aliasing: Python's type punning)
     cmd = [*shlex.split(cxx), "-O2", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
-           "-fno-strict-aliasing", "-DNDEBUG", f"-I{sysconfig.get_paths()['include']}", f"-I{nb / 'include'}",
-           f"-I{nb / 'ext' / 'robin_map' / 'include'}", f"-I{mlx_dir / 'include'}",
+           "-fno-strict-aliasing", "-DNDEBUG", f"-I{sysconfig.get_paths()['include']}",
+           f"-I{nb / 'include'}", f"-I{nb / 'ext' / 'robin_map' / 'include'}",
+           f"-I{mlx_dir / 'include'}",
            str(SOURCE), str(nb / "src" / "nb_combined.cpp"),
            f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(out)]
     # MLX builds its module in nanobind's domain "mlx", and under Python's limited API where its
@@ -149,8 +152,6 @@ class Replayed:
         self.tapes: dict = {}
 
     def __call__(self, *args):
-        from longctx import config
-
         if not config.get("native") or load() is None:
             return self.fn(*args)
         a0 = args[0]
@@ -175,10 +176,7 @@ def window_write(buf_k, buf_v, k, v, lo: int):
     """`buf[:, :, lo:hi] = x` for both window buffers (in place: the objects take the new arrays)
     and the windows `buf[:, :, :hi]`, hi = lo + k.shape[2], in one native call; None where the
     helper is not built or `LONGCTX_NATIVE` is off (the caller indexes in Python)."""
-    from longctx import config
-
     mod = load()
     if mod is None or not config.get("native"):
         return None
-    wk, wv = mod.window_write(buf_k, buf_v, k, v, lo)
-    return wk, wv
+    return tuple(mod.window_write(buf_k, buf_v, k, v, lo))
