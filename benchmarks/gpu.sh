@@ -12,6 +12,8 @@
 #            GPU busy vs wall, host graph building), fp16 vs tq4 (PTIMELINE_ARGS)
 #   atimeline benchmarks/answer_timeline.py: answer tokens' GPU timeline after a long prefix
 #            (kernels, GPU busy vs wall, host graph building), fp16 vs tq4 (ATIMELINE_ARGS)
+#   stamps   benchmarks/step_stamps.py: the whole decode step's phases from clock stamps in its
+#            kernel (prologue, main loop, write, arrival, finish; ramp and tail), 4k-128k
 #   ncu      Nsight Compute profile of the decode step's tensor-core kernel at 128k
 #   ncusass  Nsight Compute's per-instruction stall samples of the one-launch decode step at 128k
 #            (NCU_LENGTH): ncu_sass.txt (benchmarks/ncu_sass.py's summary) and the SASS as CSV
@@ -86,6 +88,9 @@ for phase in "${phases[@]}"; do
     atimeline)
       run atimeline 400 python3 benchmarks/answer_timeline.py ${ATIMELINE_ARGS:-}
       keep benchmarks/results/answer_timeline_h200.json ;;
+    stamps)
+      run stamps 200 python3 benchmarks/step_stamps.py ${STAMPS_ARGS:-}
+      keep benchmarks/results/step_stamps_h200.json ;;
     ncu)
       # the tensor-core kernel's 4th launch (NCU_KERNEL=regex:lc_decode_attend_[0-9a-f]: the
       # portable one's)

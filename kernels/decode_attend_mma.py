@@ -113,6 +113,10 @@ WAVES = 1
 SMEM_PER_SM = 233472  # bytes of shared memory an H200 SM gives its threadgroups (228 KiB)
 
 _HEADER = r"""
+#ifndef LC_STAMP
+#define LC_STAMP(i)
+#define LC_GSTAMP(i)
+#endif
 #if defined(LC_METAL)
 #error "decode_attend_mma is CUDA only"
 #endif
@@ -198,6 +202,8 @@ _PRE = r"""
                              : 8 * ((m) + 16 * ((j) % (P / 128))) + (j) / (P / 128))
   static_assert(NWP * 8 * P <= TAB + NWP * NST * STG, "the merge buffer fits the table + stages");
   LC_DYN_SHARED(lc_smem);
+  LC_GSTAMP(0);
+  LC_STAMP(1);
   uint32_t* tab = lc_smem;
   uint32_t* stg = lc_smem + TAB;                   // [warp][NST][STG]
   uint32_t* ptb = stg + NWP * NST * STG;           // [warp][PTW words]: P' fp16
@@ -297,6 +303,7 @@ _PRE = r"""
     LC_CP_COMMIT();
   }
 
+  LC_STAMP(2);
   // 1. q, staged in the pair table's space: signs, the Walsh-Hadamard butterfly over each row,
   // scale; then the score MMA's B fragments (row g, dims 16 s + 2 t, +1, +8, +9), kept in
   // registers.
@@ -307,6 +314,7 @@ _PRE = r"""
     qst[i] = LC_TOF(q[qo + r * q_strides[2] + d * q_strides[3]]) * q_signs[d];
   }
   LC_BARRIER();
+  LC_STAMP(3);
   LC_WHT_ROWS(qst, R, P, NT, tid)
   uint32_t qf[KS][2];
   LC_UNROLL for (int s = 0; s < KS; ++s) {
@@ -315,6 +323,7 @@ _PRE = r"""
     qf[s][1] = g < R ? lc_pack_h2(qst[d + 8] * qs_all, qst[d + 9] * qs_all) : 0u;
   }
   LC_BARRIER();  // the table overwrites qst
+  LC_STAMP(4);
 
   // 2. The pair table: entry x = (T[x & 15], T[x >> 4]) as fp16, copy l at word 32 x + l,
   // written 4 copies per 16-byte store: quad e (words 4 e .. 4 e + 3) holds entry e / 8, and
@@ -330,6 +339,7 @@ _PRE = r"""
     }
   }
   LC_BARRIER();  // the table is written
+  LC_STAMP(5);
 
   float m0 = -LC_INF, m1 = -LC_INF, l0 = 0.0f, l1 = 0.0f;  // rows 2t, 2t+1
   float acc[KS][4];  // O^T [dims VDIM(j, g), VDIM(j, g + 8)] x [rows 2t, 2t + 1]
@@ -487,6 +497,7 @@ _POST = r"""  LC_CP_WAIT0();
     l1 += lc_shfl_xor(l1, o);
   }
   LC_BARRIER();  // every warp is done with the table and its stages
+  LC_STAMP(6);
   if (g == 0) {
     mlb[warp * 8 + 2 * t] = m0;
     mlb[warp * 8 + 2 * t + 1] = m1;
@@ -551,6 +562,7 @@ _WRITE = r"""
 # a lane's dims lane + 32 i); thread t then folds the round into the accumulators of its dims
 # t + NT j.
 _EXACT_SPLIT = r"""
+  LC_STAMP(11);
   constexpr int DL = P / 32;
   constexpr int XK = 32;
   constexpr int PD = (P + NT - 1) / NT;  // dims per thread in the fold: tid + NT j
@@ -834,6 +846,7 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale, si
 # The finish's arrays live in the dynamic shared memory, after the partials are written; its
 # body wants one thread per dim: P = NT (128 at 4 warps).
 _TAIL = r"""
+  LC_STAMP(7);
   LC_SHARED int lc_last[1];
   LC_FENCE();
   LC_BARRIER();
@@ -849,7 +862,12 @@ _TAIL = r"""
     }
   }
   LC_BARRIER();
-  if (lc_last[0] == 0) return;
+  LC_STAMP(8);
+  if (lc_last[0] == 0) {
+    LC_STAMP(9);
+    LC_GSTAMP(10);
+    return;
+  }
   LC_FENCE();
   {
     static_assert(P == NT, "the finish's body runs one thread per dim");
@@ -881,9 +899,34 @@ def _step_source(exact_in_splits: bool) -> str:
     end, or with the exact tokens' step as well (FIN_EXACT)."""
     if exact_in_splits:
         return (_PARTS + _source(_EXACT_SPLIT) + _TAIL + "    constexpr bool FIN_EXACT = false;\n"
-                + df.MERGE + df.NO_EXACT + df.END + "  }\n")
+                + df.MERGE + df.NO_EXACT + df.END + "  }\n" + _END_STAMPS)
     return (_PARTS + _source(_WRITE) + _TAIL + "    constexpr bool FIN_EXACT = true;\n" + df.BODY
-            + "  }\n")
+            + "  }\n" + _END_STAMPS)
+
+
+_END_STAMPS = "  LC_STAMP(9);\n  LC_GSTAMP(10);\n"
+
+# A benchmark's timing variant of the whole step (`STAMPS`, benchmarks/step_stamps.py): thread 0
+# of every threadgroup writes 16 words to an extra output, `stamps`: 0 the global timer (ns, low
+# 32 bits) at entry; SM clocks (low 32 bits): 1 at entry, 2 after the first blocks' copies are
+# issued, 3 after q is staged, 4 after its rotation and fragments, 5 after the pair table, 6 after
+# the main loop (every warp), 11 at the exact tokens' start, 7 after the split's state is
+# written, 8 after its arrival at the head's count, 9 at the end (the last threadgroup: after
+# the finish); 10 the global timer at the end. The library's launches have no stamps (empty
+# macros).
+_STAMP_HEADER = r"""
+#define LC_STAMP(i) do { if (lc_tid == 0u) stamps[lc_tg * 16u + (i)] = (uint32_t)clock64(); } while (0)
+#define LC_GSTAMP(i) do { if (lc_tid == 0u) { uint64_t lc_t_; \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(lc_t_)); \
+    stamps[lc_tg * 16u + (i)] = (uint32_t)lc_t_; } } while (0)
+"""
+STAMPS = False  # benchmarks/step_stamps.py: the timing variant (its stamps in `stamped()`)
+_STAMPED: list = []  # the last timed launch's stamps (a list: no module assignment per call)
+
+
+def stamped():
+    """The last timing-variant launch's stamps, (threadgroups, 16) uint32, or None."""
+    return _STAMPED[-1] if _STAMPED else None
 
 
 # The whole step's split states live in one scratch output, `parts`: m (N S R), l (N S R), then
@@ -936,12 +979,14 @@ def keep_counter(n: int, c: mx.array) -> None:
 
 
 def _step_spec(p: int) -> KernelSpec:
-    key = ("step", p, WARPS, STAGES, RESIDENT, EXACT_IN_SPLITS)
+    key = ("step", p, WARPS, STAGES, RESIDENT, EXACT_IN_SPLITS, STAMPS)
     if key not in _SPECS:
         base = _spec(p)
-        _SPECS[key] = dataclasses.replace(_STEP_SPEC, shared_memory=base.shared_memory,
-                                          header=base.header,
-                                          source=_step_source(EXACT_IN_SPLITS))
+        _SPECS[key] = dataclasses.replace(
+            _STEP_SPEC, shared_memory=base.shared_memory,
+            header=(_STAMP_HEADER if STAMPS else "") + base.header,
+            source=_step_source(EXACT_IN_SPLITS),
+            outputs=_STEP_SPEC.outputs + (("stamps",) if STAMPS else ()))
     return _SPECS[key]
 
 
@@ -967,13 +1012,15 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
                                           key_bits=4, value_bits=4, scale=scale)
         out = df.decode_finish_reference(*parts, queries, sink, window, v_signs, mean, scale,
                                          out_dtype, valid_array)
-        return [mx.concatenate([p.reshape(-1) for p in parts]), out, count_in]
+        stamps = [mx.zeros((n, 16), dtype=mx.uint32)] if STAMPS else []
+        return [mx.concatenate([p.reshape(-1) for p in parts]), out, count_in, *stamps]
 
+    chunk, n_split = splits(L, B * H, P)
+    n = B * H * n_split
     if backend() == "cpu" or L == 0:
-        return tuple(reference()[1:])
+        return tuple(reference()[1:3])
     if not fuses_finish(P, R) or not applies_shape(queries, keys, values, table):
         raise ValueError(f"decode_step_mma does not take q {queries.shape} at {WARPS} warps")
-    chunk, n_split = splits(L, B * H, P)
     params = constant((L, chunk, n_split), mx.int32)
     scales = constant((scale * LOG2E, 1.0 / math.sqrt(P)), mx.float32)
     u32, f16, f32 = mx.uint32, mx.float16, mx.float32
@@ -987,11 +1034,12 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
                 *exact_template,
                 ("OT", out_dtype), ("XS", int(EXACT_IN_SPLITS)),  # (the two sources: one name, other templates)
                 ("SW", int(df.SCORE_BY_WARP))]  # (the tail's exact tokens, XS = 0)
-    n = B * H * n_split
-    outs = run(_step_spec(P), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1),
-                                     [(n * R * (P + 2),), (B, H, R, P), count_in.shape],
-                                     [f32, out_dtype, mx.int32]),
-               reference=reference)
+    shapes = [(n * R * (P + 2),), (B, H, R, P), count_in.shape] + ([(n, 16)] if STAMPS else [])
+    dtypes = [f32, out_dtype, mx.int32] + ([mx.uint32] if STAMPS else [])
+    outs = run(_step_spec(P), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1), shapes,
+                                     dtypes), reference=reference)
+    if STAMPS:
+        _STAMPED[:] = [outs[3]]
     return outs[1], outs[2]
 
 

@@ -593,6 +593,48 @@ def test_gpu_decode_step_mma_whole(shape, qdt, monkeypatch):
         assert np.array_equal(np.array(o.astype(mx.float32)), np.array(outs[0].astype(mx.float32)))
 
 
+def test_decode_step_timing_variant_is_benchmark_only(monkeypatch):
+    """The step's timing variant (benchmarks/step_stamps.py) is its own launch spec with one
+    more output, `stamps`, and the stamp macros defined; the library's spec defines none (its
+    LC_STAMP calls expand to nothing)."""
+    plain = dm._step_spec(128)
+    assert "stamps" not in plain.outputs and "clock64" not in plain.header
+    assert "LC_STAMP(9)" in plain.source and "#define LC_STAMP(i)\n" in plain.header
+    monkeypatch.setattr(dm, "STAMPS", True)
+    timed = dm._step_spec(128)
+    assert timed.outputs == plain.outputs + ("stamps",) and timed.source == plain.source
+    assert timed.header.index("clock64") < timed.header.index("#ifndef LC_STAMP")
+
+
+@gpu
+@pytest.mark.skipif(_prelude.backend() != "cuda", reason="the tensor-core kernel is CUDA only")
+def test_gpu_decode_step_timing_variant(monkeypatch):
+    """On the device, the timing variant gives the plain step's output bit for bit, and every
+    threadgroup's clock stamps come in its phases' order (entry, copies issued, q staged and
+    rotated, table, loop, exact tokens, state written, arrival, end)."""
+    from longctx.kernels import decode_finish as dfin
+    from longctx.quant.rotation import rademacher_signs
+
+    H, r, P, L = 8, 4, 128, 32768
+    q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=5)
+    q = q.astype(mx.float16)
+    k_signs, v_signs = mx.array(rademacher_signs(P, 9)), mx.array(rademacher_signs(P, 10))
+    mean = mx.zeros((1, H, 1, P))
+    args = (q, keys, values, kt, k_signs, None, None, v_signs, mean, P ** -0.5, mx.float16,
+            dfin.count(0))
+    plain, _ = dm.decode_step_mma(*args, dm.counter(H))
+    monkeypatch.setattr(dm, "STAMPS", True)
+    timed, counts = dm.decode_step_mma(*args, dm.counter(H))
+    stamps = dm.stamped()
+    mx.eval(plain, timed, counts, stamps)
+    assert np.array_equal(np.array(plain), np.array(timed))
+    st = np.array(stamps).astype(np.int64)
+    assert st.shape == (H * dm.splits(L, H, P)[1], 16)
+    since = (st - st[:, 1:2]) % (1 << 32)
+    order = since[:, [1, 2, 3, 4, 5, 6, 11, 7, 8, 9]]
+    assert (np.diff(order, axis=1) >= 0).all() and (since[:, 9] > 0).all()
+
+
 @gpu
 @pytest.mark.parametrize("name", ["tq4", "tq3"])
 def test_gpu_decode_steps_through_a_fork(name):

@@ -1,0 +1,154 @@
+"""Where a whole decode step's kernel time goes, phase by phase (CUDA; clock stamps in the kernel).
+
+`decode_attend_mma.decode_step_mma` launched in its timing variant (`STAMPS`): thread 0 of every
+threadgroup stamps the SM clock at its phases' ends and the global timer at entry and exit. Per
+length (Llama-3.1-8B shapes, tq4, one query token), for a bare compressed segment and for the
+cache as `ask` holds it while answering (`attend.answer_view`: sealed, restored, forked, a
+4-token sink and a 256-token window), over `--calls` calls in each `--modes` mode (pipe: queued
+back to back; sync: each evaluated; flush: each after a 1 GiB read, cold L2):
+
+- span: first entry to last exit (the kernel's duration, launch latency excluded);
+- ramp: last entry minus first entry (threadgroups starting late: the wave's ramp);
+- per threadgroup, median and max: issue (the first blocks' copies and norms requested), q_load
+  (q staged), rotate (its Walsh-Hadamard rotation and the score MMA's fragments), table (the pair
+  table written), loop (every warp's blocks), merge (the warps' states through shared memory), exact
+  (the split's share of the exact tokens, its state written), arrive (fence, count), and the
+  last threadgroups' finish (split merge, rotation back, mean, output);
+- tail: the last exit minus the last non-finishing threadgroup's exit (what the finish adds
+  after every split is done).
+
+Clocks become microseconds at each threadgroup's own rate (clocks over global-timer ns between
+its entry and exit). The stamps cost a few instructions per threadgroup (thread 0, 8 stores).
+
+Usage: python benchmarks/step_stamps.py [--lengths 4096 32768 131072] [--name step_stamps_h200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import attend  # noqa: E402  (imports longctx first: OpenBLAS before mlx)
+from _common import write  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from longctx.kernels import _prelude  # noqa: E402
+from longctx.kernels import decode_attend_mma as dm  # noqa: E402
+from longctx.kernels import decode_finish as df  # noqa: E402
+from longctx.kvcache.attend_fused import kernel_table  # noqa: E402
+
+# (name, clock stamp at its start, at its end): `decode_attend_mma._STAMP_HEADER`'s indices
+STEPS = (("issue", 1, 2), ("q_load", 2, 3), ("rotate", 3, 4), ("table", 4, 5), ("loop", 5, 6),
+         ("merge", 6, 11), ("exact", 11, 7), ("arrive", 7, 8), ("finish", 8, 9))
+PHASES = tuple(name for name, _, _ in STEPS[:-1])
+
+
+def step_args(view):
+    """`decode_step_mma`'s arguments for a cache view, as `attend_step._step` passes them."""
+    kc, vc = view.key_codec, view.value_codec
+    seg_k, seg_v, _ = view.segments[0]
+    B, H, P, rows = attend.B, attend.HKV, attend.D, attend.HQ // attend.HKV
+    q = mx.random.normal((B, H, rows, P), key=mx.random.key(7)).astype(mx.float16)
+    sink = tuple(view.sink) if view.sink else None
+    window = tuple(view.window) if view.window else None
+    args = (q, seg_k, seg_v, kernel_table(kc), kc.rotation.signs, sink, window, vc.rotation.signs,
+            view.value_mean, P ** -0.5, mx.float16, df.count(window[0].shape[2] if window else 0))
+    mx.eval(q)
+    return args, B * H
+
+
+def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
+    """`mode`: "sync" (each call evaluated before the next), "pipe" (calls queued back to back,
+    one evaluation at the end) or "flush" (queued, each after a read of `flush`, an array larger
+    than the L2: the cold caches a layer's step meets while answering, between the model's
+    matrix products). The stamps are read after the last call (reading them between calls would
+    move their buffers to unified memory, which MLX's cache then hands back as a later output)."""
+    args, n_heads = step_args(view)
+    counts = dm.counter(n_heads)
+    for _ in range(3):
+        out, counts = dm.decode_step_mma(*args, counts)
+        mx.eval(out, counts)
+    stamps, keep = [], []
+    for i in range(calls):
+        if flush is not None:
+            keep.append(flush.sum())
+        out, counts = dm.decode_step_mma(*args, counts)
+        stamps.append(dm.stamped())
+        keep.append(out)
+        if mode == "sync":
+            mx.eval(out, counts, stamps[-1])
+    mx.eval(keep, counts, stamps)
+    runs = [np.array(st).astype(np.int64) for st in stamps]
+    length = view.segments[0][0]["norm"].shape[2]
+    chunk, n_split = dm.splits(length, n_heads, attend.D)
+    res = {"S": s, "view": kind, "mode": mode, "segment": length, "threadgroups": int(runs[0].shape[0]),
+           "splits": n_split, "chunk": chunk}
+    per = {k: [] for k in (*PHASES, "finish", "span", "ramp", "tail", "ghz")}
+    for st in runs:
+        g0, g1 = st[:, 0], st[:, 10]
+        t0 = g0.min()
+        g0r = (g0 - t0) % (1 << 32)
+        g1r = (g1 - t0) % (1 << 32)
+        since = (st - st[:, 1:2]) % (1 << 32)  # clocks since entry
+        rate = float(np.median(since[:, 9] / np.maximum(g1r - g0r, 1)))  # GHz
+        per["ghz"].append(rate)
+        d = {name: (since[:, b] - since[:, a]) / rate / 1e3 for name, a, b in STEPS}  # us
+        last = d["finish"] > 0.05  # the threadgroups that ran a finish
+        for name in PHASES:
+            per[name].append((float(np.median(d[name])), float(d[name].max())))
+        per["finish"].append((float(np.median(d["finish"][last])) if last.any() else 0.0,
+                              float(d["finish"].max())))
+        per["span"].append(float(g1r.max()) / 1e3)
+        per["ramp"].append(float(g0r.max()) / 1e3)
+        rest = g1r[~last] if (~last).any() else g1r
+        per["tail"].append(float(g1r.max() - rest.max()) / 1e3)
+    for name in (*PHASES, "finish"):
+        res[name + "_us"] = {"median": round(statistics.median(x[0] for x in per[name]), 2),
+                             "max": round(statistics.median(x[1] for x in per[name]), 2)}
+    for name in ("span", "ramp", "tail"):
+        res[name + "_us"] = round(statistics.median(per[name]), 2)
+    res["sm_ghz"] = round(statistics.median(per["ghz"]), 3)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--modes", nargs="+", default=["pipe", "sync", "flush"])
+    ap.add_argument("--name", default="step_stamps_h200")
+    args = ap.parse_args()
+    if _prelude.backend() != "cuda":
+        sys.exit("step_stamps: the whole-step kernel's stamps need the CUDA backend")
+    dm.STAMPS = True
+    rows = []
+    # 1 GiB of bf16, read between the flush mode's calls (the H200's L2 is 50 MB)
+    flush = mx.zeros((1 << 29,), dtype=mx.bfloat16) if "flush" in args.modes else None
+    if flush is not None:
+        mx.eval(flush)
+    for s in args.lengths:
+        env = attend.setup(s, presets=("tq4",), affine=False)
+        views = {"bare": env["tq4"], "answer": attend.answer_view(env["k"], env["v"])}
+        for kind, view in views.items():
+            for mode in args.modes:
+                r = measure(s, view, kind, args.calls, mode, flush if mode == "flush" else None)
+                rows.append(r)
+                print(f"S={s:>6} {kind:<6} {mode:<5} span {r['span_us']:6.1f} us  ramp "
+                      f"{r['ramp_us']:4.1f}  tail {r['tail_us']:4.1f} | median/max: "
+                      + " ".join(f"{k} {r[k + '_us']['median']:.1f}/{r[k + '_us']['max']:.1f}"
+                                 for k in (*PHASES, "finish"))
+                      + f" | {r['threadgroups']} tgs, {r['sm_ghz']} GHz", flush=True)
+        del env, views
+    path = write(args.name, {"shapes": {"kv_heads": attend.HKV, "rows": attend.HQ // attend.HKV,
+                                        "head_dim": attend.D},
+                             "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
