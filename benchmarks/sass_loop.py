@@ -11,6 +11,7 @@ This counts instructions; it does not time them (`attend.py`, `step_timeline.py`
 GPU do). Needs nvcc and cuobjdump (pip: nvidia-cuda-cuobjdump, no GPU needed); `--cuobjdump`
 names the binary when it is not on PATH. Usage:
     python benchmarks/sass_loop.py [--kernel lc_decode_step_mma] [--dump out.sass]
+                                   [--set DYNAMIC=1 GRANT_BLOCKS=4]
 """
 
 from __future__ import annotations
@@ -113,7 +114,16 @@ def main() -> None:
     ap.add_argument("--kernel", default=None, help="only this kernel (default: every launch)")
     ap.add_argument("--cuobjdump", default=None)
     ap.add_argument("--dump", default=None, help="write the (last) kernel's SASS here")
+    ap.add_argument("--set", nargs="+", default=[], metavar="NAME=INT",
+                    help="decode_attend_mma tunables for the capture, e.g. DYNAMIC=1 STAMPS=1")
     args = ap.parse_args()
+    from longctx.kernels import decode_attend_mma as dm
+
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if not hasattr(dm, name):
+            sys.exit(f"decode_attend_mma has no tunable {name}")
+        setattr(dm, name, type(getattr(dm, name))(int(value)))
     if shutil.which("nvcc") is None:
         sys.exit("nvcc not on PATH")
     tool = _cuobjdump(args.cuobjdump)

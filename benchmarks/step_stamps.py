@@ -17,15 +17,26 @@ back to back; sync: each evaluated; flush: each after a 1 GiB read, cold L2):
 - tail: the last exit minus the last non-finishing threadgroup's exit (what the finish adds
   after every split is done).
 
-Clocks become microseconds at each threadgroup's own rate (clocks over global-timer ns between
-its entry and exit). The stamps cost a few instructions per threadgroup (thread 0, 8 stores).
+- where the slow main loops are: each warp's own loop end (the spread between a threadgroup's
+  first and last warp), the SM each threadgroup ran on (%smid) and how many of the launch's
+  threadgroups shared it, the loop's median and max per such count, and for one pipelined call
+  of each row every threadgroup's loop time, SM and warp slot (`per_threadgroup`).
 
-Usage: python benchmarks/step_stamps.py [--lengths 4096 32768 131072] [--name step_stamps_h200]
+`--variants static dynamic` times the default kernel and the one whose keys are handed out while
+it runs (`decode_attend_mma.DYNAMIC`) side by side, per length and view.
+
+Clocks become microseconds at each threadgroup's own rate (clocks over global-timer ns between
+its entry and exit). The stamps cost a few instructions per threadgroup (thread 0, ~12 stores;
+lane 0 of each warp, one).
+
+Usage: python benchmarks/step_stamps.py [--lengths 4096 32768 131072] [--modes pipe sync flush]
+       [--variants static dynamic] [--name step_stamps_h200]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -86,9 +97,11 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
     runs = [np.array(st).astype(np.int64) for st in stamps]
     length = view.segments[0][0]["norm"].shape[2]
     chunk, n_split = dm.splits(length, n_heads, attend.D)
-    res = {"S": s, "view": kind, "mode": mode, "segment": length, "threadgroups": int(runs[0].shape[0]),
-           "splits": n_split, "chunk": chunk}
-    per = {k: [] for k in (*PHASES, "finish", "span", "ramp", "tail", "ghz")}
+    res = {"S": s, "view": kind, "mode": mode, "variant": "dynamic" if dm.DYNAMIC else "static",
+           "segment": length, "threadgroups": int(runs[0].shape[0]), "splits": n_split,
+           "chunk": chunk}
+    per = {k: [] for k in (*PHASES, "finish", "span", "ramp", "tail", "ghz", "warp_spread")}
+    by_load: dict = {}  # threadgroups on the SM -> loop us of each threadgroup, every call
     for st in runs:
         g0, g1 = st[:, 0], st[:, 10]
         t0 = g0.min()
@@ -103,11 +116,32 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
             per[name].append((float(np.median(d[name])), float(d[name].max())))
         per["finish"].append((float(np.median(d["finish"][last])) if last.any() else 0.0,
                               float(d["finish"].max())))
+        warps = min(4, dm.WARPS)
+        ends = since[:, 12:12 + warps] / rate / 1e3  # each warp's loop end, us since entry
+        per["warp_spread"].append((float(np.median(ends.max(1) - ends.min(1))),
+                                   float((ends.max(1) - ends.min(1)).max())))
+        sm = st[:, 16]
+        load = np.bincount(sm)[sm]  # threadgroups of this launch on each one's SM
+        for n_tg, loop in zip(load, d["loop"]):
+            by_load.setdefault(int(n_tg), []).append(float(loop))
         per["span"].append(float(g1r.max()) / 1e3)
         per["ramp"].append(float(g0r.max()) / 1e3)
         rest = g1r[~last] if (~last).any() else g1r
         per["tail"].append(float(g1r.max() - rest.max()) / 1e3)
-    for name in (*PHASES, "finish"):
+    res["sms_used"] = int(len(np.unique(runs[-1][:, 16])))
+    res["loop_by_sm_load"] = {str(k): {"threadgroups": len(v) // len(runs),
+                                       "median_us": round(statistics.median(v), 2),
+                                       "max_us": round(max(v), 2)}
+                              for k, v in sorted(by_load.items())}
+    if mode == "pipe":  # one call's threadgroups, in launch order
+        st = runs[len(runs) // 2]
+        since = (st - st[:, 1:2]) % (1 << 32)
+        rate = float(np.median(since[:, 9] / np.maximum((st[:, 10] - st[:, 0]) % (1 << 32), 1)))
+        res["per_threadgroup"] = {
+            "loop_us": [round(float(x), 2) for x in (since[:, 6] - since[:, 5]) / rate / 1e3],
+            "start_ns": [int(x) for x in (st[:, 0] - st[:, 0].min()) % (1 << 32)],
+            "sm": [int(x) for x in st[:, 16]], "warp_slot": [int(x) for x in st[:, 17]]}
+    for name in (*PHASES, "finish", "warp_spread"):
         res[name + "_us"] = {"median": round(statistics.median(x[0] for x in per[name]), 2),
                              "max": round(statistics.median(x[1] for x in per[name]), 2)}
     for name in ("span", "ramp", "tail"):
@@ -120,7 +154,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768, 131072])
     ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--modes", nargs="+", default=["pipe", "sync", "flush"])
+    ap.add_argument("--modes", nargs="+", default=["pipe"], choices=["pipe", "sync", "flush"])
+    ap.add_argument("--variants", nargs="+", default=["static", "dynamic"],
+                    choices=["static", "dynamic"])
     ap.add_argument("--name", default="step_stamps_h200")
     args = ap.parse_args()
     if _prelude.backend() != "cuda":
@@ -134,15 +170,21 @@ def main() -> None:
     for s in args.lengths:
         env = attend.setup(s, presets=("tq4",), affine=False)
         views = {"bare": env["tq4"], "answer": attend.answer_view(env["k"], env["v"])}
-        for kind, view in views.items():
-            for mode in args.modes:
-                r = measure(s, view, kind, args.calls, mode, flush if mode == "flush" else None)
-                rows.append(r)
-                print(f"S={s:>6} {kind:<6} {mode:<5} span {r['span_us']:6.1f} us  ramp "
-                      f"{r['ramp_us']:4.1f}  tail {r['tail_us']:4.1f} | median/max: "
-                      + " ".join(f"{k} {r[k + '_us']['median']:.1f}/{r[k + '_us']['max']:.1f}"
-                                 for k in (*PHASES, "finish"))
-                      + f" | {r['threadgroups']} tgs, {r['sm_ghz']} GHz", flush=True)
+        for (kind, view), mode, variant in itertools.product(views.items(), args.modes,
+                                                             args.variants):
+            dm.DYNAMIC = variant == "dynamic"
+            r = measure(s, view, kind, args.calls, mode, flush if mode == "flush" else None)
+            rows.append(r)
+            loads = " ".join(f"{k}/SM {v['median_us']:.1f}/{v['max_us']:.1f} ({v['threadgroups']})"
+                             for k, v in r["loop_by_sm_load"].items())
+            print(f"S={s:>6} {kind:<6} {mode:<5} {variant:<7} span {r['span_us']:6.1f} us  ramp "
+                  f"{r['ramp_us']:4.1f}  tail {r['tail_us']:4.1f} | median/max: "
+                  + " ".join(f"{k} {r[k + '_us']['median']:.1f}/{r[k + '_us']['max']:.1f}"
+                             for k in (*PHASES, "finish"))
+                  + f" | warp spread {r['warp_spread_us']['median']:.1f}/"
+                  f"{r['warp_spread_us']['max']:.1f} | loop by TGs per SM {loads} | "
+                  f"{r['sms_used']} SMs, {r['threadgroups']} tgs, {r['sm_ghz']} GHz", flush=True)
+        dm.DYNAMIC = False
         del env, views
     path = write(args.name, {"shapes": {"kv_heads": attend.HKV, "rows": attend.HQ // attend.HKV,
                                         "head_dim": attend.D},

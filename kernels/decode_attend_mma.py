@@ -111,11 +111,20 @@ BANKS = True
 # 0.086 ms against 0.075)
 WAVES = 1
 SMEM_PER_SM = 233472  # bytes of shared memory an H200 SM gives its threadgroups (228 KiB)
+# the whole step's keys handed out while it runs (`_dynamic`): each warp starts on a grant of
+# GRANT_BLOCKS 16-key blocks of its own, then takes the head's next grant from a count in the
+# counter array, so warps on busier SMs walk fewer blocks. False: each split walks a fixed chunk
+# (at 128k on the H200 the slowest threadgroup's main loop took 52 us against a median of 39:
+# benchmarks/results/step_stamps_h200.json)
+DYNAMIC = False
+GRANT_BLOCKS = 4
 
 _HEADER = r"""
 #ifndef LC_STAMP
 #define LC_STAMP(i)
 #define LC_GSTAMP(i)
+#define LC_WSTAMP(i)
+#define LC_SMSTAMP(i)
 #endif
 #if defined(LC_METAL)
 #error "decode_attend_mma is CUDA only"
@@ -204,6 +213,7 @@ _PRE = r"""
   LC_DYN_SHARED(lc_smem);
   LC_GSTAMP(0);
   LC_STAMP(1);
+  LC_SMSTAMP(16);
   uint32_t* tab = lc_smem;
   uint32_t* stg = lc_smem + TAB;                   // [warp][NST][STG]
   uint32_t* ptb = stg + NWP * NST * STG;           // [warp][PTW words]: P' fp16
@@ -496,6 +506,7 @@ _POST = r"""  LC_CP_WAIT0();
     l0 += lc_shfl_xor(l0, o);
     l1 += lc_shfl_xor(l1, o);
   }
+  LC_WSTAMP(12 + warp);
   LC_BARRIER();  // every warp is done with the table and its stages
   LC_STAMP(6);
   if (g == 0) {
@@ -906,26 +917,136 @@ def _step_source(exact_in_splits: bool) -> str:
 
 _END_STAMPS = "  LC_STAMP(9);\n  LC_GSTAMP(10);\n"
 
-# A benchmark's timing variant of the whole step (`STAMPS`, benchmarks/step_stamps.py): thread 0
-# of every threadgroup writes 16 words to an extra output, `stamps`: 0 the global timer (ns, low
-# 32 bits) at entry; SM clocks (low 32 bits): 1 at entry, 2 after the first blocks' copies are
-# issued, 3 after q is staged, 4 after its rotation and fragments, 5 after the pair table, 6 after
-# the main loop (every warp), 11 at the exact tokens' start, 7 after the split's state is
-# written, 8 after its arrival at the head's count, 9 at the end (the last threadgroup: after
-# the finish); 10 the global timer at the end. The library's launches have no stamps (empty
-# macros).
+# `DYNAMIC`: the whole step's text with its keys handed out while it runs. Warp w of split s
+# first walks grant s * NWP + w (GB blocks of 16 keys from key 0 of the head), then the grants
+# after the S * NWP static ones, in the order the head's warps ask for them: lane 0 adds one to
+# the head's grant count (word n4 + 32 bh of the counter array, a 128-byte line per head; n4 =
+# its size / 33) a grant ahead of need, so the atomic's latency passes while the warp walks its
+# current grant, and broadcasts it when the warp's lookahead reaches the grant's end. The main
+# loop keeps NA block starts ahead (the stages' lookahead and the norms'); the split's exact
+# tokens stay its static share. The head's last threadgroup zeroes the head's grant line in
+# `counter_out` (the next launch's counts); the arrival count orders it after every warp of the
+# head has left its loop.
+_DYN_FIRST = (
+    """  int kb = k0 + BLK * warp;
+  LC_HALF nc[4];
+  if (kb < k1) norms(kb, nc);
+  LC_UNROLL for (int b = 0; b < NST - 1; ++b) {  // the first NST - 1 blocks' rows
+    if (kb + b * STEP < k1) stage(kb + b * STEP, b, vec);
+    LC_CP_COMMIT();
+  }
+""", """  constexpr int GR = BLK * GB;           // keys per grant
+  constexpr int NA = NST > 1 ? NST : 2;  // block starts known ahead: [0] now, [1] the norms',
+                                         // [NST - 1] the stage's
+  const int lc_n4 = counter_shape[0] / 33;
+  const int32_t* gctr = counter + lc_n4 + 32 * bh;
+  int tick = lane == 0 ? lc_atomic_add(gctr, 1) : 0;  // the warp's next grant, in flight
+  int gend = (split * NWP + warp + 1) * GR;
+  // the block after the one starting at key b in this warp's sequence (warp-uniform)
+  auto next_block = [&](int b) {
+    int nb = b + BLK;
+    if (nb >= gend) {
+      nb = (S * NWP + (int)lc_shfl_xor((float)tick, lane)) * GR;  // lane 0's ticket
+      gend = nb + GR;
+      if (nb < L) tick = lane == 0 ? lc_atomic_add(gctr, 1) : 0;
+    }
+    return nb;
+  };
+  int ahead[NA];
+  ahead[0] = (split * NWP + warp) * GR;
+  LC_UNROLL for (int b = 1; b < NA; ++b) ahead[b] = next_block(ahead[b - 1]);
+  int kb = ahead[0];
+  LC_HALF nc[4];
+  if (kb < k1) norms(kb, nc);
+  LC_UNROLL for (int b = 0; b < NST - 1; ++b) {  // the first NST - 1 blocks' rows
+    if (ahead[b] < k1) stage(ahead[b], b, vec);
+    LC_CP_COMMIT();
+  }
+""")
+_DYN_SUBS = (
+    ("""  const int k0 = split * chunk;
+  const int k1 = (k0 + chunk < L) ? k0 + chunk : L;
+""", """  const int k0 = split * chunk;
+  const int k1 = L;  // (DYNAMIC: any key of the head; k0 unused)
+  (void)k0;
+""", 1),
+    _DYN_FIRST + (1,),
+    ("  for (int it = 0; kb < k1; ++it, kb += STEP) {\n",
+     "  for (int it = 0; kb < k1; ++it) {\n", 2),
+    ("""    if (kb + (NST - 1) * STEP < k1)
+      stage(kb + (NST - 1) * STEP, (it + NST - 1) % NST, """,
+     """    if (ahead[NST - 1] < k1)
+      stage(ahead[NST - 1], (it + NST - 1) % NST, """, 2),
+    ("    if (kb + STEP < k1) norms(kb + STEP, nn);\n",
+     "    if (ahead[1] < k1) norms(ahead[1], nn);\n", 2),
+    ("""    LC_SYNCWARP();  // the stage and P' are rewritten by the next blocks
+  }
+""", """    LC_SYNCWARP();  // the stage and P' are rewritten by the next blocks
+    LC_UNROLL for (int b = 0; b < NA - 1; ++b) ahead[b] = ahead[b + 1];
+    ahead[NA - 1] = next_block(ahead[NA - 2]);
+    kb = ahead[0];
+  }
+""", 2),
+    ("""        for (int i = q_shape[0] * H; i < counter_shape[0]; ++i) counter_out[i] = 0;""",
+     """        for (int i = q_shape[0] * H; i < counter_shape[0] / 33; ++i) counter_out[i] = 0;""",
+     1),
+    ("""  LC_STAMP(8);
+  if (lc_last[0] == 0) {""", """  LC_STAMP(8);
+  if (lc_last[0] != 0 && tid < 32) {  // the head's grant line, zeroed for the next launch
+    const int n4 = counter_shape[0] / 33;  // (and head 0's: the padding heads' lines)
+    counter_out[n4 + 32 * bh + tid] = 0;
+    if (bh == 0) {
+      for (int j = q_shape[0] * H; j < n4; ++j) counter_out[n4 + 32 * j + tid] = 0;
+    }
+    if (tid == 0) lc_atomic_zero(counter + n4 + 32 * bh);
+  }
+  if (lc_last[0] == 0) {""", 1),
+)
+
+
+def _dynamic(src: str) -> str:
+    """`src` (the whole step's text) with its keys handed out while it runs (`DYNAMIC`)."""
+    for old, new, times in _DYN_SUBS:
+        if src.count(old) != times:
+            raise AssertionError(f"the dynamic variant's anchor is not in the step's text {times}"
+                                 f" time(s): {old.splitlines()[0]!r}")
+        src = src.replace(old, new)
+    return src
+
+
+def counter_words(n: int) -> int:
+    """The counter array's size for a whole-step launch over n KV heads: a count per head (at
+    least 4 words: `constant`), and with `DYNAMIC` a 32-word grant line per count after them."""
+    return max(n, 4) * (33 if DYNAMIC else 1)
+
+# A benchmark's timing variant of the whole step (`STAMPS`, benchmarks/step_stamps.py): every
+# threadgroup writes 24 words to an extra output, `stamps` (thread 0 unless said): 0 the global
+# timer (ns, low 32 bits) at entry; SM clocks (low 32 bits): 1 at entry, 2 after the first
+# blocks' copies are issued, 3 after q is staged, 4 after its rotation and fragments, 5 after the
+# pair table, 12 + w when warp w (lane 0, w < 4) left the main loop, 6 after the main loop (every
+# warp), 11 at the exact tokens' start, 7 after the split's state is written, 8 after its
+# arrival at the head's count, 9 at the end (the last threadgroup: after the finish); 10 the
+# global timer at the end; 16 the SM it ran on (%smid), 17 thread 0's warp slot (%warpid). The
+# library's launches have no stamps (empty macros).
 _STAMP_HEADER = r"""
-#define LC_STAMP(i) do { if (lc_tid == 0u) stamps[lc_tg * 16u + (i)] = (uint32_t)clock64(); } while (0)
+#define LC_STAMP(i) do { if (lc_tid == 0u) stamps[lc_tg * 24u + (i)] = (uint32_t)clock64(); } while (0)
+#define LC_WSTAMP(i) do { if (lc_lane == 0u && (i) < 16) \
+    stamps[lc_tg * 24u + (i)] = (uint32_t)clock64(); } while (0)
 #define LC_GSTAMP(i) do { if (lc_tid == 0u) { uint64_t lc_t_; \
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(lc_t_)); \
-    stamps[lc_tg * 16u + (i)] = (uint32_t)lc_t_; } } while (0)
+    stamps[lc_tg * 24u + (i)] = (uint32_t)lc_t_; } } while (0)
+#define LC_SMSTAMP(i) do { if (lc_tid == 0u) { uint32_t lc_s_; \
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(lc_s_)); stamps[lc_tg * 24u + (i)] = lc_s_; \
+    asm volatile("mov.u32 %0, %%warpid;" : "=r"(lc_s_)); stamps[lc_tg * 24u + (i) + 1] = lc_s_; \
+  } } while (0)
 """
+STAMP_WORDS = 24
 STAMPS = False  # benchmarks/step_stamps.py: the timing variant (its stamps in `stamped()`)
 _STAMPED: list = []  # the last timed launch's stamps (a list: no module assignment per call)
 
 
 def stamped():
-    """The last timing-variant launch's stamps, (threadgroups, 16) uint32, or None."""
+    """The last timing-variant launch's stamps, (threadgroups, STAMP_WORDS) uint32, or None."""
     return _STAMPED[-1] if _STAMPED else None
 
 
@@ -967,25 +1088,27 @@ def fuses_finish(p: int, rows: int) -> bool:
 def counter(n: int) -> mx.array:
     """The count array for a whole-step launch over n = B * H KV heads: zeros, or the previous
     launch's `counter_out` (see `keep_counter`)."""
-    c = _COUNTERS.get(n)
+    size = counter_words(n)
+    c = _COUNTERS.get((n, size))
     if c is None:
-        c = _COUNTERS[n] = mx.zeros((max(n, 4),), dtype=mx.int32)  # > 8 bytes: `constant`
+        c = _COUNTERS[(n, size)] = mx.zeros((size,), dtype=mx.int32)  # > 8 bytes: `constant`
     return c
 
 
 def keep_counter(n: int, c: mx.array) -> None:
     """Pass a launch's `counter_out` on to the next launch over n heads."""
-    _COUNTERS[n] = c
+    _COUNTERS[(n, c.shape[0])] = c
 
 
 def _step_spec(p: int) -> KernelSpec:
-    key = ("step", p, WARPS, STAGES, RESIDENT, EXACT_IN_SPLITS, STAMPS)
+    key = ("step", p, WARPS, STAGES, RESIDENT, EXACT_IN_SPLITS, STAMPS, DYNAMIC)
     if key not in _SPECS:
         base = _spec(p)
+        source = _step_source(EXACT_IN_SPLITS)
         _SPECS[key] = dataclasses.replace(
             _STEP_SPEC, shared_memory=base.shared_memory,
             header=(_STAMP_HEADER if STAMPS else "") + base.header,
-            source=_step_source(EXACT_IN_SPLITS),
+            source=_dynamic(source) if DYNAMIC else source,
             outputs=_STEP_SPEC.outputs + (("stamps",) if STAMPS else ()))
     return _SPECS[key]
 
@@ -1012,7 +1135,7 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
                                           key_bits=4, value_bits=4, scale=scale)
         out = df.decode_finish_reference(*parts, queries, sink, window, v_signs, mean, scale,
                                          out_dtype, valid_array)
-        stamps = [mx.zeros((n, 16), dtype=mx.uint32)] if STAMPS else []
+        stamps = [mx.zeros((n, STAMP_WORDS), dtype=mx.uint32)] if STAMPS else []
         return [mx.concatenate([p.reshape(-1) for p in parts]), out, count_in, *stamps]
 
     chunk, n_split = splits(L, B * H, P)
@@ -1034,7 +1157,12 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
                 *exact_template,
                 ("OT", out_dtype), ("XS", int(EXACT_IN_SPLITS)),  # (the two sources: one name, other templates)
                 ("SW", int(df.SCORE_BY_WARP))]  # (the tail's exact tokens, XS = 0)
-    shapes = [(n * R * (P + 2),), (B, H, R, P), count_in.shape] + ([(n, 16)] if STAMPS else [])
+    if DYNAMIC:
+        if count_in.shape != (counter_words(B * H),):
+            raise ValueError(f"the dynamic step takes counter({B * H}), not {count_in.shape}")
+        template.append(("GB", GRANT_BLOCKS))
+    shapes = ([(n * R * (P + 2),), (B, H, R, P), count_in.shape]
+              + ([(n, STAMP_WORDS)] if STAMPS else []))
     dtypes = [f32, out_dtype, mx.int32] + ([mx.uint32] if STAMPS else [])
     outs = run(_step_spec(P), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1), shapes,
                                      dtypes), reference=reference)

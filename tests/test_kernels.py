@@ -629,10 +629,62 @@ def test_gpu_decode_step_timing_variant(monkeypatch):
     mx.eval(plain, timed, counts, stamps)
     assert np.array_equal(np.array(plain), np.array(timed))
     st = np.array(stamps).astype(np.int64)
-    assert st.shape == (H * dm.splits(L, H, P)[1], 16)
+    assert st.shape == (H * dm.splits(L, H, P)[1], dm.STAMP_WORDS)
     since = (st - st[:, 1:2]) % (1 << 32)
     order = since[:, [1, 2, 3, 4, 5, 6, 11, 7, 8, 9]]
     assert (np.diff(order, axis=1) >= 0).all() and (since[:, 9] > 0).all()
+    warp_ends = since[:, 12:16]  # each warp's loop end: after the table, by the loop's end
+    assert (warp_ends >= since[:, 5:6]).all() and (warp_ends <= since[:, 6:7]).all()
+    assert (st[:, 16] < 1024).all() and len(np.unique(st[:, 16])) > 1  # SM ids
+
+
+@gpu
+@pytest.mark.skipif(_prelude.backend() != "cuda", reason="the tensor-core kernel is CUDA only")
+@pytest.mark.parametrize("shape", [(8, 4, 128, 131072, 4), (4, 7, 128, 32768, 4),
+                                   (2, 1, 128, 17, 4), (8, 4, 128, 4095, 4)])
+@pytest.mark.parametrize("grant", [4, 1])
+def test_gpu_decode_step_mma_dynamic(shape, grant, monkeypatch):
+    """On the device, the whole step with its keys handed out while it runs (`DYNAMIC`) equals
+    the references within fp16 rounding with a sink and a window; ten launches chained through
+    their count outputs agree within rounding (which warp takes which grant varies), and every
+    count and grant line is back to zero."""
+    from longctx.kernels import decode_finish as dfin
+    from longctx.quant.rotation import rademacher_signs
+
+    H, r, P, L, warps = shape
+    monkeypatch.setattr(dm, "WARPS", warps)
+    monkeypatch.setattr(dm, "DYNAMIC", True)
+    monkeypatch.setattr(dm, "GRANT_BLOCKS", grant)
+    q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=L,
+                                               capacity=L + 300)
+    q = q.astype(mx.bfloat16)
+    rng = np.random.default_rng(L)
+
+    def normal(*s):
+        return mx.array(rng.normal(size=s).astype(np.float32))
+
+    sink = (normal(1, H, 4, P), normal(1, H, 4, P))
+    window = (normal(1, H, 64, P)[:, :, :37], normal(1, H, 64, P)[:, :, :37])
+    k_signs, v_signs = mx.array(rademacher_signs(P, 9)), mx.array(rademacher_signs(P, 10))
+    mean = normal(1, H, 1, P)
+    count = dfin.count(37)
+    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5, q.dtype, count)
+    counts = dm.counter(H)
+    assert counts.shape == (33 * max(4, H),)
+    outs = []
+    for _ in range(10):
+        out, counts = dm.decode_step_mma(*args, counts)
+        outs.append(out)
+    mx.eval(outs, counts)
+    assert not _prelude.failed(dm.STEP_NAME)
+    assert not np.array(counts).any() and not np.array(dm.counter(H)).any()
+    with _prelude.force_backend("cpu"):
+        parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
+                                          value_bits=4, scale=P ** -0.5)
+        want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
+                                            mx.float32, count)
+    for o in outs:
+        assert _rel(o, want) < 1e-2
 
 
 @gpu

@@ -543,6 +543,62 @@ def test_decode_step_mma_whole(monkeypatch, case, in_splits):
     assert np.array_equal(np.array(again), a)
 
 
+DYNAMIC_CASES = [  # a WHOLE_CASES row, then GRANT_BLOCKS, STAGES
+    (WHOLE_CASES[0], 4, 2),  # several splits a head; the first threadgroup run takes most grants
+    (WHOLE_CASES[0], 2, 3),  # grants of two blocks, three stages: the lookahead crosses grants
+    ((1, 1, 5, 256, 1500, 0, 40, "float32", 1, 8), 4, 2),  # P = 256 at 8 warps
+    (WHOLE_CASES[4], 1, 2),  # an answer's long window (exact keys stay each split's share)
+    ((2, 3, 4, 128, 4000, 2, 9, "float16", 4, 4), 3, 2),  # 6 heads' grant lines
+]
+
+
+@pytest.mark.parametrize("case,grant,stages", DYNAMIC_CASES,
+                         ids=lambda c: f"P{c[3]}-L{c[4]}" if isinstance(c, tuple) else str(c))
+def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages):
+    """The whole step with its keys handed out while it runs (`DYNAMIC`) equals the reference
+    within fp16 rounding, whichever threadgroup takes which grants (the emulator runs them one
+    after another in a shuffled order, so the first takes every grant left after the static
+    ones: most splits' states hold no compressed key); its counter output (counts and grant
+    lines) is zeros, and the next launch, taking it, gives the same output within rounding (its
+    warps, threads here, race for the grants)."""
+    from longctx.kernels import decode_finish as dfin
+
+    B, H, R, P, L, n_sink, n_win, qdt, sm, warps = case
+    if sm:
+        monkeypatch.setattr(da, "SM_COUNT", sm)
+    monkeypatch.setattr(dm, "WARPS", warps)
+    monkeypatch.setattr(dm, "STAGES", stages)
+    monkeypatch.setattr(dm, "DYNAMIC", True)
+    monkeypatch.setattr(dm, "GRANT_BLOCKS", grant)
+    q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + R)
+    q = q.astype(getattr(mx, qdt))
+    sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win,
+                                                                     seed=L)
+    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5, mx.float32,
+            count)
+    parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
+                                      value_bits=4, scale=P ** -0.5)
+    want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
+                                        mx.float32, count)
+    c0 = dm.counter(B * H)
+    assert c0.shape == (33 * max(4, B * H),)
+    launched = []
+    with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
+        with pytest.raises(ValueError, match="counter"):  # a static step's count array
+            dm.decode_step_mma(*args, mx.zeros((max(4, B * H),), dtype=mx.int32))
+        got, counts = dm.decode_step_mma(*args, c0)
+        again, counts2 = dm.decode_step_mma(*args, counts)
+    assert launched == [dm.STEP_NAME] * 2 and not _prelude.failed(dm.STEP_NAME)
+    n_split = dm.splits(L, B * H, P)[1]
+    assert L > n_split * warps * 16 * grant  # some grants are handed out at run time
+    assert counts.shape == c0.shape and not np.array(counts).any()
+    assert not np.array(counts2).any()
+    a, b = np.array(got), np.array(want)
+    assert np.isfinite(a).all() and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-3
+    # (not bit for bit: which warp takes which grant changes the fp16 roundings' grouping)
+    assert np.linalg.norm(np.array(again) - a) / np.linalg.norm(a) < 1e-4
+
+
 @pytest.mark.parametrize("broken", [dm.STEP_NAME, dm.NAME, da.EXACT_NAME])
 def test_decode_step_falls_back_to_the_portable_kernel(monkeypatch, broken):
     """A variant that fails to build (one KernelFallbackWarning) costs its first step the
