@@ -581,7 +581,7 @@ _EXACT_SPLIT = r"""
   float* xv = red + NWP * 8 * P;  // a round's rotated values [key][P]
   float* xs = xv + XK * P;        // and its scores [key][R] (base 2)
   const int ns = HAS_SINK ? sink_k_shape[2] : 0;
-  const int E = ns + (HAS_WIN ? win_n[0] : 0);  // the window's valid slots (buffers may be longer)
+  const int E = lc_exact_n[0];  // read with q (`_EXACT_COUNT`)
   const int per = (E + S - 1) / S;
   const int e0 = LC_MIN_I(split * per, E);
   const int e1 = LC_MIN_I(e0 + per, E);
@@ -605,50 +605,61 @@ _EXACT_SPLIT = r"""
     const int64_t wvo = bb * win_v_strides[0] + hh * win_v_strides[1];
     for (int x0 = e0; x0 < e1; x0 += XK) {
       const int nk = LC_MIN_I(XK, e1 - x0);
-      for (int j = warp; j < nk; j += NWP) {  // warp-uniform
-        const int e = x0 + j;
-        float kv[DL], vv[DL];
-        if (e < ns) {
-          LC_UNROLL for (int i = 0; i < DL; ++i) {
-            const int64_t o = (int64_t)e * sink_k_strides[2] + (lane + 32 * i) * sink_k_strides[3];
-            kv[i] = LC_TOF(sink_k[sko + o]);
-            vv[i] = LC_TOF(sink_v[svo + (int64_t)e * sink_v_strides[2]
-                                  + (lane + 32 * i) * sink_v_strides[3]]);
-          }
-        } else {
-          const int w = e - ns;
-          LC_UNROLL for (int i = 0; i < DL; ++i) {
-            kv[i] = LC_TOF(win_k[wko + (int64_t)w * win_k_strides[2]
-                                 + (lane + 32 * i) * win_k_strides[3]]);
-            vv[i] = LC_TOF(win_v[wvo + (int64_t)w * win_v_strides[2]
-                                 + (lane + 32 * i) * win_v_strides[3]]);
-          }
-        }
-        LC_UNROLL for (int r = 0; r < R; ++r) {
-          float part = 0.0f;
-          LC_UNROLL for (int i = 0; i < DL; ++i) part += qr[r][i] * kv[i];
-          const float sr = lc_simd_sum(part);
-          if (lane == 0) xs[j * R + r] = sr;
-        }
-        LC_UNROLL for (int i = 0; i < DL; ++i) vv[i] *= sv[i];
-        LC_UNROLL for (int h = 1; h < 32; h <<= 1) {
-          const bool upper = (lane & h) != 0;
-          LC_UNROLL for (int i = 0; i < DL; ++i) {
-            const float o = lc_shfl_xor(vv[i], h);
-            vv[i] = upper ? o - vv[i] : vv[i] + o;
-          }
-        }
-        LC_UNROLL for (int h = 1; h < DL; h <<= 1) {
-          LC_UNROLL for (int i = 0; i < DL; ++i) {
-            if ((i & h) == 0) {
-              const float a = vv[i];
-              const float b = vv[i + h];
-              vv[i] = a + b;
-              vv[i + h] = a - b;
+      // two keys a warp at a time, both rows' loads issued before either is used (one round
+      // trip for the pair; past nk the round's last key is loaded again, unused)
+      for (int j0 = warp; j0 < nk; j0 += 2 * NWP) {  // warp-uniform
+        float kv2[2][DL], vv2[2][DL];
+        LC_UNROLL for (int u = 0; u < 2; ++u) {
+          const int e = x0 + LC_MIN_I(j0 + u * NWP, nk - 1);
+          if (e < ns) {
+            LC_UNROLL for (int i = 0; i < DL; ++i) {
+              const int64_t o = (int64_t)e * sink_k_strides[2]
+                                + (lane + 32 * i) * sink_k_strides[3];
+              kv2[u][i] = LC_TOF(sink_k[sko + o]);
+              vv2[u][i] = LC_TOF(sink_v[svo + (int64_t)e * sink_v_strides[2]
+                                        + (lane + 32 * i) * sink_v_strides[3]]);
+            }
+          } else {
+            const int w = e - ns;
+            LC_UNROLL for (int i = 0; i < DL; ++i) {
+              kv2[u][i] = LC_TOF(win_k[wko + (int64_t)w * win_k_strides[2]
+                                       + (lane + 32 * i) * win_k_strides[3]]);
+              vv2[u][i] = LC_TOF(win_v[wvo + (int64_t)w * win_v_strides[2]
+                                       + (lane + 32 * i) * win_v_strides[3]]);
             }
           }
         }
-        LC_UNROLL for (int i = 0; i < DL; ++i) xv[j * P + lane + 32 * i] = vv[i];
+        LC_UNROLL for (int u = 0; u < 2; ++u) {
+          const int j = j0 + u * NWP;
+          if (j >= nk) break;  // (warp-uniform)
+          float* kv = kv2[u];
+          float* vv = vv2[u];
+          LC_UNROLL for (int r = 0; r < R; ++r) {
+            float part = 0.0f;
+            LC_UNROLL for (int i = 0; i < DL; ++i) part += qr[r][i] * kv[i];
+            const float sr = lc_simd_sum(part);
+            if (lane == 0) xs[j * R + r] = sr;
+          }
+          LC_UNROLL for (int i = 0; i < DL; ++i) vv[i] *= sv[i];
+          LC_UNROLL for (int h = 1; h < 32; h <<= 1) {
+            const bool upper = (lane & h) != 0;
+            LC_UNROLL for (int i = 0; i < DL; ++i) {
+              const float o = lc_shfl_xor(vv[i], h);
+              vv[i] = upper ? o - vv[i] : vv[i] + o;
+            }
+          }
+          LC_UNROLL for (int h = 1; h < DL; h <<= 1) {
+            LC_UNROLL for (int i = 0; i < DL; ++i) {
+              if ((i & h) == 0) {
+                const float a = vv[i];
+                const float b = vv[i + h];
+                vv[i] = a + b;
+                vv[i + h] = a - b;
+              }
+            }
+          }
+          LC_UNROLL for (int i = 0; i < DL; ++i) xv[j * P + lane + 32 * i] = vv[i];
+        }
       }
       LC_BARRIER();
       LC_UNROLL for (int r = 0; r < R; ++r) {
@@ -699,10 +710,25 @@ _EXACT_SPLIT = r"""
   }
 """
 
+# With the exact tokens (`_EXACT_SPLIT`): their count (the sink's, plus the window's valid slots,
+# an input the cache update wrote) is read by thread 0 beside q's staging loads, into shared
+# memory, so its round trip passes with q's instead of starting the split's exact work after
+# the main loop (the exact keys' addresses wait on it)
+_EXACT_COUNT = (
+    "  LC_BARRIER();\n  LC_STAMP(3);\n",
+    """  LC_SHARED int lc_exact_n[1];
+  if (tid == 0) lc_exact_n[0] = (HAS_SINK ? sink_k_shape[2] : 0) + (HAS_WIN ? win_n[0] : 0);
+  LC_BARRIER();
+  LC_STAMP(3);
+""")
+
+
 def _source(write: str) -> str:
     """The body: the main loop once per staging variant, chosen by `vec` at run time, then
-    `write` (the split's state to its outputs)."""
-    return (_PRE + "  if (vec) {\n" + _LOOP.replace("LC_VEC_PATH", "true")
+    `write` (the split's state to its outputs; with the exact tokens, their count read in the
+    prologue, `_EXACT_COUNT`)."""
+    pre = _PRE.replace(*_EXACT_COUNT) if write is _EXACT_SPLIT else _PRE
+    return (pre + "  if (vec) {\n" + _LOOP.replace("LC_VEC_PATH", "true")
             + "  } else {\n" + _LOOP.replace("LC_VEC_PATH", "false") + "  }\n" + _POST
             + write)
 
