@@ -166,6 +166,27 @@ COMMON = r"""
     }                                                                              \
     LC_BARRIER();                                                                  \
   }
+// The same with rows, p and nt known at compile time and tid < nt: each stage's pairs are a
+// fixed, unrolled count per thread (rows * p / 2 / nt), so the stage is its butterflies and a
+// barrier; LC_WHT_ROWS' strided loop compiles to a generic loop (unrolled by 4, with its
+// remainder and bound checks) whose ~160 instructions a stage every warp of a threadgroup
+// issues (the decode step's prologue: 16 warps an SM rotating at once).
+#define LC_WHT_ROWS_N(buf, rows, p, nt, tid)                                       \
+  LC_UNROLL for (int lc_h = 1; lc_h < (p); lc_h <<= 1) {                           \
+    LC_UNROLL for (int lc_o = 0; lc_o < (rows) * ((p) / 2); lc_o += (nt)) {        \
+      const int lc_i = lc_o + (tid);                                               \
+      if ((rows) * ((p) / 2) % (nt) == 0 || lc_i < (rows) * ((p) / 2)) {          \
+        const int lc_r = lc_i / ((p) / 2);                                         \
+        const int lc_k = lc_i - lc_r * ((p) / 2);                                  \
+        const int lc_j = lc_r * (p) + (lc_k / lc_h) * (2 * lc_h) + (lc_k % lc_h);  \
+        const float lc_a = buf[lc_j];                                              \
+        const float lc_b = buf[lc_j + lc_h];                                       \
+        buf[lc_j] = lc_a + lc_b;                                                   \
+        buf[lc_j + lc_h] = lc_a - lc_b;                                            \
+      }                                                                            \
+    }                                                                              \
+    LC_BARRIER();                                                                  \
+  }
 // Word k (0..bits-1) of one packed group, from the group's 32 values codes[0..31] (any
 // indexable: LC_SHARED array, registers). The group's values form a little-endian bit stream;
 // value i occupies stream bits [bits*i, bits*i + bits), and a value may straddle two words.

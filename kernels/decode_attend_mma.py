@@ -318,14 +318,17 @@ _PRE = r"""
   // scale; then the score MMA's B fragments (row g, dims 16 s + 2 t, +1, +8, +9), kept in
   // registers.
   const int64_t qo = bb * q_strides[0] + hh * q_strides[1];
-  for (int i = tid; i < R * P; i += NT) {
-    const int r = i / P;
-    const int d = i - r * P;
-    qst[i] = LC_TOF(q[qo + r * q_strides[2] + d * q_strides[3]]) * q_signs[d];
+  LC_UNROLL for (int o = 0; o < R * P; o += NT) {  // (unrolled: every load issued at once)
+    const int i = o + tid;
+    if ((R * P) % NT == 0 || i < R * P) {
+      const int r = i / P;
+      const int d = i - r * P;
+      qst[i] = LC_TOF(q[qo + r * q_strides[2] + d * q_strides[3]]) * q_signs[d];
+    }
   }
   LC_BARRIER();
   LC_STAMP(3);
-  LC_WHT_ROWS(qst, R, P, NT, tid)
+  LC_WHT_ROWS_N(qst, R, P, NT, tid)
   uint32_t qf[KS][2];
   LC_UNROLL for (int s = 0; s < KS; ++s) {
     const int d = g * P + 16 * s + 2 * t;
