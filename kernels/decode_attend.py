@@ -209,14 +209,17 @@ _SPEC = KernelSpec(
   if (ROTQ) {
     // q arrives unrotated (the model's dtype): signs, then the Walsh-Hadamard butterfly over
     // each row in threadgroup memory (pair j, j + h at stride h; a pair is one thread's).
-    for (int i = tid; i < R * P; i += NT) {
-      const int r = i / P;
-      const int d = i - r * P;
-      const int64_t qd = qo + row0 * q_strides[2] + d * q_strides[3];
-      scratch[i] = r < nr ? LC_TOF(q[qd + r * q_strides[2]]) * q_signs[d] : 0.0f;
+    LC_UNROLL for (int o = 0; o < R * P; o += NT) {  // (compile-time counts: LC_WHT_ROWS_N)
+      const int i = o + tid;
+      if ((R * P) % NT == 0 || i < R * P) {
+        const int r = i / P;
+        const int d = i - r * P;
+        const int64_t qd = qo + row0 * q_strides[2] + d * q_strides[3];
+        scratch[i] = r < nr ? LC_TOF(q[qd + r * q_strides[2]]) * q_signs[d] : 0.0f;
+      }
     }
     LC_BARRIER();
-    LC_WHT_ROWS(scratch, R, P, NT, tid)
+    LC_WHT_ROWS_N(scratch, R, P, NT, tid)
   }
   const float qs_all = ROTQ ? qscale * scales[2] : qscale;  // scales[2]: 1 / sqrt(P)
   for (int i = tid; i < P * R4; i += NT) {
