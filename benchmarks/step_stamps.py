@@ -150,18 +150,37 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
     return res
 
 
+def _variant(name: str, defaults: tuple) -> tuple:
+    """(DYNAMIC, STATIC_PERCENT, GRANT_BLOCKS) of a --variants name."""
+    if name == "static":
+        return False, *defaults
+    if name == "dynamic":
+        return True, *defaults
+    kind, _, rest = name.partition(":")
+    sp, _, gb = rest.partition(":")
+    if kind != "dynamic" or not sp.isdigit() or not gb.isdigit() or int(gb) < 1 \
+            or int(sp) > 99:
+        raise SystemExit(f"step_stamps: unknown variant {name!r} (static, dynamic, dynamic:SP:GB)")
+    return True, int(sp), int(gb)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768, 131072])
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--modes", nargs="+", default=["pipe"], choices=["pipe", "sync", "flush"])
     ap.add_argument("--variants", nargs="+", default=["static", "dynamic"],
-                    choices=["static", "dynamic"])
+                    help="static, dynamic (the module's STATIC_PERCENT and GRANT_BLOCKS) or "
+                         "dynamic:SP:GB (SP%% of the keys in static first grants, the rest in "
+                         "grants of GB blocks)")
     ap.add_argument("--name", default="step_stamps_h200")
     args = ap.parse_args()
     if _prelude.backend() != "cuda":
         sys.exit("step_stamps: the whole-step kernel's stamps need the CUDA backend")
     dm.STAMPS = True
+    defaults = (dm.STATIC_PERCENT, dm.GRANT_BLOCKS)
+    for v in args.variants:
+        _variant(v, defaults)  # (a malformed one fails before any timing)
     rows = []
     # 1 GiB of bf16, read between the flush mode's calls (the H200's L2 is 50 MB)
     flush = mx.zeros((1 << 29,), dtype=mx.bfloat16) if "flush" in args.modes else None
@@ -172,8 +191,11 @@ def main() -> None:
         views = {"bare": env["tq4"], "answer": attend.answer_view(env["k"], env["v"])}
         for (kind, view), mode, variant in itertools.product(views.items(), args.modes,
                                                              args.variants):
-            dm.DYNAMIC = variant == "dynamic"
+            dm.DYNAMIC, dm.STATIC_PERCENT, dm.GRANT_BLOCKS = _variant(variant, defaults)
             r = measure(s, view, kind, args.calls, mode, flush if mode == "flush" else None)
+            r["variant"] = variant
+            if dm.DYNAMIC:
+                r["static_percent"], r["grant_blocks"] = dm.STATIC_PERCENT, dm.GRANT_BLOCKS
             rows.append(r)
             loads = " ".join(f"{k}/SM {v['median_us']:.1f}/{v['max_us']:.1f} ({v['threadgroups']})"
                              for k, v in r["loop_by_sm_load"].items())

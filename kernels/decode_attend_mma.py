@@ -117,7 +117,14 @@ SMEM_PER_SM = 233472  # bytes of shared memory an H200 SM gives its threadgroups
 # (at 128k on the H200 the slowest threadgroup's main loop took 52 us against a median of 39:
 # benchmarks/results/step_stamps_h200.json)
 DYNAMIC = False
-GRANT_BLOCKS = 4
+GRANT_BLOCKS = 1
+# with DYNAMIC: the share of the head's keys (percent) walked as each warp's static first grant
+# (contiguous, GS keys: SP% of the head over its S x warps, whole blocks, at least one), the
+# rest handed out in grants of GRANT_BLOCKS blocks. 0: every grant GRANT_BLOCKS blocks. (The
+# first H100 run, 0% and grants of 4 blocks: slower than static at every length, its last grants
+# of 64 keys ~6 us of a warp's loop at 128k, and at 4k most warps idle behind 64-key first
+# grants: benchmarks/results/step_stamps_h100.json)
+STATIC_PERCENT = 75
 
 _HEADER = r"""
 #ifndef LC_STAMP
@@ -969,20 +976,24 @@ _DYN_FIRST = (
                                          // [NST - 1] the stage's
   const int lc_n4 = counter_shape[0] / 33;
   const int32_t* gctr = counter + lc_n4 + 32 * bh;
+  // the static first grants: GS keys a warp (SP% of the head, whole blocks; SP = 0: GR)
+  const int GS = SP == 0 ? GR : BLK * ((L / BLK) * SP / (100 * S * NWP) > 1
+                                      ? (L / BLK) * SP / (100 * S * NWP) : 1);
+  const int gbase = S * NWP * GS;  // the handed-out grants start here
   int tick = lane == 0 ? lc_atomic_add(gctr, 1) : 0;  // the warp's next grant, in flight
-  int gend = (split * NWP + warp + 1) * GR;
+  int gend = (split * NWP + warp + 1) * GS;
   // the block after the one starting at key b in this warp's sequence (warp-uniform)
   auto next_block = [&](int b) {
     int nb = b + BLK;
     if (nb >= gend) {
-      nb = (S * NWP + (int)lc_shfl_xor((float)tick, lane)) * GR;  // lane 0's ticket
+      nb = gbase + (int)lc_shfl_xor((float)tick, lane) * GR;  // lane 0's ticket
       gend = nb + GR;
       if (nb < L) tick = lane == 0 ? lc_atomic_add(gctr, 1) : 0;
     }
     return nb;
   };
   int ahead[NA];
-  ahead[0] = (split * NWP + warp) * GR;
+  ahead[0] = (split * NWP + warp) * GS;
   LC_UNROLL for (int b = 1; b < NA; ++b) ahead[b] = next_block(ahead[b - 1]);
   int kb = ahead[0];
   LC_HALF nc[4];
@@ -1189,7 +1200,7 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
     if DYNAMIC:
         if count_in.shape != (counter_words(B * H),):
             raise ValueError(f"the dynamic step takes counter({B * H}), not {count_in.shape}")
-        template.append(("GB", GRANT_BLOCKS))
+        template += [("GB", GRANT_BLOCKS), ("SP", STATIC_PERCENT)]
     shapes = ([(n * R * (P + 2),), (B, H, R, P), count_in.shape]
               + ([(n, STAMP_WORDS)] if STAMPS else []))
     dtypes = [f32, out_dtype, mx.int32] + ([mx.uint32] if STAMPS else [])

@@ -543,18 +543,27 @@ def test_decode_step_mma_whole(monkeypatch, case, in_splits):
     assert np.array_equal(np.array(again), a)
 
 
-DYNAMIC_CASES = [  # a WHOLE_CASES row, then GRANT_BLOCKS, STAGES
-    (WHOLE_CASES[0], 4, 2),  # several splits a head; the first threadgroup run takes most grants
-    (WHOLE_CASES[0], 2, 3),  # grants of two blocks, three stages: the lookahead crosses grants
-    ((1, 1, 5, 256, 1500, 0, 40, "float32", 1, 8), 4, 2),  # P = 256 at 8 warps
-    (WHOLE_CASES[4], 1, 2),  # an answer's long window (exact keys stay each split's share)
-    ((2, 3, 4, 128, 4000, 2, 9, "float16", 4, 4), 3, 2),  # 6 heads' grant lines
+DYNAMIC_CASES = [  # a WHOLE_CASES row, then GRANT_BLOCKS, STAGES, STATIC_PERCENT
+    (WHOLE_CASES[0], 4, 2, 0),  # several splits a head; the first threadgroup run takes most
+    (WHOLE_CASES[0], 2, 3, 0),  # grants of two blocks, three stages: the lookahead crosses grants
+    ((1, 1, 5, 256, 1500, 0, 40, "float32", 1, 8), 4, 2, 0),  # P = 256 at 8 warps
+    (WHOLE_CASES[4], 1, 2, 0),  # an answer's long window (exact keys stay each split's share)
+    ((2, 3, 4, 128, 4000, 2, 9, "float16", 4, 4), 3, 2, 0),  # 6 heads' grant lines
+    (WHOLE_CASES[0], 1, 2, 50),  # static first grants of several blocks, then one-block grants
+    ((2, 3, 4, 128, 4000, 2, 9, "float16", 4, 4), 2, 3, 75),  # ... crossed by the lookahead
 ]
 
 
-@pytest.mark.parametrize("case,grant,stages", DYNAMIC_CASES,
+def _static_grant(L, S, warps, grant, sp):
+    """A warp's first grant in keys (the kernel's GS)."""
+    if sp == 0:
+        return 16 * grant
+    return 16 * max((L // 16) * sp // (100 * S * warps), 1)
+
+
+@pytest.mark.parametrize("case,grant,stages,sp", DYNAMIC_CASES,
                          ids=lambda c: f"P{c[3]}-L{c[4]}" if isinstance(c, tuple) else str(c))
-def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages):
+def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages, sp):
     """The whole step with its keys handed out while it runs (`DYNAMIC`) equals the reference
     within fp16 rounding, whichever threadgroup takes which grants (the emulator runs them one
     after another in a shuffled order, so the first takes every grant left after the static
@@ -570,6 +579,7 @@ def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages):
     monkeypatch.setattr(dm, "STAGES", stages)
     monkeypatch.setattr(dm, "DYNAMIC", True)
     monkeypatch.setattr(dm, "GRANT_BLOCKS", grant)
+    monkeypatch.setattr(dm, "STATIC_PERCENT", sp)
     q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + R)
     q = q.astype(getattr(mx, qdt))
     sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win,
@@ -590,7 +600,9 @@ def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages):
         again, counts2 = dm.decode_step_mma(*args, counts)
     assert launched == [dm.STEP_NAME] * 2 and not _prelude.failed(dm.STEP_NAME)
     n_split = dm.splits(L, B * H, P)[1]
-    assert L > n_split * warps * 16 * grant  # some grants are handed out at run time
+    first = _static_grant(L, n_split, warps, grant, sp)
+    assert L > n_split * warps * first  # some grants are handed out at run time
+    assert sp == 0 or first > 16 * grant  # (the static share's grants are the longer)
     assert counts.shape == c0.shape and not np.array(counts).any()
     assert not np.array(counts2).any()
     a, b = np.array(got), np.array(want)
