@@ -101,7 +101,7 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
            "segment": length, "threadgroups": int(runs[0].shape[0]), "splits": n_split,
            "chunk": chunk}
     per = {k: [] for k in (*PHASES, "finish", "span", "ramp", "tail", "ghz", "warp_spread")}
-    by_load: dict = {}  # threadgroups on the SM -> loop us of each threadgroup, every call
+    by_load: dict = {}  # threadgroups on the SM -> per call, the loop us of such threadgroups
     for st in runs:
         g0, g1 = st[:, 0], st[:, 10]
         t0 = g0.min()
@@ -122,16 +122,18 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
                                    float((ends.max(1) - ends.min(1)).max())))
         sm = st[:, 16]
         load = np.bincount(sm)[sm]  # threadgroups of this launch on each one's SM
-        for n_tg, loop in zip(load, d["loop"]):
-            by_load.setdefault(int(n_tg), []).append(float(loop))
+        for n_tg in np.unique(load):
+            by_load.setdefault(int(n_tg), []).append(d["loop"][load == n_tg])
         per["span"].append(float(g1r.max()) / 1e3)
         per["ramp"].append(float(g0r.max()) / 1e3)
         rest = g1r[~last] if (~last).any() else g1r
         per["tail"].append(float(g1r.max() - rest.max()) / 1e3)
     res["sms_used"] = int(len(np.unique(runs[-1][:, 16])))
-    res["loop_by_sm_load"] = {str(k): {"threadgroups": len(v) // len(runs),
-                                       "median_us": round(statistics.median(v), 2),
-                                       "max_us": round(max(v), 2)}
+    # (max: the median over calls of each call's max, as for the phases)
+    res["loop_by_sm_load"] = {str(k): {"threadgroups": int(v[-1].size),
+                                       "median_us": round(float(np.median(np.concatenate(v))), 2),
+                                       "max_us": round(statistics.median(float(x.max())
+                                                                         for x in v), 2)}
                               for k, v in sorted(by_load.items())}
     if mode == "pipe":  # one call's threadgroups, in launch order
         st = runs[len(runs) // 2]
