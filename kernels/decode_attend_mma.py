@@ -118,12 +118,12 @@ SMEM_PER_SM = 233472  # bytes of shared memory an H200 SM gives its threadgroups
 # benchmarks/results/step_stamps_h200.json)
 DYNAMIC = False
 GRANT_BLOCKS = 1
-# with DYNAMIC: the share of the head's keys (percent) walked as each warp's static first grant
-# (contiguous, GS keys: SP% of the head over its S x warps, whole blocks, at least one), the
-# rest handed out in grants of GRANT_BLOCKS blocks. 0: every grant GRANT_BLOCKS blocks. (The
-# first H100 run, 0% and grants of 4 blocks: slower than static at every length, its last grants
-# of 64 keys ~6 us of a warp's loop at 128k, and at 4k most warps idle behind 64-key first
-# grants: benchmarks/results/step_stamps_h100.json)
+# with DYNAMIC: the share of the head's keys (percent) its splits walk as the static kernel
+# does (each a chunk of whole 64-key tiles), before their warps take the rest in grants of
+# GRANT_BLOCKS blocks. (The first H100 run, every grant handed out, 4 blocks each, static first
+# grants a warp: slower than static at every length, its last grants of 64 keys ~6 us of a
+# warp's loop at 128k, at 4k most warps idle behind 64-key first grants, and the grant
+# bookkeeping in every block: benchmarks/results/step_stamps_h100.json)
 STATIC_PERCENT = 75
 
 _HEADER = r"""
@@ -953,80 +953,77 @@ def _step_source(exact_in_splits: bool) -> str:
 
 _END_STAMPS = "  LC_STAMP(9);\n  LC_GSTAMP(10);\n"
 
-# `DYNAMIC`: the whole step's text with its keys handed out while it runs. Warp w of split s
-# first walks grant s * NWP + w (GB blocks of 16 keys from key 0 of the head), then the grants
-# after the S * NWP static ones, in the order the head's warps ask for them: lane 0 adds one to
-# the head's grant count (word n4 + 32 bh of the counter array, a 128-byte line per head; n4 =
-# its size / 33) a grant ahead of need, so the atomic's latency passes while the warp walks its
-# current grant, and broadcasts it when the warp's lookahead reaches the grant's end. The main
-# loop keeps NA block starts ahead (the stages' lookahead and the norms'); the split's exact
-# tokens stay its static share. The head's last threadgroup zeroes the head's grant line in
-# `counter_out` (the next launch's counts); the arrival count orders it after every warp of the
-# head has left its loop.
-_DYN_FIRST = (
-    """  int kb = k0 + BLK * warp;
-  LC_HALF nc[4];
-  if (kb < k1) norms(kb, nc);
-  LC_UNROLL for (int b = 0; b < NST - 1; ++b) {  // the first NST - 1 blocks' rows
-    if (kb + b * STEP < k1) stage(kb + b * STEP, b, vec);
-    LC_CP_COMMIT();
-  }
-""", """  constexpr int GR = BLK * GB;           // keys per grant
-  constexpr int NA = NST > 1 ? NST : 2;  // block starts known ahead: [0] now, [1] the norms',
-                                         // [NST - 1] the stage's
-  const int lc_n4 = counter_shape[0] / 33;
-  const int32_t* gctr = counter + lc_n4 + 32 * bh;
-  // the static first grants: GS keys a warp (SP% of the head, whole blocks; SP = 0: GR)
-  const int GS = SP == 0 ? GR : BLK * ((L / BLK) * SP / (100 * S * NWP) > 1
-                                      ? (L / BLK) * SP / (100 * S * NWP) : 1);
-  const int gbase = S * NWP * GS;  // the handed-out grants start here
-  int tick = lane == 0 ? lc_atomic_add(gctr, 1) : 0;  // the warp's next grant, in flight
-  int gend = (split * NWP + warp + 1) * GS;
-  // the block after the one starting at key b in this warp's sequence (warp-uniform)
-  auto next_block = [&](int b) {
-    int nb = b + BLK;
-    if (nb >= gend) {
-      nb = gbase + (int)lc_shfl_xor((float)tick, lane) * GR;  // lane 0's ticket
-      gend = nb + GR;
-      if (nb < L) tick = lane == 0 ? lc_atomic_add(gctr, 1) : 0;
-    }
-    return nb;
-  };
-  int ahead[NA];
-  ahead[0] = (split * NWP + warp) * GS;
-  LC_UNROLL for (int b = 1; b < NA; ++b) ahead[b] = next_block(ahead[b - 1]);
-  int kb = ahead[0];
-  LC_HALF nc[4];
-  if (kb < k1) norms(kb, nc);
-  LC_UNROLL for (int b = 0; b < NST - 1; ++b) {  // the first NST - 1 blocks' rows
-    if (ahead[b] < k1) stage(ahead[b], b, vec);
-    LC_CP_COMMIT();
-  }
-""")
-_DYN_SUBS = (
-    ("""  const int k0 = split * chunk;
+# `DYNAMIC`: the whole step's text with part of its keys handed out while it runs. Each split
+# first walks its static chunk as the static kernel does (the launch's `chunk`: STATIC_PERCENT of
+# the head over its splits, whole 64-key tiles; `decode_step_mma`), with the same main loop, so
+# that share costs no bookkeeping. Its warps then take the rest of the head (from gbase = S *
+# chunk) in grants of GR = GB x 16 keys, in the order the head's warps ask for them: lane 0 adds
+# one to the head's grant count (word n4 + 32 bh of the counter array, a 128-byte line per head;
+# n4 = its size / 33); the first ticket is asked for before the static loop and each next one a
+# grant ahead of need, so the atomic's latency passes under other work, and lane 0's ticket is
+# broadcast when the warp's lookahead reaches its grant's end. The tail's loop keeps NA block
+# starts ahead (the stages' lookahead and the norms'). The split's exact tokens stay its static
+# share. The head's last threadgroup zeroes the head's grant line in `counter_out` (the next
+# launch's counts); the arrival count orders it after every warp of the head has left its loops.
+_DYN_SETUP = (
+    """  const int k0 = split * chunk;
   const int k1 = (k0 + chunk < L) ? k0 + chunk : L;
 """, """  const int k0 = split * chunk;
-  const int k1 = L;  // (DYNAMIC: any key of the head; k0 unused)
-  (void)k0;
-""", 1),
-    _DYN_FIRST + (1,),
+  int k1 = (k0 + chunk < L) ? k0 + chunk : L;  // (DYNAMIC: L in the handed-out tail)
+  constexpr int GR = BLK * GB;           // keys per grant
+  constexpr int NA = NST > 1 ? NST : 2;  // block starts known ahead: [0] now, [1] the norms',
+                                         // [NST - 1] the stage's
+  // the warp's first grant, in flight through the static loop (the head's count: `_DYN_TAIL`)
+  int tick = lane == 0 ? lc_atomic_add(counter + counter_shape[0] / 33 + 32 * bh, 1) : 0;
+""", 1)
+# after each instance of the main loop: the tail's set-up, then the main loop walking grants
+_LOOP_END = """    LC_SYNCWARP();  // the stage and P' are rewritten by the next blocks
+  }
+"""
+_DYN_TAIL = """  k1 = L;
+  {
+    const int32_t* gctr = counter + counter_shape[0] / 33 + 32 * bh;  // the head's grant count
+    const int gbase = S * chunk;  // the handed-out keys start here
+    int gend = 0;
+    // the block after the one starting at key b in this warp's sequence (warp-uniform)
+    auto next_block = [&](int b) {
+      int nb = b + BLK;
+      if (nb >= gend) {
+        nb = gbase + (int)lc_shfl_xor((float)tick, lane) * GR;  // lane 0's ticket
+        gend = nb + GR;
+        if (nb < L) tick = lane == 0 ? lc_atomic_add(gctr, 1) : 0;
+      }
+      return nb;
+    };
+    int ahead[NA];
+    ahead[0] = next_block(-BLK);
+    LC_UNROLL for (int b = 1; b < NA; ++b) ahead[b] = next_block(ahead[b - 1]);
+    kb = ahead[0];
+    if (kb < k1) norms(kb, nc);
+    LC_UNROLL for (int b = 0; b < NST - 1; ++b) {  // the first NST - 1 blocks' rows
+      if (ahead[b] < k1) stage(ahead[b], b, LC_VEC_PATH);
+      LC_CP_COMMIT();
+    }
+"""
+_DYN_LOOP_SUBS = (
     ("  for (int it = 0; kb < k1; ++it, kb += STEP) {\n",
-     "  for (int it = 0; kb < k1; ++it) {\n", 2),
+     "  for (int it = 0; kb < k1; ++it) {\n"),
     ("""    if (kb + (NST - 1) * STEP < k1)
       stage(kb + (NST - 1) * STEP, (it + NST - 1) % NST, """,
      """    if (ahead[NST - 1] < k1)
-      stage(ahead[NST - 1], (it + NST - 1) % NST, """, 2),
+      stage(ahead[NST - 1], (it + NST - 1) % NST, """),
     ("    if (kb + STEP < k1) norms(kb + STEP, nn);\n",
-     "    if (ahead[1] < k1) norms(ahead[1], nn);\n", 2),
-    ("""    LC_SYNCWARP();  // the stage and P' are rewritten by the next blocks
-  }
-""", """    LC_SYNCWARP();  // the stage and P' are rewritten by the next blocks
+     "    if (ahead[1] < k1) norms(ahead[1], nn);\n"),
+    (_LOOP_END, """    LC_SYNCWARP();  // the stage and P' are rewritten by the next blocks
     LC_UNROLL for (int b = 0; b < NA - 1; ++b) ahead[b] = ahead[b + 1];
     ahead[NA - 1] = next_block(ahead[NA - 2]);
     kb = ahead[0];
   }
-""", 2),
+  }
+"""),
+)
+_DYN_SUBS = (
+    _DYN_SETUP,
     ("""        for (int i = q_shape[0] * H; i < counter_shape[0]; ++i) counter_out[i] = 0;""",
      """        for (int i = q_shape[0] * H; i < counter_shape[0] / 33; ++i) counter_out[i] = 0;""",
      1),
@@ -1044,14 +1041,30 @@ _DYN_SUBS = (
 )
 
 
+def _sub(src: str, old: str, new: str, times: int) -> str:
+    if src.count(old) != times:
+        raise AssertionError(f"the dynamic variant's anchor is not in the step's text {times}"
+                             f" time(s): {old.splitlines()[0]!r}")
+    return src.replace(old, new)
+
+
 def _dynamic(src: str) -> str:
-    """`src` (the whole step's text) with its keys handed out while it runs (`DYNAMIC`)."""
+    """`src` (the whole step's text) with part of its keys handed out while it runs (`DYNAMIC`):
+    each instance of the main loop followed by the handed-out tail's loop."""
     for old, new, times in _DYN_SUBS:
-        if src.count(old) != times:
-            raise AssertionError(f"the dynamic variant's anchor is not in the step's text {times}"
-                                 f" time(s): {old.splitlines()[0]!r}")
-        src = src.replace(old, new)
-    return src
+        src = _sub(src, old, new, times)
+    # the two instances of the main loop, 16-byte then word copies (`_source`)
+    tails = []
+    for literal in ("true", "false"):
+        loop = _LOOP.replace("LC_VEC_PATH", literal)
+        for old, new in _DYN_LOOP_SUBS:
+            loop = _sub(loop, old, new, 1)
+        tails.append(_DYN_TAIL.replace("LC_VEC_PATH", literal) + loop)
+    parts = src.split(_LOOP_END)
+    if len(parts) != 3:
+        raise AssertionError("the dynamic variant's anchor is not in the step's text 2 time(s):"
+                             " the main loop's end")
+    return (parts[0] + _LOOP_END + tails[0] + parts[1] + _LOOP_END + tails[1] + parts[2])
 
 
 def counter_words(n: int) -> int:
@@ -1180,6 +1193,9 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
 
     chunk, n_split = splits(L, B * H, P)
     n = B * H * n_split
+    if DYNAMIC:  # each split's static chunk (`_dynamic`): whole tiles, the rest handed out
+        tile = BLOCK * WARPS
+        chunk = L * STATIC_PERCENT // 100 // n_split // tile * tile
     if backend() == "cpu" or L == 0:
         return tuple(reference()[1:3])
     if not fuses_finish(P, R) or not applies_shape(queries, keys, values, table):
@@ -1200,7 +1216,7 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
     if DYNAMIC:
         if count_in.shape != (counter_words(B * H),):
             raise ValueError(f"the dynamic step takes counter({B * H}), not {count_in.shape}")
-        template += [("GB", GRANT_BLOCKS), ("SP", STATIC_PERCENT)]
+        template.append(("GB", GRANT_BLOCKS))
     shapes = ([(n * R * (P + 2),), (B, H, R, P), count_in.shape]
               + ([(n, STAMP_WORDS)] if STAMPS else []))
     dtypes = [f32, out_dtype, mx.int32] + ([mx.uint32] if STAMPS else [])

@@ -544,21 +544,19 @@ def test_decode_step_mma_whole(monkeypatch, case, in_splits):
 
 
 DYNAMIC_CASES = [  # a WHOLE_CASES row, then GRANT_BLOCKS, STAGES, STATIC_PERCENT
-    (WHOLE_CASES[0], 4, 2, 0),  # several splits a head; the first threadgroup run takes most
+    (WHOLE_CASES[0], 4, 2, 0),  # every key handed out; the first threadgroup run takes most
     (WHOLE_CASES[0], 2, 3, 0),  # grants of two blocks, three stages: the lookahead crosses grants
     ((1, 1, 5, 256, 1500, 0, 40, "float32", 1, 8), 4, 2, 0),  # P = 256 at 8 warps
     (WHOLE_CASES[4], 1, 2, 0),  # an answer's long window (exact keys stay each split's share)
     ((2, 3, 4, 128, 4000, 2, 9, "float16", 4, 4), 3, 2, 0),  # 6 heads' grant lines
-    (WHOLE_CASES[0], 1, 2, 50),  # static first grants of several blocks, then one-block grants
+    (WHOLE_CASES[0], 1, 2, 50),  # static chunks, then one-block grants
     ((2, 3, 4, 128, 4000, 2, 9, "float16", 4, 4), 2, 3, 75),  # ... crossed by the lookahead
 ]
 
 
-def _static_grant(L, S, warps, grant, sp):
-    """A warp's first grant in keys (the kernel's GS)."""
-    if sp == 0:
-        return 16 * grant
-    return 16 * max((L // 16) * sp // (100 * S * warps), 1)
+def _static_chunk(L, S, warps, sp):
+    """Each split's static chunk under DYNAMIC (`decode_step_mma`'s)."""
+    return L * sp // 100 // S // (16 * warps) * (16 * warps)
 
 
 @pytest.mark.parametrize("case,grant,stages,sp", DYNAMIC_CASES,
@@ -600,9 +598,9 @@ def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages, sp):
         again, counts2 = dm.decode_step_mma(*args, counts)
     assert launched == [dm.STEP_NAME] * 2 and not _prelude.failed(dm.STEP_NAME)
     n_split = dm.splits(L, B * H, P)[1]
-    first = _static_grant(L, n_split, warps, grant, sp)
-    assert L > n_split * warps * first  # some grants are handed out at run time
-    assert sp == 0 or first > 16 * grant  # (the static share's grants are the longer)
+    chunk = _static_chunk(L, n_split, warps, sp)
+    assert L > n_split * chunk  # some keys are handed out at run time
+    assert (chunk > 0) == (sp > 0)  # (and with SP > 0 some are each split's static chunk)
     assert counts.shape == c0.shape and not np.array(counts).any()
     assert not np.array(counts2).any()
     a, b = np.array(got), np.array(want)
