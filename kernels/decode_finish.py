@@ -94,6 +94,10 @@ MERGE = r"""
   const int S = m_p_shape[1];
   const float qscale = scales[0];
   const float hs = scales[1];
+  // this dim's sign (with the codec's scale) and value mean, asked for now: used only at the end,
+  // after the merge's barriers, where their loads would be two more round trips in the tail
+  const float sg = signs[d] * hs;
+  const float mean_d = mean[bb * mean_strides[0] + hh * mean_strides[1] + d * mean_strides[3]];
 
   // 1. The splits of the compressed segment (m in natural-log units), merged. The S splits are
   // spread over the threads: thread t reads the states of splits t, t + P, ... (per-row maxima,
@@ -222,7 +226,6 @@ MERGE = r"""
       LC_BARRIER();
     }
   }
-  const float sg = signs[d] * hs;
   float acc_c[R];
   LC_UNROLL for (int r = 0; r < R; ++r) acc_c[r] = a[r] * sg;
 
@@ -351,7 +354,6 @@ END = r"""
     if (lc_lane == 0u) red[(int)lc_warp * R + r] = ls;
   }
   LC_BARRIER();
-  const float mean_d = mean[bb * mean_strides[0] + hh * mean_strides[1] + d * mean_strides[3]];
   LC_UNROLL for (int r = 0; r < R; ++r) {
     float le = 0.0f;
     for (int w = 0; w < NW; ++w) le += red[w * R + r];
