@@ -23,7 +23,10 @@ back to back; sync: each evaluated; flush: each after a 1 GiB read, cold L2):
   of each row every threadgroup's loop time, SM and warp slot (`per_threadgroup`).
 
 `--variants static dynamic` times the default kernel and the one whose keys are handed out while
-it runs (`decode_attend_mma.DYNAMIC`) side by side, per length and view.
+it runs (`decode_attend_mma.DYNAMIC`) side by side, per length and view; `dynamic:SP:GB` sets its
+static share and grant size, and a `:hm` suffix numbers its threadgroups head-major (not
+`HEADS_INTERLEAVED`). Per head: when its last threadgroup left its main loop (`head_loop_end_us`,
+since the launch's first entry; a head's grants balance its splits' ends only within the head).
 
 Clocks become microseconds at each threadgroup's own rate (clocks over global-timer ns between
 its entry and exit). The stamps cost a few instructions per threadgroup (thread 0, ~12 stores;
@@ -101,6 +104,9 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
            "segment": length, "threadgroups": int(runs[0].shape[0]), "splits": n_split,
            "chunk": chunk}
     per = {k: [] for k in (*PHASES, "finish", "span", "ramp", "tail", "ghz", "warp_spread")}
+    tg = np.arange(runs[0].shape[0])
+    head = tg % n_heads if dm.DYNAMIC and dm.HEADS_INTERLEAVED else tg // n_split
+    head_ends = []  # per call: each head's last loop end, us since the launch's first entry
     by_load: dict = {}  # threadgroups on the SM -> per call, the loop us of such threadgroups
     for st in runs:
         g0, g1 = st[:, 0], st[:, 10]
@@ -124,10 +130,13 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
         load = np.bincount(sm)[sm]  # threadgroups of this launch on each one's SM
         for n_tg in np.unique(load):
             by_load.setdefault(int(n_tg), []).append(d["loop"][load == n_tg])
+        loop_end = g0r / 1e3 + since[:, 6] / rate / 1e3
+        head_ends.append([float(loop_end[head == h].max()) for h in range(n_heads)])
         per["span"].append(float(g1r.max()) / 1e3)
         per["ramp"].append(float(g0r.max()) / 1e3)
         rest = g1r[~last] if (~last).any() else g1r
         per["tail"].append(float(g1r.max() - rest.max()) / 1e3)
+    res["head_loop_end_us"] = [round(float(x), 2) for x in np.median(np.array(head_ends), 0)]
     res["sms_used"] = int(len(np.unique(runs[-1][:, 16])))
     # (max: the median over calls of each call's max, as for the phases)
     res["loop_by_sm_load"] = {str(k): {"threadgroups": int(v[-1].size),
@@ -142,7 +151,8 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
         res["per_threadgroup"] = {
             "loop_us": [round(float(x), 2) for x in (since[:, 6] - since[:, 5]) / rate / 1e3],
             "start_ns": [int(x) for x in (st[:, 0] - st[:, 0].min()) % (1 << 32)],
-            "sm": [int(x) for x in st[:, 16]], "warp_slot": [int(x) for x in st[:, 17]]}
+            "sm": [int(x) for x in st[:, 16]], "warp_slot": [int(x) for x in st[:, 17]],
+            "head": [int(x) for x in head]}
     for name in (*PHASES, "finish", "warp_spread"):
         res[name + "_us"] = {"median": round(statistics.median(x[0] for x in per[name]), 2),
                              "max": round(statistics.median(x[1] for x in per[name]), 2)}
@@ -153,17 +163,19 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
 
 
 def _variant(name: str, defaults: tuple) -> tuple:
-    """(DYNAMIC, STATIC_PERCENT, GRANT_BLOCKS) of a --variants name."""
+    """(DYNAMIC, STATIC_PERCENT, GRANT_BLOCKS, HEADS_INTERLEAVED) of a --variants name."""
     if name == "static":
-        return False, *defaults
+        return False, *defaults, False
     if name == "dynamic":
-        return True, *defaults
+        return True, *defaults, True
     kind, _, rest = name.partition(":")
-    sp, _, gb = rest.partition(":")
+    sp, _, rest = rest.partition(":")
+    gb, _, order = rest.partition(":")
     if kind != "dynamic" or not sp.isdigit() or not gb.isdigit() or int(gb) < 1 \
-            or int(sp) > 99:
-        raise SystemExit(f"step_stamps: unknown variant {name!r} (static, dynamic, dynamic:SP:GB)")
-    return True, int(sp), int(gb)
+            or int(sp) > 99 or order not in ("", "hm"):
+        raise SystemExit(f"step_stamps: unknown variant {name!r} (static, dynamic,"
+                         " dynamic:SP:GB, dynamic:SP:GB:hm)")
+    return True, int(sp), int(gb), order != "hm"
 
 
 def main() -> None:
@@ -174,7 +186,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["static", "dynamic"],
                     help="static, dynamic (the module's STATIC_PERCENT and GRANT_BLOCKS) or "
                          "dynamic:SP:GB (SP%% of the keys in static first grants, the rest in "
-                         "grants of GB blocks)")
+                         "grants of GB blocks; a :hm suffix: threadgroups numbered head-major)")
     ap.add_argument("--name", default="step_stamps_h200")
     args = ap.parse_args()
     if _prelude.backend() != "cuda":
@@ -193,11 +205,13 @@ def main() -> None:
         views = {"bare": env["tq4"], "answer": attend.answer_view(env["k"], env["v"])}
         for (kind, view), mode, variant in itertools.product(views.items(), args.modes,
                                                              args.variants):
-            dm.DYNAMIC, dm.STATIC_PERCENT, dm.GRANT_BLOCKS = _variant(variant, defaults)
+            (dm.DYNAMIC, dm.STATIC_PERCENT, dm.GRANT_BLOCKS,
+             dm.HEADS_INTERLEAVED) = _variant(variant, defaults)
             r = measure(s, view, kind, args.calls, mode, flush if mode == "flush" else None)
             r["variant"] = variant
             if dm.DYNAMIC:
                 r["static_percent"], r["grant_blocks"] = dm.STATIC_PERCENT, dm.GRANT_BLOCKS
+                r["heads_interleaved"] = dm.HEADS_INTERLEAVED
             rows.append(r)
             loads = " ".join(f"{k}/SM {v['median_us']:.1f}/{v['max_us']:.1f} ({v['threadgroups']})"
                              for k, v in r["loop_by_sm_load"].items())
@@ -205,10 +219,12 @@ def main() -> None:
                   f"{r['ramp_us']:4.1f}  tail {r['tail_us']:4.1f} | median/max: "
                   + " ".join(f"{k} {r[k + '_us']['median']:.1f}/{r[k + '_us']['max']:.1f}"
                              for k in (*PHASES, "finish"))
+                  + f" | head loop end {min(r['head_loop_end_us']):.1f}.."
+                  f"{max(r['head_loop_end_us']):.1f}"
                   + f" | warp spread {r['warp_spread_us']['median']:.1f}/"
                   f"{r['warp_spread_us']['max']:.1f} | loop by TGs per SM {loads} | "
                   f"{r['sms_used']} SMs, {r['threadgroups']} tgs, {r['sm_ghz']} GHz", flush=True)
-        dm.DYNAMIC = False
+        dm.DYNAMIC, dm.HEADS_INTERLEAVED = False, True
         del env, views
     path = write(args.name, {"shapes": {"kv_heads": attend.HKV, "rows": attend.HQ // attend.HKV,
                                         "head_dim": attend.D},

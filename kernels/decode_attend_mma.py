@@ -125,6 +125,14 @@ GRANT_BLOCKS = 1
 # warp's loop at 128k, at 4k most warps idle behind 64-key first grants, and the grant
 # bookkeeping in every block: benchmarks/results/step_stamps_h100.json)
 STATIC_PERCENT = 75
+# with DYNAMIC: threadgroups numbered split-major (threadgroup i: head i % BH, split i / BH), so
+# each head's splits are spread over the launch's order. SMs take threadgroups in launch order
+# and an SM's first-placed threadgroups issue first: on the H100 at 128k the loop of a
+# threadgroup in warp slots 0-3 took ~45.5 us, in slots 12-15 ~52.3 (step_stamps_h100.json's
+# `per_threadgroup`). Numbered head-major (False), head 0's splits all sat in the oldest slots
+# and the last head's all in the youngest, so a head's grants could not pass from slow
+# threadgroups to fast ones (head loop ends 48 ... 55 us, 75% static).
+HEADS_INTERLEAVED = True
 
 _HEADER = r"""
 #ifndef LC_STAMP
@@ -1022,6 +1030,12 @@ _DYN_LOOP_SUBS = (
   }
 """),
 )
+_DYN_INTERLEAVE = (
+    """  const int split = (int)(lc_tg % (uint32_t)S);
+  const int bh = (int)(lc_tg / (uint32_t)S);
+""", """  const int split = (int)(lc_tg / (uint32_t)(q_shape[0] * H));  // split-major
+  const int bh = (int)(lc_tg % (uint32_t)(q_shape[0] * H));     // (`HEADS_INTERLEAVED`)
+""", 1)
 _DYN_SUBS = (
     _DYN_SETUP,
     ("""        for (int i = q_shape[0] * H; i < counter_shape[0]; ++i) counter_out[i] = 0;""",
@@ -1051,7 +1065,7 @@ def _sub(src: str, old: str, new: str, times: int) -> str:
 def _dynamic(src: str) -> str:
     """`src` (the whole step's text) with part of its keys handed out while it runs (`DYNAMIC`):
     each instance of the main loop followed by the handed-out tail's loop."""
-    for old, new, times in _DYN_SUBS:
+    for old, new, times in _DYN_SUBS + ((_DYN_INTERLEAVE,) if HEADS_INTERLEAVED else ()):
         src = _sub(src, old, new, times)
     # the two instances of the main loop, 16-byte then word copies (`_source`)
     tails = []
@@ -1154,7 +1168,8 @@ def keep_counter(n: int, c: mx.array) -> None:
 
 
 def _step_spec(p: int) -> KernelSpec:
-    key = ("step", p, WARPS, STAGES, RESIDENT, EXACT_IN_SPLITS, STAMPS, DYNAMIC)
+    key = ("step", p, WARPS, STAGES, RESIDENT, EXACT_IN_SPLITS, STAMPS, DYNAMIC,
+           DYNAMIC and HEADS_INTERLEAVED)
     if key not in _SPECS:
         base = _spec(p)
         source = _step_source(EXACT_IN_SPLITS)

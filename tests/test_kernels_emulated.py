@@ -543,14 +543,16 @@ def test_decode_step_mma_whole(monkeypatch, case, in_splits):
     assert np.array_equal(np.array(again), a)
 
 
-DYNAMIC_CASES = [  # a WHOLE_CASES row, then GRANT_BLOCKS, STAGES, STATIC_PERCENT
-    (WHOLE_CASES[0], 4, 2, 0),  # every key handed out; the first threadgroup run takes most
-    (WHOLE_CASES[0], 2, 3, 0),  # grants of two blocks, three stages: the lookahead crosses grants
-    ((1, 1, 5, 256, 1500, 0, 40, "float32", 1, 8), 4, 2, 0),  # P = 256 at 8 warps
-    (WHOLE_CASES[4], 1, 2, 0),  # an answer's long window (exact keys stay each split's share)
-    ((2, 3, 4, 128, 4000, 2, 9, "float16", 4, 4), 3, 2, 0),  # 6 heads' grant lines
-    (WHOLE_CASES[0], 1, 2, 50),  # static chunks, then one-block grants
-    ((2, 3, 4, 128, 4000, 2, 9, "float16", 4, 4), 2, 3, 75),  # ... crossed by the lookahead
+DYNAMIC_CASES = [  # a WHOLE_CASES row, then GRANT_BLOCKS, STAGES, STATIC_PERCENT,
+    # HEADS_INTERLEAVED
+    (WHOLE_CASES[0], 4, 2, 0, True),  # every key handed out; the first threadgroup run takes most
+    (WHOLE_CASES[0], 2, 3, 0, True),  # grants of two blocks, three stages: the lookahead crosses
+    ((1, 1, 5, 256, 1500, 0, 40, "float32", 1, 8), 4, 2, 0, True),  # P = 256 at 8 warps
+    (WHOLE_CASES[4], 1, 2, 0, True),  # an answer's long window (exact keys: each split's share)
+    ((2, 3, 4, 128, 4000, 2, 9, "float16", 4, 4), 3, 2, 0, True),  # 6 heads' grant lines
+    (WHOLE_CASES[0], 1, 2, 50, True),  # static chunks, then one-block grants
+    ((2, 3, 4, 128, 4000, 2, 9, "float16", 4, 4), 2, 3, 75, True),  # ... crossed by the lookahead
+    ((2, 3, 4, 128, 4000, 2, 9, "float16", 4, 4), 2, 3, 75, False),  # ... numbered head-major
 ]
 
 
@@ -559,9 +561,9 @@ def _static_chunk(L, S, warps, sp):
     return L * sp // 100 // S // (16 * warps) * (16 * warps)
 
 
-@pytest.mark.parametrize("case,grant,stages,sp", DYNAMIC_CASES,
+@pytest.mark.parametrize("case,grant,stages,sp,interleaved", DYNAMIC_CASES,
                          ids=lambda c: f"P{c[3]}-L{c[4]}" if isinstance(c, tuple) else str(c))
-def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages, sp):
+def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages, sp, interleaved):
     """The whole step with its keys handed out while it runs (`DYNAMIC`) equals the reference
     within fp16 rounding, whichever threadgroup takes which grants (the emulator runs them one
     after another in a shuffled order, so the first takes every grant left after the static
@@ -578,6 +580,7 @@ def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages, sp):
     monkeypatch.setattr(dm, "DYNAMIC", True)
     monkeypatch.setattr(dm, "GRANT_BLOCKS", grant)
     monkeypatch.setattr(dm, "STATIC_PERCENT", sp)
+    monkeypatch.setattr(dm, "HEADS_INTERLEAVED", interleaved)
     q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + R)
     q = q.astype(getattr(mx, qdt))
     sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win,
