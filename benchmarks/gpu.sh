@@ -78,7 +78,7 @@ for phase in "${phases[@]}"; do
       # ATTEND_ARGS="--mma-variants 4,2 8,3 8,2 4,3 --lengths 32768 131072": the tensor-core
       # kernel's threadgroup shapes (warps, row stages), merged into attend_h200.json
       run attend 300 python3 benchmarks/attend.py --no-sweep --name attend_h200 ${ATTEND_ARGS:-}
-      keep benchmarks/results/attend_h200*.json ;;
+      keep benchmarks/results/attend_h*.json benchmarks/results/attend_h*.log ;;
     timeline)
       run timeline 300 python3 benchmarks/step_timeline.py ${TIMELINE_ARGS:-}
       keep benchmarks/results/step_timeline_h200.json ;;
@@ -89,8 +89,8 @@ for phase in "${phases[@]}"; do
       run atimeline 400 python3 benchmarks/answer_timeline.py ${ATIMELINE_ARGS:-}
       keep benchmarks/results/answer_timeline_h200.json ;;
     stamps)
-      run stamps 200 python3 benchmarks/step_stamps.py ${STAMPS_ARGS:-}
-      keep benchmarks/results/step_stamps_h200.json ;;
+      run stamps 400 python3 benchmarks/step_stamps.py ${STAMPS_ARGS:-}
+      keep benchmarks/results/step_stamps_*.json ;;
     ncu)
       # the tensor-core kernel's 4th launch (NCU_KERNEL=regex:lc_decode_attend_[0-9a-f]: the
       # portable one's)
