@@ -13,7 +13,8 @@ back to back; sync: each evaluated; flush: each after a 1 GiB read, cold L2):
   (q staged), rotate (its Walsh-Hadamard rotation and the score MMA's fragments), table (the pair
   table written), loop (every warp's blocks), merge (the warps' states through shared memory), exact
   (the split's share of the exact tokens, its state written), arrive (fence, count), and the
-  last threadgroups' finish (split merge, rotation back, mean, output);
+  last threadgroups' finish (split merge, rotation back, mean, output), and its parts: fence,
+  the splits' maxima, the weighted acc sums, the rotation back, the end (`FINISH_STEPS`);
 - tail: the last exit minus the last non-finishing threadgroup's exit (what the finish adds
   after every split is done).
 
@@ -60,6 +61,11 @@ from longctx.kvcache.attend_fused import kernel_table  # noqa: E402
 STEPS = (("issue", 1, 2), ("q_load", 2, 3), ("rotate", 3, 4), ("table", 4, 5), ("loop", 5, 6),
          ("merge", 6, 11), ("exact", 11, 7), ("arrive", 7, 8), ("finish", 8, 9))
 PHASES = tuple(name for name, _, _ in STEPS[:-1])
+# the finish's parts (the last threadgroup of each head): its fence, the splits' maxima (m
+# loads; the first splits' acc loads issued), the weighted acc sums (every split's acc read),
+# the rotation back, the end (the states merged, the output written)
+FINISH_STEPS = (("f_fence", 8, 21), ("f_max", 21, 18), ("f_acc", 18, 19), ("f_rotate", 19, 20),
+                ("f_end", 20, 9))
 
 
 def step_args(view):
@@ -103,7 +109,8 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
     res = {"S": s, "view": kind, "mode": mode, "variant": "dynamic" if dm.DYNAMIC else "static",
            "segment": length, "threadgroups": int(runs[0].shape[0]), "splits": n_split,
            "chunk": chunk}
-    per = {k: [] for k in (*PHASES, "finish", "span", "ramp", "tail", "ghz", "warp_spread")}
+    per = {k: [] for k in (*PHASES, "finish", "span", "ramp", "tail", "ghz", "warp_spread",
+                           *(name for name, _, _ in FINISH_STEPS))}
     tg = np.arange(runs[0].shape[0])
     head = tg % n_heads if dm.DYNAMIC and dm.HEADS_INTERLEAVED else tg // n_split
     head_ends = []  # per call: each head's last loop end, us since the launch's first entry
@@ -122,6 +129,9 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
             per[name].append((float(np.median(d[name])), float(d[name].max())))
         per["finish"].append((float(np.median(d["finish"][last])) if last.any() else 0.0,
                               float(d["finish"].max())))
+        for name, a, b in FINISH_STEPS:
+            x = (since[last, b] - since[last, a]) / rate / 1e3 if last.any() else np.zeros(1)
+            per[name].append((float(np.median(x)), float(x.max())))
         warps = min(4, dm.WARPS)
         ends = since[:, 12:12 + warps] / rate / 1e3  # each warp's loop end, us since entry
         per["warp_spread"].append((float(np.median(ends.max(1) - ends.min(1))),
@@ -153,7 +163,7 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
             "start_ns": [int(x) for x in (st[:, 0] - st[:, 0].min()) % (1 << 32)],
             "sm": [int(x) for x in st[:, 16]], "warp_slot": [int(x) for x in st[:, 17]],
             "head": [int(x) for x in head]}
-    for name in (*PHASES, "finish", "warp_spread"):
+    for name in (*PHASES, "finish", "warp_spread", *(name for name, _, _ in FINISH_STEPS)):
         res[name + "_us"] = {"median": round(statistics.median(x[0] for x in per[name]), 2),
                              "max": round(statistics.median(x[1] for x in per[name]), 2)}
     for name in ("span", "ramp", "tail"):
@@ -219,6 +229,9 @@ def main() -> None:
                   f"{r['ramp_us']:4.1f}  tail {r['tail_us']:4.1f} | median/max: "
                   + " ".join(f"{k} {r[k + '_us']['median']:.1f}/{r[k + '_us']['max']:.1f}"
                              for k in (*PHASES, "finish"))
+                  + " | finish " + " ".join(f"{k[2:]} {r[k + '_us']['median']:.1f}/"
+                                            f"{r[k + '_us']['max']:.1f}"
+                                            for k, _, _ in FINISH_STEPS)
                   + f" | head loop end {min(r['head_loop_end_us']):.1f}.."
                   f"{max(r['head_loop_end_us']):.1f}"
                   + f" | warp spread {r['warp_spread_us']['median']:.1f}/"

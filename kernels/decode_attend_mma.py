@@ -953,10 +953,44 @@ def _step_source(exact_in_splits: bool) -> str:
     the exact tokens, the tail, and the finish's body in the tail's block: its split merge and
     end, or with the exact tokens' step as well (FIN_EXACT)."""
     if exact_in_splits:
-        return (_PARTS + _source(_EXACT_SPLIT) + _TAIL + "    constexpr bool FIN_EXACT = false;\n"
-                + df.MERGE + df.NO_EXACT + df.END + "  }\n" + _END_STAMPS)
-    return (_PARTS + _source(_WRITE) + _TAIL + "    constexpr bool FIN_EXACT = true;\n" + df.BODY
-            + "  }\n" + _END_STAMPS)
+        src = (_PARTS + _source(_EXACT_SPLIT) + _TAIL + "    constexpr bool FIN_EXACT = false;\n"
+               + df.MERGE + df.NO_EXACT + df.END + "  }\n" + _END_STAMPS)
+    else:
+        src = (_PARTS + _source(_WRITE) + _TAIL + "    constexpr bool FIN_EXACT = true;\n"
+               + df.BODY + "  }\n" + _END_STAMPS)
+    for old, new, times in _FINISH_STAMPS:
+        src = _sub(src, old, new, times)
+    return src
+
+
+# The finish's own stamps in the whole step (`STAMPS`; empty macros otherwise): 21 after the
+# fence before the partials are read, 18 after the splits' maxima (the m loads, the first acc
+# loads issued), 19 after the weighted acc sums (every split's acc read), 20 after the rotation
+# back (before the exact tokens' merge and the output)
+_FINISH_STAMPS = (
+    ("""  LC_FENCE();
+  {
+    static_assert(P == NT,""", """  LC_FENCE();
+  LC_STAMP(21);
+  {
+    static_assert(P == NT,""", 1),
+    ("""    mx_r[r] = M;  // -inf: no split saw a key
+  }
+  LC_BARRIER();  // red is rewritten below
+""", """    mx_r[r] = M;  // -inf: no split saw a key
+  }
+  LC_BARRIER();  // red is rewritten below
+  LC_STAMP(18);
+""", 1),
+    ("""    LC_BARRIER();  // wts is rewritten by the next block (and by the exact tokens' tiles)
+  }
+""", """    LC_BARRIER();  // wts is rewritten by the next block (and by the exact tokens' tiles)
+  }
+  LC_STAMP(19);
+""", 1),
+    ("""  // 4. Both states merged""", """  LC_STAMP(20);
+  // 4. Both states merged""", 1),
+)
 
 
 _END_STAMPS = "  LC_STAMP(9);\n  LC_GSTAMP(10);\n"
@@ -1057,7 +1091,8 @@ _DYN_SUBS = (
 
 def _sub(src: str, old: str, new: str, times: int) -> str:
     if src.count(old) != times:
-        raise AssertionError(f"the dynamic variant's anchor is not in the step's text {times}"
+        raise AssertionError(f"an anchor (the dynamic variant's, the finish's stamps) is not in"
+                             f" the step's text {times}"
                              f" time(s): {old.splitlines()[0]!r}")
     return src.replace(old, new)
 
@@ -1093,8 +1128,10 @@ def counter_words(n: int) -> int:
 # pair table, 12 + w when warp w (lane 0, w < 4) left the main loop, 6 after the main loop (every
 # warp), 11 at the exact tokens' start, 7 after the split's state is written, 8 after its
 # arrival at the head's count, 9 at the end (the last threadgroup: after the finish); 10 the
-# global timer at the end; 16 the SM it ran on (%smid), 17 thread 0's warp slot (%warpid). The
-# library's launches have no stamps (empty macros).
+# global timer at the end; 16 the SM it ran on (%smid), 17 thread 0's warp slot (%warpid); the
+# last threadgroups' finish (`_FINISH_STAMPS`): 21 after its fence, 18 after the splits' maxima,
+# 19 after the weighted acc sums, 20 after the rotation back. The library's launches have no
+# stamps (empty macros).
 _STAMP_HEADER = r"""
 #define LC_STAMP(i) do { if (lc_tid == 0u) stamps[lc_tg * 24u + (i)] = (uint32_t)clock64(); } while (0)
 #define LC_WSTAMP(i) do { if (lc_lane == 0u && (i) < 16) \

@@ -633,6 +633,11 @@ def test_gpu_decode_step_timing_variant(monkeypatch):
     since = (st - st[:, 1:2]) % (1 << 32)
     order = since[:, [1, 2, 3, 4, 5, 6, 11, 7, 8, 9]]
     assert (np.diff(order, axis=1) >= 0).all() and (since[:, 9] > 0).all()
+    # the last threadgroup of each head (the H longest from arrival to end; the others' words
+    # 18-21 are never written): its finish's parts in order (fence, maxima, acc sums, rotation
+    # back, end)
+    last = np.argsort(since[:, 9] - since[:, 8])[-H:]
+    assert (np.diff(since[last][:, [8, 21, 18, 19, 20, 9]], axis=1) >= 0).all()
     warp_ends = since[:, 12:16]  # each warp's loop end: after the table, by the loop's end
     # (lane 0 of each warp reads its own clock; on an H100 some were past thread 0's read after
     # the barrier that follows them, by over 1024 cycles in two runs: the compiler may place the
