@@ -24,7 +24,8 @@ back to back; sync: each evaluated; flush: each after a 1 GiB read, cold L2):
   of each row every threadgroup's loop time, SM and warp slot (`per_threadgroup`).
 
 `--variants static dynamic` times the default kernel and the one whose keys are handed out while
-it runs (`decode_attend_mma.DYNAMIC`) side by side, per length and view; `dynamic:SP:GB` sets its
+it runs (`decode_attend_mma.DYNAMIC`) side by side, per length and view (`f32`: the static
+kernel with fp32 split states, `HALF_STATES` off); `dynamic:SP:GB` sets its
 static share and grant size, and a `:hm` suffix numbers its threadgroups head-major (not
 `HEADS_INTERLEAVED`). Per head: when its last threadgroup left its main loop (`head_loop_end_us`,
 since the launch's first entry; a head's grants balance its splits' ends only within the head).
@@ -124,7 +125,12 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
         rate = float(np.median(since[:, 9] / np.maximum(g1r - g0r, 1)))  # GHz
         per["ghz"].append(rate)
         d = {name: (since[:, b] - since[:, a]) / rate / 1e3 for name, a, b in STEPS}  # us
-        last = d["finish"] > 0.05  # the threadgroups that ran a finish
+        # the threadgroups that ran a finish: each head's longest from arrival to end (the
+        # others' finish stamps are unwritten words)
+        last = np.zeros(len(st), dtype=bool)
+        for h in range(n_heads):
+            idx = np.flatnonzero(head == h)
+            last[idx[np.argmax(d["finish"][idx])]] = True
         for name in PHASES:
             per[name].append((float(np.median(d[name])), float(d[name].max())))
         per["finish"].append((float(np.median(d["finish"][last])) if last.any() else 0.0,
@@ -173,8 +179,9 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
 
 
 def _variant(name: str, defaults: tuple) -> tuple:
-    """(DYNAMIC, STATIC_PERCENT, GRANT_BLOCKS, HEADS_INTERLEAVED) of a --variants name."""
-    if name == "static":
+    """(DYNAMIC, STATIC_PERCENT, GRANT_BLOCKS, HEADS_INTERLEAVED) of a --variants name (and
+    `f32`: the static kernel with fp32 split states, HALF_STATES off: `main`)."""
+    if name in ("static", "f32"):
         return False, *defaults, False
     if name == "dynamic":
         return True, *defaults, True
@@ -194,7 +201,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--modes", nargs="+", default=["pipe"], choices=["pipe", "sync", "flush"])
     ap.add_argument("--variants", nargs="+", default=["static", "dynamic"],
-                    help="static, dynamic (the module's STATIC_PERCENT and GRANT_BLOCKS) or "
+                    help="static, f32 (static, fp32 split states), dynamic (the module's STATIC_PERCENT and GRANT_BLOCKS) or "
                          "dynamic:SP:GB (SP%% of the keys in static first grants, the rest in "
                          "grants of GB blocks; a :hm suffix: threadgroups numbered head-major)")
     ap.add_argument("--name", default="step_stamps_h200")
@@ -217,6 +224,7 @@ def main() -> None:
                                                              args.variants):
             (dm.DYNAMIC, dm.STATIC_PERCENT, dm.GRANT_BLOCKS,
              dm.HEADS_INTERLEAVED) = _variant(variant, defaults)
+            dm.HALF_STATES = variant != "f32"
             r = measure(s, view, kind, args.calls, mode, flush if mode == "flush" else None)
             r["variant"] = variant
             if dm.DYNAMIC:
@@ -237,7 +245,7 @@ def main() -> None:
                   + f" | warp spread {r['warp_spread_us']['median']:.1f}/"
                   f"{r['warp_spread_us']['max']:.1f} | loop by TGs per SM {loads} | "
                   f"{r['sms_used']} SMs, {r['threadgroups']} tgs, {r['sm_ghz']} GHz", flush=True)
-        dm.DYNAMIC, dm.HEADS_INTERLEAVED = False, True
+        dm.DYNAMIC, dm.HEADS_INTERLEAVED, dm.HALF_STATES = False, True, True
         del env, views
     path = write(args.name, {"shapes": {"kv_heads": attend.HKV, "rows": attend.HQ // attend.HKV,
                                         "head_dim": attend.D},

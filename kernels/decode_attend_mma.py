@@ -100,6 +100,12 @@ ENABLED = True  # benchmarks/attend.py turns it off for the portable kernel's ro
 # the whole step in one launch where it applies (`decode_step_mma`; False: the partials, then
 # `decode_finish`, two launches)
 FUSE_FINISH = True
+# the whole step's split states as the last threadgroup reads them (with EXACT_IN_SPLITS): acc
+# over l in fp16, [split][dim][row pairs] (`_HALF_STATES`), half the bytes of fp32 sums and two
+# rows a load. False: fp32 sums [split][row][dim], as the two-launch finish reads them. (The
+# finish was ~5.5-7 us of the step at every length on the H100, most of it reading the 128 KB
+# of a head's 64 split states, 32 KB a round: benchmarks/results/step_stamps_h100.json)
+HALF_STATES = True
 # the whole step's exact tokens (sink, window) spread over the head's splits, each folding its
 # share into its state (False: the last threadgroup attends them all in the finish's body)
 EXACT_IN_SPLITS = True
@@ -169,6 +175,9 @@ LC_FN void lc_cp_async16(uint32_t* smem, const uint32_t* gmem) {
 LC_FN uint32_t lc_pack_h2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
+}
+LC_FN float lc_h2f_bits(uint32_t bits) {  // the fp16 in the low 16 bits
+  return __half2float(__ushort_as_half((unsigned short)(bits & 0xffffu)));
 }
 // A shared-memory load from a 32-bit shared-window address (no side effects: the compiler may
 // schedule it freely; the table it reads is written once, before the first barrier).
@@ -958,9 +967,97 @@ def _step_source(exact_in_splits: bool) -> str:
     else:
         src = (_PARTS + _source(_WRITE) + _TAIL + "    constexpr bool FIN_EXACT = true;\n"
                + df.BODY + "  }\n" + _END_STAMPS)
+    if exact_in_splits and HALF_STATES:
+        for old, new, times in _HALF_STATES:
+            src = _sub(src, old, new, times)
     for old, new, times in _FINISH_STAMPS:
         src = _sub(src, old, new, times)
     return src
+
+
+# `HALF_STATES`: each split writes its acc divided by its l as fp16, two rows a word, words
+# [split][dim][(R + 1) / 2] (its m and l as before); the finish weighs split s by l_s e^(m_s - M)
+# and reads a split's rows for its dim in (R + 1) / 2 words, so 2 (R + 1) / 2 splits' words a
+# thread are in flight per round: at R = 4 the 64 splits of 128k in two rounds of 32, not four
+# of 16. (acc / l is a weighted mean of the split's values, in fp16's range where they are; its
+# rounding, ~5e-4 relative, is below the output's.)
+_HALF_STATES = (
+    ("""  // the split's state: its compressed keys' (the warps merged) with its exact keys'
+  LC_UNROLL for (int r = 0; r < R; ++r) {
+    float M = -LC_INF;
+    LC_UNROLL for (int w = 0; w < NWP; ++w) M = LC_MAX(M, mlb[w * 8 + r]);
+    const float Mt = LC_MAX(M, me[r]);
+    const float fc = M == -LC_INF ? 0.0f : LC_EXP2(M - Mt);
+    const float fe = me[r] == -LC_INF ? 0.0f : LC_EXP2(me[r] - Mt);
+    LC_UNROLL for (int i = 0; i < PD; ++i) {
+      const int dd = tid + NT * i;
+      if (dd < P) {
+        float a = 0.0f;
+        LC_UNROLL for (int w = 0; w < NWP; ++w) a += red[(w * 8 + r) * P + dd];
+        acc_out[so * (R * P) + r * P + dd] = a * fc + ae[r][i] * fe;
+      }
+    }
+    if (tid == 0) {
+      float l = 0.0f;
+      LC_UNROLL for (int w = 0; w < NWP; ++w) {
+        const float mw = mlb[w * 8 + r];
+        if (mw != -LC_INF) l += mlb[NWP * 8 + w * 8 + r] * LC_EXP2(mw - M);
+      }
+      m_out[so * R + r] = Mt == -LC_INF ? -LC_INF : Mt * 0.6931471805599453f;  // natural log
+      l_out[so * R + r] = l * fc + le[r] * fe;
+    }
+  }
+""", """  // the split's state: its compressed keys' (the warps merged) with its exact keys'; acc over
+  // l in fp16, two rows a word (`HALF_STATES`)
+  constexpr int RW = (R + 1) / 2;
+  float ov[2 * RW][PD];
+  LC_UNROLL for (int i = 0; i < PD; ++i) ov[2 * RW - 1][i] = 0.0f;  // (odd R: the pad half)
+  LC_UNROLL for (int r = 0; r < R; ++r) {
+    float M = -LC_INF;
+    LC_UNROLL for (int w = 0; w < NWP; ++w) M = LC_MAX(M, mlb[w * 8 + r]);
+    const float Mt = LC_MAX(M, me[r]);
+    const float fc = M == -LC_INF ? 0.0f : LC_EXP2(M - Mt);
+    const float fe = me[r] == -LC_INF ? 0.0f : LC_EXP2(me[r] - Mt);
+    float l = 0.0f;
+    LC_UNROLL for (int w = 0; w < NWP; ++w) {
+      const float mw = mlb[w * 8 + r];
+      if (mw != -LC_INF) l += mlb[NWP * 8 + w * 8 + r] * LC_EXP2(mw - M);
+    }
+    const float lt = l * fc + le[r] * fe;
+    const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
+    LC_UNROLL for (int i = 0; i < PD; ++i) {
+      const int dd = tid + NT * i;
+      float a = 0.0f;
+      if (dd < P) {
+        LC_UNROLL for (int w = 0; w < NWP; ++w) a += red[(w * 8 + r) * P + dd];
+      }
+      ov[r][i] = (a * fc + ae[r][i] * fe) * inv;
+    }
+    if (tid == 0) {
+      m_out[so * R + r] = Mt == -LC_INF ? -LC_INF : Mt * 0.6931471805599453f;  // natural log
+      l_out[so * R + r] = lt;
+    }
+  }
+  uint32_t* acc_wo = reinterpret_cast<uint32_t*>(acc_out);
+  LC_UNROLL for (int i = 0; i < PD; ++i) {
+    const int dd = tid + NT * i;
+    if (dd < P) {
+      LC_UNROLL for (int j = 0; j < RW; ++j)
+        acc_wo[(so * P + dd) * RW + j] = lc_pack_h2(ov[2 * j][i], ov[2 * j + 1][i]);
+    }
+  }
+""", 1),
+    ("""#define LC_PART(p, i) ((p)[i])
+""", """#define LC_PART(p, i) ((p)[i])
+    // (`HALF_STATES`: the merge's reads of the splits' acc, decode_finish.MERGE's LC_ACC_*)
+    const volatile uint32_t* acc_w = reinterpret_cast<const volatile uint32_t*>(acc_out);
+#define LC_ACC_T uint32_t
+#define LC_ACC_N ((R + 1) / 2)
+#define LC_ACC_LD(s, i) acc_w[((int64_t)bh * S + (s)) * (P * LC_ACC_N) + d * LC_ACC_N + (i)]
+#define LC_ACC_ROW(v, r) lc_h2f_bits((v)[(r) >> 1] >> (16 * ((r) & 1)))
+#define LC_ACC_WL(w, l) ((w) * (l))
+""", 1),
+)
 
 
 # The finish's own stamps in the whole step (`STAMPS`; empty macros otherwise): 21 after the
@@ -1206,7 +1303,7 @@ def keep_counter(n: int, c: mx.array) -> None:
 
 def _step_spec(p: int) -> KernelSpec:
     key = ("step", p, WARPS, STAGES, RESIDENT, EXACT_IN_SPLITS, STAMPS, DYNAMIC,
-           DYNAMIC and HEADS_INTERLEAVED)
+           DYNAMIC and HEADS_INTERLEAVED, HALF_STATES)
     if key not in _SPECS:
         base = _spec(p)
         source = _step_source(EXACT_IN_SPLITS)
