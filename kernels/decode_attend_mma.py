@@ -101,7 +101,7 @@ ENABLED = True  # benchmarks/attend.py turns it off for the portable kernel's ro
 # `decode_finish`, two launches)
 FUSE_FINISH = True
 # the whole step's split states as the last threadgroup reads them (with EXACT_IN_SPLITS): acc
-# over l in fp16, [split][dim][row pairs] (`_HALF_STATES`), half the bytes of fp32 sums and two
+# over l in fp16, [split][row pair][dim] (`_HALF_STATES`), half the bytes of fp32 sums and two
 # rows a load. False: fp32 sums [split][row][dim], as the two-launch finish reads them. (The
 # finish was ~5.5-7 us of the step at every length on the H100, most of it reading the 128 KB
 # of a head's 64 split states, 32 KB a round: benchmarks/results/step_stamps_h100.json)
@@ -976,10 +976,12 @@ def _step_source(exact_in_splits: bool) -> str:
 
 
 # `HALF_STATES`: each split writes its acc divided by its l as fp16, two rows a word, words
-# [split][dim][(R + 1) / 2] (its m and l as before); the finish weighs split s by l_s e^(m_s - M)
-# and reads a split's rows for its dim in (R + 1) / 2 words, so 2 (R + 1) / 2 splits' words a
-# thread are in flight per round: at R = 4 the 64 splits of 128k in two rounds of 32, not four
-# of 16. (acc / l is a weighted mean of the split's values, in fp16's range where they are; its
+# [split][row pair][dim] (its m and l as before); the finish weighs split s by l_s e^(m_s - M)
+# and reads a split's rows for its dim in (R + 1) / 2 words, a warp's load 128 whole bytes, so
+# 2 (R + 1) / 2 splits' words a thread are in flight per round: at R = 4 the 64 splits of 128k
+# in two rounds of 32, not four of 16. (Words [split][dim][row pair] were tried first: a warp's
+# word load then spans 256 bytes of which it uses half, as many sectors as the fp32 sums, and
+# the finish took longer, 7.0 us against 5.3 at 128k on the H100.) (acc / l is a weighted mean of the split's values, in fp16's range where they are; its
 # rounding, ~5e-4 relative, is below the output's.)
 _HALF_STATES = (
     ("""  // the split's state: its compressed keys' (the warps merged) with its exact keys'
@@ -1043,7 +1045,7 @@ _HALF_STATES = (
     const int dd = tid + NT * i;
     if (dd < P) {
       LC_UNROLL for (int j = 0; j < RW; ++j)
-        acc_wo[(so * P + dd) * RW + j] = lc_pack_h2(ov[2 * j][i], ov[2 * j + 1][i]);
+        acc_wo[(so * RW + j) * P + dd] = lc_pack_h2(ov[2 * j][i], ov[2 * j + 1][i]);
     }
   }
 """, 1),
@@ -1053,7 +1055,7 @@ _HALF_STATES = (
     const volatile uint32_t* acc_w = reinterpret_cast<const volatile uint32_t*>(acc_out);
 #define LC_ACC_T uint32_t
 #define LC_ACC_N ((R + 1) / 2)
-#define LC_ACC_LD(s, i) acc_w[((int64_t)bh * S + (s)) * (P * LC_ACC_N) + d * LC_ACC_N + (i)]
+#define LC_ACC_LD(s, i) acc_w[(((int64_t)bh * S + (s)) * LC_ACC_N + (i)) * P + d]
 #define LC_ACC_ROW(v, r) lc_h2f_bits((v)[(r) >> 1] >> (16 * ((r) & 1)))
 #define LC_ACC_WL(w, l) ((w) * (l))
 """, 1),
