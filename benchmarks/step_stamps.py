@@ -24,8 +24,9 @@ back to back; sync: each evaluated; flush: each after a 1 GiB read, cold L2):
   of each row every threadgroup's loop time, SM and warp slot (`per_threadgroup`).
 
 `--variants static dynamic` times the default kernel and the one whose keys are handed out while
-it runs (`decode_attend_mma.DYNAMIC`) side by side, per length and view (`f32`: the static
-kernel with fp32 split states, `HALF_STATES` off); `dynamic:SP:GB` sets its
+it runs (`decode_attend_mma.DYNAMIC`) side by side, per length and view (`half`: the static
+kernel with fp16 split states, `HALF_STATES`; `default`: the library's choice by length,
+`DYNAMIC_MIN_KEYS`); `dynamic:SP:GB` sets its
 static share and grant size, and a `:hm` suffix numbers its threadgroups head-major (not
 `HEADS_INTERLEAVED`). Per head: when its last threadgroup left its main loop (`head_loop_end_us`,
 since the launch's first entry; a head's grants balance its splits' ends only within the head).
@@ -107,13 +108,14 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
     runs = [np.array(st).astype(np.int64) for st in stamps]
     length = view.segments[0][0]["norm"].shape[2]
     chunk, n_split = dm.splits(length, n_heads, attend.D)
-    res = {"S": s, "view": kind, "mode": mode, "variant": "dynamic" if dm.DYNAMIC else "static",
+    res = {"S": s, "view": kind, "mode": mode,
+           "variant": "dynamic" if dm.hands_out(length) else "static",
            "segment": length, "threadgroups": int(runs[0].shape[0]), "splits": n_split,
            "chunk": chunk}
     per = {k: [] for k in (*PHASES, "finish", "span", "ramp", "tail", "ghz", "warp_spread",
                            *(name for name, _, _ in FINISH_STEPS))}
     tg = np.arange(runs[0].shape[0])
-    head = tg % n_heads if dm.DYNAMIC and dm.HEADS_INTERLEAVED else tg // n_split
+    head = tg % n_heads if dm.hands_out(length) and dm.HEADS_INTERLEAVED else tg // n_split
     head_ends = []  # per call: each head's last loop end, us since the launch's first entry
     by_load: dict = {}  # threadgroups on the SM -> per call, the loop us of such threadgroups
     for st in runs:
@@ -180,8 +182,11 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
 
 def _variant(name: str, defaults: tuple) -> tuple:
     """(DYNAMIC, STATIC_PERCENT, GRANT_BLOCKS, HEADS_INTERLEAVED) of a --variants name (and
-    `f32`: the static kernel with fp32 split states, HALF_STATES off: `main`)."""
-    if name in ("static", "f32"):
+    `half`: the static kernel with fp16 split states, HALF_STATES: `main`; `default`: the
+    library's choice by length, DYNAMIC_MIN_KEYS)."""
+    if name == "default":
+        return None, *defaults, True
+    if name in ("static", "half"):
         return False, *defaults, False
     if name == "dynamic":
         return True, *defaults, True
@@ -201,7 +206,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--modes", nargs="+", default=["pipe"], choices=["pipe", "sync", "flush"])
     ap.add_argument("--variants", nargs="+", default=["static", "dynamic"],
-                    help="static, f32 (static, fp32 split states), dynamic (the module's STATIC_PERCENT and GRANT_BLOCKS) or "
+                    help="default (the library's choice by length), static, half (static, fp16 "
+                         "split states), dynamic (the module's STATIC_PERCENT and GRANT_BLOCKS) or "
                          "dynamic:SP:GB (SP%% of the keys in static first grants, the rest in "
                          "grants of GB blocks; a :hm suffix: threadgroups numbered head-major)")
     ap.add_argument("--name", default="step_stamps_h200")
@@ -210,6 +216,7 @@ def main() -> None:
         sys.exit("step_stamps: the whole-step kernel's stamps need the CUDA backend")
     dm.STAMPS = True
     defaults = (dm.STATIC_PERCENT, dm.GRANT_BLOCKS)
+    min_keys = dm.DYNAMIC_MIN_KEYS
     for v in args.variants:
         _variant(v, defaults)  # (a malformed one fails before any timing)
     rows = []
@@ -224,10 +231,12 @@ def main() -> None:
                                                              args.variants):
             (dm.DYNAMIC, dm.STATIC_PERCENT, dm.GRANT_BLOCKS,
              dm.HEADS_INTERLEAVED) = _variant(variant, defaults)
-            dm.HALF_STATES = variant != "f32"
+            dm.HALF_STATES = variant == "half"
+            dm.DYNAMIC_MIN_KEYS = min_keys if dm.DYNAMIC is None else 0
+            dm.DYNAMIC = bool(dm.DYNAMIC)
             r = measure(s, view, kind, args.calls, mode, flush if mode == "flush" else None)
             r["variant"] = variant
-            if dm.DYNAMIC:
+            if dm.hands_out(r["segment"]):
                 r["static_percent"], r["grant_blocks"] = dm.STATIC_PERCENT, dm.GRANT_BLOCKS
                 r["heads_interleaved"] = dm.HEADS_INTERLEAVED
             rows.append(r)
@@ -245,7 +254,8 @@ def main() -> None:
                   + f" | warp spread {r['warp_spread_us']['median']:.1f}/"
                   f"{r['warp_spread_us']['max']:.1f} | loop by TGs per SM {loads} | "
                   f"{r['sms_used']} SMs, {r['threadgroups']} tgs, {r['sm_ghz']} GHz", flush=True)
-        dm.DYNAMIC, dm.HEADS_INTERLEAVED, dm.HALF_STATES = False, True, True
+        dm.DYNAMIC, dm.HEADS_INTERLEAVED, dm.HALF_STATES = False, True, False
+        dm.DYNAMIC_MIN_KEYS = min_keys
         del env, views
     path = write(args.name, {"shapes": {"kv_heads": attend.HKV, "rows": attend.HQ // attend.HKV,
                                         "head_dim": attend.D},

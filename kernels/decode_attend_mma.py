@@ -103,9 +103,12 @@ FUSE_FINISH = True
 # the whole step's split states as the last threadgroup reads them (with EXACT_IN_SPLITS): acc
 # over l in fp16, [split][row pair][dim] (`_HALF_STATES`), half the bytes of fp32 sums and two
 # rows a load. False: fp32 sums [split][row][dim], as the two-launch finish reads them. (The
-# finish was ~5.5-7 us of the step at every length on the H100, most of it reading the 128 KB
-# of a head's 64 split states, 32 KB a round: benchmarks/results/step_stamps_h100.json)
-HALF_STATES = True
+# finish is ~5-7 us of the step at every length, most of it reading the 128 KB of a head's 64
+# split states. Measured, fp16 states made it slower, not faster: at 128k the acc sums 4.5 us
+# against 3.1 on the H200, 3.9 against 2.6 on the H100, the finish 7.2 against 6.1 / 7.0
+# against 5.3, pipelined 128k step 1.86x fp16 against 1.89x: step_stamps_h200_half.json. Kept
+# as an A/B variant, off.)
+HALF_STATES = False
 # the whole step's exact tokens (sink, window) spread over the head's splits, each folding its
 # share into its state (False: the last threadgroup attends them all in the finish's body)
 EXACT_IN_SPLITS = True
@@ -123,6 +126,12 @@ SMEM_PER_SM = 233472  # bytes of shared memory an H200 SM gives its threadgroups
 # (at 128k on the H200 the slowest threadgroup's main loop took 52 us against a median of 39:
 # benchmarks/results/step_stamps_h200.json)
 DYNAMIC = False
+# ... and from this many keys on, whatever DYNAMIC says (0: only with DYNAMIC). On the H200 at
+# 128k the grants (75% static, split-major) took the step from 66.5 to 62.7 us bare and 71.0 to
+# 66.9 answering (step_stamps_h200.json), pipelined 0.0744 -> 0.0710 ms; at 32k 0.0586 -> 0.0541
+# ms; on the H100 68.4 -> 67.1 us at 128k, 27.9 -> 27.6 at 32k, but 16.0 -> 16.5 at 4k, where
+# the grant bookkeeping outweighs the balance (step_stamps_h100.json)
+DYNAMIC_MIN_KEYS = 32768
 GRANT_BLOCKS = 1
 # with DYNAMIC: the share of the head's keys (percent) its splits walk as the static kernel
 # does (each a chunk of whole 64-key tiles), before their warps take the rest in grants of
@@ -970,7 +979,7 @@ def _step_source(exact_in_splits: bool) -> str:
     if exact_in_splits and HALF_STATES:
         for old, new, times in _HALF_STATES:
             src = _sub(src, old, new, times)
-    for old, new, times in _FINISH_STAMPS:
+    for old, new, times in _FINISH_STAMPS + _COUNTER_SUBS:
         src = _sub(src, old, new, times)
     return src
 
@@ -1169,8 +1178,11 @@ _DYN_INTERLEAVE = (
 """, """  const int split = (int)(lc_tg / (uint32_t)(q_shape[0] * H));  // split-major
   const int bh = (int)(lc_tg % (uint32_t)(q_shape[0] * H));     // (`HEADS_INTERLEAVED`)
 """, 1)
-_DYN_SUBS = (
-    _DYN_SETUP,
+# The count array holds a grant line per head after the counts (`counter_words`) whichever
+# variant runs, so that a model's layers may switch between them by length with one array:
+# each head's last threadgroup zeroes its head's line in `counter_out` (a grant count the
+# static kernel never adds to, zero already) and head 0's the padding heads' lines.
+_COUNTER_SUBS = (
     ("""        for (int i = q_shape[0] * H; i < counter_shape[0]; ++i) counter_out[i] = 0;""",
      """        for (int i = q_shape[0] * H; i < counter_shape[0] / 33; ++i) counter_out[i] = 0;""",
      1),
@@ -1186,6 +1198,7 @@ _DYN_SUBS = (
   }
   if (lc_last[0] == 0) {""", 1),
 )
+_DYN_SUBS = (_DYN_SETUP,)
 
 
 def _sub(src: str, old: str, new: str, times: int) -> str:
@@ -1217,8 +1230,14 @@ def _dynamic(src: str) -> str:
 
 def counter_words(n: int) -> int:
     """The counter array's size for a whole-step launch over n KV heads: a count per head (at
-    least 4 words: `constant`), and with `DYNAMIC` a 32-word grant line per count after them."""
-    return max(n, 4) * (33 if DYNAMIC else 1)
+    least 4 words: `constant`), then a 32-word grant line per count (`_COUNTER_SUBS`)."""
+    return max(n, 4) * 33
+
+
+def hands_out(length: int) -> bool:
+    """Whether a whole step over `length` compressed keys hands part of them out while it runs
+    (`DYNAMIC`, `DYNAMIC_MIN_KEYS`)."""
+    return bool(DYNAMIC or (DYNAMIC_MIN_KEYS and length >= DYNAMIC_MIN_KEYS))
 
 # A benchmark's timing variant of the whole step (`STAMPS`, benchmarks/step_stamps.py): every
 # threadgroup writes 24 words to an extra output, `stamps` (thread 0 unless said): 0 the global
@@ -1303,16 +1322,16 @@ def keep_counter(n: int, c: mx.array) -> None:
     _COUNTERS[(n, c.shape[0])] = c
 
 
-def _step_spec(p: int) -> KernelSpec:
-    key = ("step", p, WARPS, STAGES, RESIDENT, EXACT_IN_SPLITS, STAMPS, DYNAMIC,
-           DYNAMIC and HEADS_INTERLEAVED, HALF_STATES)
+def _step_spec(p: int, dynamic: bool = False) -> KernelSpec:
+    key = ("step", p, WARPS, STAGES, RESIDENT, EXACT_IN_SPLITS, STAMPS, dynamic,
+           dynamic and HEADS_INTERLEAVED, HALF_STATES)
     if key not in _SPECS:
         base = _spec(p)
         source = _step_source(EXACT_IN_SPLITS)
         _SPECS[key] = dataclasses.replace(
             _STEP_SPEC, shared_memory=base.shared_memory,
             header=(_STAMP_HEADER if STAMPS else "") + base.header,
-            source=_dynamic(source) if DYNAMIC else source,
+            source=_dynamic(source) if dynamic else source,
             outputs=_STEP_SPEC.outputs + (("stamps",) if STAMPS else ()))
     return _SPECS[key]
 
@@ -1344,7 +1363,8 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
 
     chunk, n_split = splits(L, B * H, P)
     n = B * H * n_split
-    if DYNAMIC:  # each split's static chunk (`_dynamic`): whole tiles, the rest handed out
+    dynamic = hands_out(L)
+    if dynamic:  # each split's static chunk (`_dynamic`): whole tiles, the rest handed out
         tile = BLOCK * WARPS
         chunk = L * STATIC_PERCENT // 100 // n_split // tile * tile
     if backend() == "cpu" or L == 0:
@@ -1364,14 +1384,14 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
                 *exact_template,
                 ("OT", out_dtype), ("XS", int(EXACT_IN_SPLITS)),  # (the two sources: one name, other templates)
                 ("SW", int(df.SCORE_BY_WARP))]  # (the tail's exact tokens, XS = 0)
-    if DYNAMIC:
-        if count_in.shape != (counter_words(B * H),):
-            raise ValueError(f"the dynamic step takes counter({B * H}), not {count_in.shape}")
+    if count_in.shape != (counter_words(B * H),):
+        raise ValueError(f"the whole step takes counter({B * H}), not {count_in.shape}")
+    if dynamic:
         template.append(("GB", GRANT_BLOCKS))
     shapes = ([(n * R * (P + 2),), (B, H, R, P), count_in.shape]
               + ([(n, STAMP_WORDS)] if STAMPS else []))
     dtypes = [f32, out_dtype, mx.int32] + ([mx.uint32] if STAMPS else [])
-    outs = run(_step_spec(P), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1), shapes,
+    outs = run(_step_spec(P, dynamic), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1), shapes,
                                      dtypes), reference=reference)
     if STAMPS:
         _STAMPED[:] = [outs[3]]

@@ -540,7 +540,7 @@ def test_decode_step_mma_whole(monkeypatch, case, in_splits, half):
         again, counts2 = dm.decode_step_mma(*args, counts)
     assert launched == [dm.STEP_NAME] * 2 and not _prelude.failed(dm.STEP_NAME)
     assert dm.splits(L, B * H, P)[1] > 1 or L < 64 * warps
-    assert counts.shape == (max(4, B * H),) and not np.array(counts).any()
+    assert counts.shape == (33 * max(4, B * H),) and not np.array(counts).any()
     assert not np.array(counts2).any()
     a, b = np.array(got), np.array(want)
     assert np.isfinite(a).all() and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-3
@@ -599,7 +599,7 @@ def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages, sp, interleav
     assert c0.shape == (33 * max(4, B * H),)
     launched = []
     with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
-        with pytest.raises(ValueError, match="counter"):  # a static step's count array
+        with pytest.raises(ValueError, match="counter"):  # a count array without grant lines
             dm.decode_step_mma(*args, mx.zeros((max(4, B * H),), dtype=mx.int32))
         got, counts = dm.decode_step_mma(*args, c0)
         again, counts2 = dm.decode_step_mma(*args, counts)
@@ -614,6 +614,37 @@ def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages, sp, interleav
     assert np.isfinite(a).all() and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-3
     # (not bit for bit: which warp takes which grant changes the fp16 roundings' grouping)
     assert np.linalg.norm(np.array(again) - a) / np.linalg.norm(a) < 1e-4
+
+
+def test_decode_step_mma_hands_out_keys_by_length(monkeypatch):
+    """From DYNAMIC_MIN_KEYS keys on, the whole step hands part of its keys out (the grants'
+    variant, split-major), below it walks fixed chunks; one count array serves both, in either
+    order, and each gives the reference within fp16 rounding."""
+    from longctx.kernels import decode_finish as dfin
+
+    B, H, R, P = 1, 3, 4, 128
+    monkeypatch.setattr(da, "SM_COUNT", 2)
+    monkeypatch.setattr(dm, "DYNAMIC", False)
+    monkeypatch.setattr(dm, "DYNAMIC_MIN_KEYS", 2000)
+    counts = dm.counter(B * H)
+    for L in (2500, 1500, 2500):
+        q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L)
+        sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, 2, 9, seed=L)
+        args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5,
+                mx.float32, count)
+        parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
+                                          value_bits=4, scale=P ** -0.5)
+        want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
+                                            mx.float32, count)
+        launched = []
+        with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
+            got, counts = dm.decode_step_mma(*args, counts)
+        assert launched == [dm.STEP_NAME] and dm.hands_out(L) == (L >= 2000)
+        assert not np.array(counts).any()
+        a, b = np.array(got), np.array(want)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-3
+    built = {k[7] for k in dm._SPECS if k[0] == "step"}
+    assert built >= {True, False}
 
 
 @pytest.mark.parametrize("broken", [dm.STEP_NAME, dm.NAME, da.EXACT_NAME])
