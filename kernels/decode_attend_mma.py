@@ -106,7 +106,7 @@ FUSE_FINISH = True
 # finish is ~5-7 us of the step at every length, most of it reading the 128 KB of a head's 64
 # split states. Measured, fp16 states made it slower, not faster: at 128k the acc sums 4.5 us
 # against 3.1 on the H200, 3.9 against 2.6 on the H100, the finish 7.2 against 6.1 / 7.0
-# against 5.3, pipelined 128k step 1.86x fp16 against 1.89x: step_stamps_h200_half.json. Kept
+# against 5.3, pipelined 128k step 1.86x fp16 against 1.89x: step_stamps_h200_half.log. Kept
 # as an A/B variant, off.)
 HALF_STATES = False
 # the whole step's exact tokens (sink, window) spread over the head's splits, each folding its
