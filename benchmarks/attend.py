@@ -17,8 +17,6 @@ at S = 4k, 8k, 32k, 128k cached tokens. Methods, all measured in one run:
   warps while it runs at every length (`decode_attend_mma.DYNAMIC`, grants from a count per head;
   the default from DYNAMIC_MIN_KEYS keys on); `_static`: at no length; `_hm`: its
   threadgroups numbered head-major (`HEADS_INTERLEAVED` off);
-- fused_tq4_half_states / answer_tq4_half_states: the one-launch step with its split states as
-  acc over l in fp16 (`decode_attend_mma.HALF_STATES`; the default: fp32 sums);
 - fused_tq4_portable: the two-launch step with the portable decode-attend kernel instead of
   the tensor-core one (`decode_attend_mma`, CUDA, 4-bit keys and values, <= 8 rows);
 - compiled_tq4: the compiled fused path for tq4 (rotate q, kernel, split merge, rotate back, add
@@ -266,8 +264,7 @@ def methods(env: dict, s: int) -> dict:
         if name == "tq4":  # the compiled fused path the two-launch step replaced, side by side
             # (the kernels `KNOBS` sets around their timings)
             for variant in ("fused_tq4_portable", "fused_tq4_two_launch", "fused_tq4_dynamic",
-                            "fused_tq4_dynamic_hm", "fused_tq4_half_states",
-                            "fused_tq4_static"):
+                            "fused_tq4_dynamic_hm", "fused_tq4_static"):
                 out[variant] = out["fused_tq4"]
             out["compiled_tq4"] = (lambda view=view: _compiled(q, view, scale), cache_bytes)
         if name in ("tq4", "tq3"):
@@ -286,8 +283,7 @@ def methods(env: dict, s: int) -> dict:
 # its splits), the portable kernel (what Metal runs) with the exact tokens in its splits, and the
 # portable kernel with the finish attending them (before this round, on Metal)
 ANSWER_VARIANTS = ("answer_tq4", "answer_tq4_portable", "answer_tq4_portable_finish_exact",
-                   "answer_tq4_dynamic", "answer_tq4_dynamic_hm", "answer_tq4_half_states",
-                   "answer_tq4_static")
+                   "answer_tq4_dynamic", "answer_tq4_dynamic_hm", "answer_tq4_static")
 
 
 def _compiled(q, view, scale):
@@ -304,8 +300,6 @@ KNOBS = {"fused_tq4_portable": {"ENABLED": False},  # the portable kernel, then 
          "answer_tq4_dynamic": {"DYNAMIC": True},
          "fused_tq4_dynamic_hm": {"DYNAMIC": True, "HEADS_INTERLEAVED": False},
          "answer_tq4_dynamic_hm": {"DYNAMIC": True, "HEADS_INTERLEAVED": False},
-         "fused_tq4_half_states": {"HALF_STATES": True},
-         "answer_tq4_half_states": {"HALF_STATES": True},
          "fused_tq4_static": {"DYNAMIC_MIN_KEYS": 0},
          "answer_tq4_static": {"DYNAMIC_MIN_KEYS": 0},
          "fused_tq4_two_launch": {"FUSE_FINISH": False},  # the tensor-core kernel, the finish

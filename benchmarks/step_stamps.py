@@ -24,9 +24,8 @@ back to back; sync: each evaluated; flush: each after a 1 GiB read, cold L2):
   of each row every threadgroup's loop time, SM and warp slot (`per_threadgroup`).
 
 `--variants static dynamic` times the default kernel and the one whose keys are handed out while
-it runs (`decode_attend_mma.DYNAMIC`) side by side, per length and view (`half`: the static
-kernel with fp16 split states, `HALF_STATES`; `default`: the library's choice by length,
-`DYNAMIC_MIN_KEYS`); `dynamic:SP:GB` sets its
+it runs (`decode_attend_mma.DYNAMIC`) at every length side by side, per length and view
+(`default`: the library's choice by length, `DYNAMIC_MIN_KEYS`); `dynamic:SP:GB` sets its
 static share and grant size, and a `:hm` suffix numbers its threadgroups head-major (not
 `HEADS_INTERLEAVED`). Per head: when its last threadgroup left its main loop (`head_loop_end_us`,
 since the launch's first entry; a head's grants balance its splits' ends only within the head).
@@ -180,24 +179,24 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
     return res
 
 
-def _variant(name: str, defaults: tuple) -> tuple:
-    """(DYNAMIC, STATIC_PERCENT, GRANT_BLOCKS, HEADS_INTERLEAVED) of a --variants name (and
-    `half`: the static kernel with fp16 split states, HALF_STATES: `main`; `default`: the
-    library's choice by length, DYNAMIC_MIN_KEYS)."""
+def _variant(name: str, defaults: dict) -> dict:
+    """The `decode_attend_mma` tunables a --variants name sets (`defaults`: the module's own, which
+    `default` keeps: the library's choice by length)."""
     if name == "default":
-        return None, *defaults, True
-    if name in ("static", "half"):
-        return False, *defaults, False
+        return dict(defaults)
+    if name == "static":
+        return {**defaults, "DYNAMIC": False, "DYNAMIC_MIN_KEYS": 0}
     if name == "dynamic":
-        return True, *defaults, True
+        return {**defaults, "DYNAMIC": True, "HEADS_INTERLEAVED": True}
     kind, _, rest = name.partition(":")
     sp, _, rest = rest.partition(":")
     gb, _, order = rest.partition(":")
     if kind != "dynamic" or not sp.isdigit() or not gb.isdigit() or int(gb) < 1 \
             or int(sp) > 99 or order not in ("", "hm"):
-        raise SystemExit(f"step_stamps: unknown variant {name!r} (static, dynamic,"
+        raise SystemExit(f"step_stamps: unknown variant {name!r} (default, static, dynamic,"
                          " dynamic:SP:GB, dynamic:SP:GB:hm)")
-    return True, int(sp), int(gb), order != "hm"
+    return {**defaults, "DYNAMIC": True, "STATIC_PERCENT": int(sp), "GRANT_BLOCKS": int(gb),
+            "HEADS_INTERLEAVED": order != "hm"}
 
 
 def main() -> None:
@@ -206,8 +205,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--modes", nargs="+", default=["pipe"], choices=["pipe", "sync", "flush"])
     ap.add_argument("--variants", nargs="+", default=["static", "dynamic"],
-                    help="default (the library's choice by length), static, half (static, fp16 "
-                         "split states), dynamic (the module's STATIC_PERCENT and GRANT_BLOCKS) or "
+                    help="default (the library's choice by length), static, dynamic (the "
+                         "module's STATIC_PERCENT and GRANT_BLOCKS, at every length) or "
                          "dynamic:SP:GB (SP%% of the keys in static first grants, the rest in "
                          "grants of GB blocks; a :hm suffix: threadgroups numbered head-major)")
     ap.add_argument("--name", default="step_stamps_h200")
@@ -215,8 +214,8 @@ def main() -> None:
     if _prelude.backend() != "cuda":
         sys.exit("step_stamps: the whole-step kernel's stamps need the CUDA backend")
     dm.STAMPS = True
-    defaults = (dm.STATIC_PERCENT, dm.GRANT_BLOCKS)
-    min_keys = dm.DYNAMIC_MIN_KEYS
+    defaults = {k: getattr(dm, k) for k in ("DYNAMIC", "DYNAMIC_MIN_KEYS", "STATIC_PERCENT",
+                                            "GRANT_BLOCKS", "HEADS_INTERLEAVED")}
     for v in args.variants:
         _variant(v, defaults)  # (a malformed one fails before any timing)
     rows = []
@@ -229,11 +228,8 @@ def main() -> None:
         views = {"bare": env["tq4"], "answer": attend.answer_view(env["k"], env["v"])}
         for (kind, view), mode, variant in itertools.product(views.items(), args.modes,
                                                              args.variants):
-            (dm.DYNAMIC, dm.STATIC_PERCENT, dm.GRANT_BLOCKS,
-             dm.HEADS_INTERLEAVED) = _variant(variant, defaults)
-            dm.HALF_STATES = variant == "half"
-            dm.DYNAMIC_MIN_KEYS = min_keys if dm.DYNAMIC is None else 0
-            dm.DYNAMIC = bool(dm.DYNAMIC)
+            for k, v in _variant(variant, defaults).items():
+                setattr(dm, k, v)
             r = measure(s, view, kind, args.calls, mode, flush if mode == "flush" else None)
             r["variant"] = variant
             if dm.hands_out(r["segment"]):
@@ -254,8 +250,8 @@ def main() -> None:
                   + f" | warp spread {r['warp_spread_us']['median']:.1f}/"
                   f"{r['warp_spread_us']['max']:.1f} | loop by TGs per SM {loads} | "
                   f"{r['sms_used']} SMs, {r['threadgroups']} tgs, {r['sm_ghz']} GHz", flush=True)
-        dm.DYNAMIC, dm.HEADS_INTERLEAVED, dm.HALF_STATES = False, True, False
-        dm.DYNAMIC_MIN_KEYS = min_keys
+        for k, v in defaults.items():
+            setattr(dm, k, v)
         del env, views
     path = write(args.name, {"shapes": {"kv_heads": attend.HKV, "rows": attend.HQ // attend.HKV,
                                         "head_dim": attend.D},

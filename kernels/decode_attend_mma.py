@@ -100,15 +100,6 @@ ENABLED = True  # benchmarks/attend.py turns it off for the portable kernel's ro
 # the whole step in one launch where it applies (`decode_step_mma`; False: the partials, then
 # `decode_finish`, two launches)
 FUSE_FINISH = True
-# the whole step's split states as the last threadgroup reads them (with EXACT_IN_SPLITS): acc
-# over l in fp16, [split][row pair][dim] (`_HALF_STATES`), half the bytes of fp32 sums and two
-# rows a load. False: fp32 sums [split][row][dim], as the two-launch finish reads them. (The
-# finish is ~5-7 us of the step at every length, most of it reading the 128 KB of a head's 64
-# split states. Measured, fp16 states made it slower, not faster: at 128k the acc sums 4.5 us
-# against 3.1 on the H200, 3.9 against 2.6 on the H100, the finish 7.2 against 6.1 / 7.0
-# against 5.3, pipelined 128k step 1.86x fp16 against 1.89x: step_stamps_h200_half.log. Kept
-# as an A/B variant, off.)
-HALF_STATES = False
 # the whole step's exact tokens (sink, window) spread over the head's splits, each folding its
 # share into its state (False: the last threadgroup attends them all in the finish's body)
 EXACT_IN_SPLITS = True
@@ -184,9 +175,6 @@ LC_FN void lc_cp_async16(uint32_t* smem, const uint32_t* gmem) {
 LC_FN uint32_t lc_pack_h2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
-}
-LC_FN float lc_h2f_bits(uint32_t bits) {  // the fp16 in the low 16 bits
-  return __half2float(__ushort_as_half((unsigned short)(bits & 0xffffu)));
 }
 // A shared-memory load from a 32-bit shared-window address (no side effects: the compiler may
 // schedule it freely; the table it reads is written once, before the first barrier).
@@ -916,6 +904,11 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale, si
 # an input the kernel updates and also an output of zeros (`counter_out`): the caller passes
 # each launch's output to the next launch, so MLX orders any two launches that share counts
 # (its CUDA graph orders kernels by the buffers they read and write, not by issue order).
+# The count array holds a grant line per head after the counts (`counter_words`; the grants'
+# variant, `_dynamic`, takes its keys' grants from them), whichever variant runs, so that a
+# model's layers may switch between them by length with one array: each head's last
+# threadgroup zeroes its head's line in `counter_out` (a count the static kernel never adds to,
+# zero already) and head 0's the padding heads' lines.
 # The finish's arrays live in the dynamic shared memory, after the partials are written; its
 # body wants one thread per dim: P = NT (128 at 4 warps).
 _TAIL = r"""
@@ -930,12 +923,20 @@ _TAIL = r"""
       lc_atomic_zero(counter + bh);
       counter_out[bh] = 0;
       if (bh == 0) {
-        for (int i = q_shape[0] * H; i < counter_shape[0]; ++i) counter_out[i] = 0;
+        for (int i = q_shape[0] * H; i < counter_shape[0] / 33; ++i) counter_out[i] = 0;
       }
     }
   }
   LC_BARRIER();
   LC_STAMP(8);
+  if (lc_last[0] != 0 && tid < 32) {  // the head's grant line, zeroed for the next launch
+    const int n4 = counter_shape[0] / 33;  // (and head 0's: the padding heads' lines)
+    counter_out[n4 + 32 * bh + tid] = 0;
+    if (bh == 0) {
+      for (int j = q_shape[0] * H; j < n4; ++j) counter_out[n4 + 32 * j + tid] = 0;
+    }
+    if (tid == 0) lc_atomic_zero(counter + n4 + 32 * bh);
+  }
   if (lc_last[0] == 0) {
     LC_STAMP(9);
     LC_GSTAMP(10);
@@ -976,99 +977,9 @@ def _step_source(exact_in_splits: bool) -> str:
     else:
         src = (_PARTS + _source(_WRITE) + _TAIL + "    constexpr bool FIN_EXACT = true;\n"
                + df.BODY + "  }\n" + _END_STAMPS)
-    if exact_in_splits and HALF_STATES:
-        for old, new, times in _HALF_STATES:
-            src = _sub(src, old, new, times)
-    for old, new, times in _FINISH_STAMPS + _COUNTER_SUBS:
+    for old, new, times in _FINISH_STAMPS:
         src = _sub(src, old, new, times)
     return src
-
-
-# `HALF_STATES`: each split writes its acc divided by its l as fp16, two rows a word, words
-# [split][row pair][dim] (its m and l as before); the finish weighs split s by l_s e^(m_s - M)
-# and reads a split's rows for its dim in (R + 1) / 2 words, a warp's load 128 whole bytes, so
-# 2 (R + 1) / 2 splits' words a thread are in flight per round: at R = 4 the 64 splits of 128k
-# in two rounds of 32, not four of 16. (Words [split][dim][row pair] were tried first: a warp's
-# word load then spans 256 bytes of which it uses half, as many sectors as the fp32 sums, and
-# the finish took longer, 7.0 us against 5.3 at 128k on the H100.) (acc / l is a weighted mean of the split's values, in fp16's range where they are; its
-# rounding, ~5e-4 relative, is below the output's.)
-_HALF_STATES = (
-    ("""  // the split's state: its compressed keys' (the warps merged) with its exact keys'
-  LC_UNROLL for (int r = 0; r < R; ++r) {
-    float M = -LC_INF;
-    LC_UNROLL for (int w = 0; w < NWP; ++w) M = LC_MAX(M, mlb[w * 8 + r]);
-    const float Mt = LC_MAX(M, me[r]);
-    const float fc = M == -LC_INF ? 0.0f : LC_EXP2(M - Mt);
-    const float fe = me[r] == -LC_INF ? 0.0f : LC_EXP2(me[r] - Mt);
-    LC_UNROLL for (int i = 0; i < PD; ++i) {
-      const int dd = tid + NT * i;
-      if (dd < P) {
-        float a = 0.0f;
-        LC_UNROLL for (int w = 0; w < NWP; ++w) a += red[(w * 8 + r) * P + dd];
-        acc_out[so * (R * P) + r * P + dd] = a * fc + ae[r][i] * fe;
-      }
-    }
-    if (tid == 0) {
-      float l = 0.0f;
-      LC_UNROLL for (int w = 0; w < NWP; ++w) {
-        const float mw = mlb[w * 8 + r];
-        if (mw != -LC_INF) l += mlb[NWP * 8 + w * 8 + r] * LC_EXP2(mw - M);
-      }
-      m_out[so * R + r] = Mt == -LC_INF ? -LC_INF : Mt * 0.6931471805599453f;  // natural log
-      l_out[so * R + r] = l * fc + le[r] * fe;
-    }
-  }
-""", """  // the split's state: its compressed keys' (the warps merged) with its exact keys'; acc over
-  // l in fp16, two rows a word (`HALF_STATES`)
-  constexpr int RW = (R + 1) / 2;
-  float ov[2 * RW][PD];
-  LC_UNROLL for (int i = 0; i < PD; ++i) ov[2 * RW - 1][i] = 0.0f;  // (odd R: the pad half)
-  LC_UNROLL for (int r = 0; r < R; ++r) {
-    float M = -LC_INF;
-    LC_UNROLL for (int w = 0; w < NWP; ++w) M = LC_MAX(M, mlb[w * 8 + r]);
-    const float Mt = LC_MAX(M, me[r]);
-    const float fc = M == -LC_INF ? 0.0f : LC_EXP2(M - Mt);
-    const float fe = me[r] == -LC_INF ? 0.0f : LC_EXP2(me[r] - Mt);
-    float l = 0.0f;
-    LC_UNROLL for (int w = 0; w < NWP; ++w) {
-      const float mw = mlb[w * 8 + r];
-      if (mw != -LC_INF) l += mlb[NWP * 8 + w * 8 + r] * LC_EXP2(mw - M);
-    }
-    const float lt = l * fc + le[r] * fe;
-    const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
-    LC_UNROLL for (int i = 0; i < PD; ++i) {
-      const int dd = tid + NT * i;
-      float a = 0.0f;
-      if (dd < P) {
-        LC_UNROLL for (int w = 0; w < NWP; ++w) a += red[(w * 8 + r) * P + dd];
-      }
-      ov[r][i] = (a * fc + ae[r][i] * fe) * inv;
-    }
-    if (tid == 0) {
-      m_out[so * R + r] = Mt == -LC_INF ? -LC_INF : Mt * 0.6931471805599453f;  // natural log
-      l_out[so * R + r] = lt;
-    }
-  }
-  uint32_t* acc_wo = reinterpret_cast<uint32_t*>(acc_out);
-  LC_UNROLL for (int i = 0; i < PD; ++i) {
-    const int dd = tid + NT * i;
-    if (dd < P) {
-      LC_UNROLL for (int j = 0; j < RW; ++j)
-        acc_wo[(so * RW + j) * P + dd] = lc_pack_h2(ov[2 * j][i], ov[2 * j + 1][i]);
-    }
-  }
-""", 1),
-    ("""#define LC_PART(p, i) ((p)[i])
-""", """#define LC_PART(p, i) ((p)[i])
-    // (`HALF_STATES`: the merge's reads of the splits' acc, decode_finish.MERGE's LC_ACC_*)
-    const volatile uint32_t* acc_w = reinterpret_cast<const volatile uint32_t*>(acc_out);
-#define LC_ACC_T uint32_t
-#define LC_ACC_N ((R + 1) / 2)
-#define LC_ACC_LD(s, i) acc_w[(((int64_t)bh * S + (s)) * LC_ACC_N + (i)) * P + d]
-#define LC_ACC_ROW(v, r) lc_h2f_bits((v)[(r) >> 1] >> (16 * ((r) & 1)))
-#define LC_ACC_WL(w, l) ((w) * (l))
-""", 1),
-)
 
 
 # The finish's own stamps in the whole step (`STAMPS`; empty macros otherwise): 21 after the
@@ -1178,27 +1089,6 @@ _DYN_INTERLEAVE = (
 """, """  const int split = (int)(lc_tg / (uint32_t)(q_shape[0] * H));  // split-major
   const int bh = (int)(lc_tg % (uint32_t)(q_shape[0] * H));     // (`HEADS_INTERLEAVED`)
 """, 1)
-# The count array holds a grant line per head after the counts (`counter_words`) whichever
-# variant runs, so that a model's layers may switch between them by length with one array:
-# each head's last threadgroup zeroes its head's line in `counter_out` (a grant count the
-# static kernel never adds to, zero already) and head 0's the padding heads' lines.
-_COUNTER_SUBS = (
-    ("""        for (int i = q_shape[0] * H; i < counter_shape[0]; ++i) counter_out[i] = 0;""",
-     """        for (int i = q_shape[0] * H; i < counter_shape[0] / 33; ++i) counter_out[i] = 0;""",
-     1),
-    ("""  LC_STAMP(8);
-  if (lc_last[0] == 0) {""", """  LC_STAMP(8);
-  if (lc_last[0] != 0 && tid < 32) {  // the head's grant line, zeroed for the next launch
-    const int n4 = counter_shape[0] / 33;  // (and head 0's: the padding heads' lines)
-    counter_out[n4 + 32 * bh + tid] = 0;
-    if (bh == 0) {
-      for (int j = q_shape[0] * H; j < n4; ++j) counter_out[n4 + 32 * j + tid] = 0;
-    }
-    if (tid == 0) lc_atomic_zero(counter + n4 + 32 * bh);
-  }
-  if (lc_last[0] == 0) {""", 1),
-)
-_DYN_SUBS = (_DYN_SETUP,)
 
 
 def _sub(src: str, old: str, new: str, times: int) -> str:
@@ -1212,7 +1102,7 @@ def _sub(src: str, old: str, new: str, times: int) -> str:
 def _dynamic(src: str) -> str:
     """`src` (the whole step's text) with part of its keys handed out while it runs (`DYNAMIC`):
     each instance of the main loop followed by the handed-out tail's loop."""
-    for old, new, times in _DYN_SUBS + ((_DYN_INTERLEAVE,) if HEADS_INTERLEAVED else ()):
+    for old, new, times in (_DYN_SETUP,) + ((_DYN_INTERLEAVE,) if HEADS_INTERLEAVED else ()):
         src = _sub(src, old, new, times)
     # the two instances of the main loop, 16-byte then word copies (`_source`)
     tails = []
@@ -1230,7 +1120,7 @@ def _dynamic(src: str) -> str:
 
 def counter_words(n: int) -> int:
     """The counter array's size for a whole-step launch over n KV heads: a count per head (at
-    least 4 words: `constant`), then a 32-word grant line per count (`_COUNTER_SUBS`)."""
+    least 4 words: `constant`), then a 32-word grant line per count (`_TAIL`)."""
     return max(n, 4) * 33
 
 
@@ -1324,7 +1214,7 @@ def keep_counter(n: int, c: mx.array) -> None:
 
 def _step_spec(p: int, dynamic: bool = False) -> KernelSpec:
     key = ("step", p, WARPS, STAGES, RESIDENT, EXACT_IN_SPLITS, STAMPS, dynamic,
-           dynamic and HEADS_INTERLEAVED, HALF_STATES)
+           dynamic and HEADS_INTERLEAVED)
     if key not in _SPECS:
         base = _spec(p)
         source = _step_source(EXACT_IN_SPLITS)
@@ -1391,8 +1281,8 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
     shapes = ([(n * R * (P + 2),), (B, H, R, P), count_in.shape]
               + ([(n, STAMP_WORDS)] if STAMPS else []))
     dtypes = [f32, out_dtype, mx.int32] + ([mx.uint32] if STAMPS else [])
-    outs = run(_step_spec(P, dynamic), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1), shapes,
-                                     dtypes), reference=reference)
+    outs = run(_step_spec(P, dynamic), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1),
+                                              shapes, dtypes), reference=reference)
     if STAMPS:
         _STAMPED[:] = [outs[3]]
     return outs[1], outs[2]

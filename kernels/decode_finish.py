@@ -111,22 +111,12 @@ MERGE = r"""
   // KV head, all the GPU runs meanwhile, so latency is its whole cost). The first NB splits'
   // are requested with the m and l loads, before the maxima are known. (LC_PART: how the
   // partials are read; the whole step's tail reads them volatile, past L1.)
-  // A split's acc for this dim is LC_ACC_N words of LC_ACC_T: LC_ACC_LD(s, i) reads word i of
-  // split s, LC_ACC_ROW(v, r) gives row r of a split's words, and its weight is LC_ACC_WL(w, l)
-  // (w = e^(m - M), l its sum). Here: R floats, the sum itself (weight w); the whole step
-  // defines its own (`decode_attend_mma.HALF_STATES`: acc over l in fp16, row pairs per word).
-#ifndef LC_ACC_N
-#define LC_ACC_T float
-#define LC_ACC_N R
-#define LC_ACC_LD(s, i) LC_PART(acc_p, ao + (int64_t)(s) * acc_p_strides[1] \
-                                       + d * acc_p_strides[3] + (r0 + (i)) * acc_p_strides[2])
-#define LC_ACC_ROW(v, r) ((v)[r])
-#define LC_ACC_WL(w, l) (w)
-#endif
-  constexpr int NB = LC_ACC_N >= 64 ? 1 : 64 / LC_ACC_N;
-  LC_ACC_T v[NB][LC_ACC_N];
+  constexpr int NB = R >= 64 ? 1 : 64 / R;
+  float v[NB][R];
   LC_UNROLL for (int b = 0; b < NB; ++b) {
-    LC_UNROLL for (int i = 0; i < LC_ACC_N; ++i) v[b][i] = b < S ? LC_ACC_LD(b, i) : 0;
+    const int64_t so = ao + (int64_t)b * acc_p_strides[1] + d * acc_p_strides[3];
+    LC_UNROLL for (int r = 0; r < R; ++r)
+      v[b][r] = b < S ? LC_PART(acc_p, so + (r0 + r) * acc_p_strides[2]) : 0.0f;
   }
   float mx_r[R];
   float m0[R];  // split d's m and l, kept for the weights (the first block of P splits)
@@ -167,7 +157,7 @@ MERGE = r"""
         const float ms = s0 == 0 ? m0[r] : LC_PART(m_p, mi);
         const float ls = s0 == 0 ? l0[r] : LC_PART(l_p, li);
         const float w = LC_EXP(ms - Mu);
-        wts[d * R + r] = LC_ACC_WL(w, ls);
+        wts[d * R + r] = w;
         lt[r] += ls * w;
       }
     }
@@ -176,14 +166,15 @@ MERGE = r"""
     for (int k = 0; k < ns_; k += NB) {
       if (s0 + k > 0) {  // (the first NB splits' are in v already)
         LC_UNROLL for (int b = 0; b < NB; ++b) {
-          LC_UNROLL for (int i = 0; i < LC_ACC_N; ++i)
-            v[b][i] = k + b < ns_ ? LC_ACC_LD(s0 + k + b, i) : 0;
+          const int64_t so =
+              ao + (int64_t)(s0 + k + b) * acc_p_strides[1] + d * acc_p_strides[3];
+          LC_UNROLL for (int r = 0; r < R; ++r)
+            v[b][r] = k + b < ns_ ? LC_PART(acc_p, so + (r0 + r) * acc_p_strides[2]) : 0.0f;
         }
       }
       LC_UNROLL for (int b = 0; b < NB; ++b) {
         if (k + b < ns_) {
-          LC_UNROLL for (int r = 0; r < R; ++r)
-            a[r] += LC_ACC_ROW(v[b], r) * wts[(k + b) * R + r];
+          LC_UNROLL for (int r = 0; r < R; ++r) a[r] += v[b][r] * wts[(k + b) * R + r];
         }
       }
     }

@@ -504,14 +504,12 @@ WHOLE_CASES = [  # B, H, R, P, L, n_sink, n_win (of a 2x longer buffer), q dtype
 ]
 
 
-@pytest.mark.parametrize("in_splits,half", [(True, True), (True, False), (False, False)],
-                         ids=["exact-in-splits", "exact-in-splits-f32-states", "exact-in-tail"])
+@pytest.mark.parametrize("in_splits", [True, False], ids=["exact-in-splits", "exact-in-tail"])
 @pytest.mark.parametrize("case", WHOLE_CASES, ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}-{c[7]}")
-def test_decode_step_mma_whole(monkeypatch, case, in_splits, half):
+def test_decode_step_mma_whole(monkeypatch, case, in_splits):
     """The whole-step variant (the tensor-core kernel whose last threadgroup per KV head runs
-    the finish; the exact tokens folded into the splits' states, those states' acc over l in
-    fp16 (`HALF_STATES`) or fp32 sums, or the exact tokens attended by that last threadgroup)
-    equals its reference, the partials' reference then the finish's, within fp16
+    the finish; the exact tokens folded into the splits' states, or attended by that last
+    threadgroup) equals its reference, the partials' reference then the finish's, within fp16
     rounding; its count output is zeros, which the next launch takes, and that launch gives the
     same output (threadgroups in another order: the emulator shuffles them per grid size)."""
     from longctx.kernels import decode_finish as dfin
@@ -521,7 +519,6 @@ def test_decode_step_mma_whole(monkeypatch, case, in_splits, half):
         monkeypatch.setattr(da, "SM_COUNT", sm)
     monkeypatch.setattr(dm, "WARPS", warps)
     monkeypatch.setattr(dm, "EXACT_IN_SPLITS", in_splits)
-    monkeypatch.setattr(dm, "HALF_STATES", half)
     q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + R)
     q = q.astype(getattr(mx, qdt))
     sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win,
@@ -533,7 +530,6 @@ def test_decode_step_mma_whole(monkeypatch, case, in_splits, half):
     want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
                                         mx.float32, count)
     assert dm.fuses_finish(P, R)
-    assert ("lc_h2f_bits(" in dm._step_spec(P).source) == (in_splits and half)
     launched = []
     with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
         got, counts = dm.decode_step_mma(*args, dm.counter(B * H))
