@@ -12,7 +12,7 @@ that many MiB queued at most (`prefill_inflight`).
 
 Usage: python benchmarks/prefill_shapes.py [--shapes smollm2-135m llama-3.1-8b] [--tokens 8192 32768]
        [--kv fp16 tq4] [--bits 0] [--blocked] [--sync-ab] [--queue-every 4 8]
-       [--group-tokens 16384] [--orders token] [--inflight 512] [--host-profile]
+       [--group-tokens 16384] [--orders token] [--inflight 512] [--host-profile] [--repeat 3]
        [--name prefill_gpu]
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -108,6 +109,9 @@ def main() -> None:
     ap.add_argument("--host-profile", action="store_true",
                     help="also one more prefill per compressed preset under cProfile (printed: "
                          "where the host's time goes, evaluation included)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="steady runs per variant after its first, in alternating rounds "
+                         "(the median is reported)")
     ap.add_argument("--name", default="prefill_gpu")
     args = ap.parse_args()
 
@@ -141,29 +145,43 @@ def main() -> None:
                          for kv in compressed for order in args.orders]
             variants += [(f"{kv}:inflight{m}", {"prefill_inflight": m * 2**20})
                          for kv in compressed for m in args.inflight]
+            # every variant's first run (it meets every chunk's shapes for the first time: MLX
+            # kernels, cuDNN graphs keyed by shape and strides, as one ingest does), then
+            # --repeat rounds over the variants in turn (alternating, so drift in the machine's
+            # state falls on all of them alike); the steady rate is the median round
+            first, steady = {}, {label: [] for label, _ in variants}
             for label, settings in variants:
                 preset = kvcache.get_preset(label.split(":")[0])
                 with config.override(**settings):
-                    # twice: the first run meets every chunk's shapes for the first time (MLX
-                    # kernels, cuDNN graphs keyed by shape and strides), as one ingest does;
-                    # the second is the steady rate, the same for every variant whatever ran
-                    # before it
-                    s0, peak, longest0, _ = prefill_once(model, ids, preset, args.chunk)
-                    s, longest = s0, longest0
+                    first[label] = prefill_once(model, ids, preset, args.chunk)
+            for _ in range(args.repeat):
+                for label, settings in variants:
                     # --once: the layer-major A/B rows, whose shapes the default rows have met
-                    once = args.once and label.split(":")[-1].startswith(("group", "inflight"))
-                    if not once:
-                        s, peak, longest, _ = prefill_once(model, ids, preset, args.chunk)
+                    if args.once and label.split(":")[-1].startswith(("group", "inflight")):
+                        continue
+                    preset = kvcache.get_preset(label.split(":")[0])
+                    with config.override(**settings):
+                        steady[label].append(prefill_once(model, ids, preset, args.chunk))
+            for label, settings in variants:
+                s0, peak0, longest0, _ = first[label]
+                runs = steady[label] or [first[label]]
+                s = statistics.median(r[0] for r in runs)
+                peak = max(r[1] for r in runs)
+                longest = max(r[2] for r in runs)
                 rows.append({"shape": shape, "kv": label, "settings": settings,
-                             "runs": 1 if once else 2, "tokens": n, "seconds": s,
+                             "runs": len(steady[label]), "tokens": n, "seconds": s,
+                             "runs_seconds": [r[0] for r in runs],
                              "tokens_per_second": n / s, "peak_bytes": peak,
                              "weights_bytes": weights, "longest_eval_seconds": longest,
                              "first_run_seconds": s0, "first_run_tokens_per_second": n / s0,
+                             "first_run_peak_bytes": peak0,
                              "first_run_longest_eval_seconds": longest0})
-                print(f"{shape:>14} {label:>16} {n:>7} {s:>7.2f} {n / s:>8.0f} "
-                      f"{peak / 2**30:>9.2f} {longest:>10.3f}  first run {s0:.2f} s", flush=True)
+                print(f"{shape:>14} {label:>16} {n:>7} {s:>7.3f} {n / s:>8.0f} "
+                      f"{peak / 2**30:>9.2f} {longest:>10.3f}  first run {s0:.2f} s, runs "
+                      + " ".join(f"{r[0]:.3f}" for r in runs), flush=True)
                 if args.host_profile:
-                    host_profile(model, ids, preset, args.chunk, label, settings)
+                    host_profile(model, ids, kvcache.get_preset(label.split(":")[0]), args.chunk,
+                                 label, settings)
         del model
         gc.collect()
         mx.clear_cache()
@@ -179,7 +197,8 @@ def main() -> None:
     for k, v in ratios.items():
         print(f"{k:>40}: {v['speed_vs_fp16']:.2f}x speed (first run "
               f"{v['first_run_speed_vs_fp16']:.2f}x), {v['peak_vs_fp16']:.2f}x peak")
-    out = write(args.name, {"chunk": args.chunk, "weights_bits": args.bits or 16, "rows": rows,
+    out = write(args.name, {"chunk": args.chunk, "weights_bits": args.bits or 16,
+                            "repeat": args.repeat, "rows": rows,
                             "ratios": ratios})
     print(f"wrote {out}")
 

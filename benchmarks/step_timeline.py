@@ -16,6 +16,7 @@ threadgroup shapes and split sizes (`--mma-variants`), the tq4 step with the por
 
 CUDA only (torch with CUDA on the machine). Usage:
     python benchmarks/step_timeline.py [--lengths 4096 32768 131072] [--mma-variants 8,3]
+        [--methods fp16_sdpa fused_tq4 answer_fp16 answer_tq4]
 """
 
 from __future__ import annotations
@@ -162,6 +163,9 @@ def main() -> None:
                     help="tensor-core kernel shapes: warps, stages, fewest blocks per warp")
     ap.add_argument("--host-profile", action="store_true",
                     help="also cProfile the host's graph building of the tq4 step (top 20)")
+    ap.add_argument("--methods", nargs="*", default=None,
+                    help="only these rows (e.g. fp16_sdpa fused_tq4 answer_fp16 answer_tq4; "
+                         "each also as its layers32_ row where it has one)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--name", default="step_timeline_h200")
     args = ap.parse_args()
@@ -190,6 +194,8 @@ def main() -> None:
                     for x in ("fp16", "tq4", "tq4_tail_exact", "tq4_two_launch",
                               "tq4_two_launch_finish_exact", "tq4_two_launch_warp_keys",
                               "tq4_portable", "tq4_portable_finish_exact")]
+        if args.methods is not None:
+            methods = [m for m in methods if m[0] in args.methods]
         for label, fn, knobs in methods:
             if isinstance(fn, str):
                 fn = answer_step(fn, k, v, q, scale)

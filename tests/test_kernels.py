@@ -552,8 +552,10 @@ def test_gpu_decode_step_mma_whole(shape, qdt, monkeypatch):
     """On the device, the whole step in one launch (the last threadgroup of each KV head runs
     the finish) equals the partials' and the finish's references within fp16 rounding, with a
     sink and a window as the valid prefix of its buffers; ten launches chained through their
-    count outputs (as `attend_step` passes them) give the same output each time, and the counts
-    stay zeros."""
+    count outputs (as `attend_step` passes them) give the same output each time (bit for bit
+    where every split's keys are fixed; within fp32 rounding where the step hands keys out, from
+    `DYNAMIC_MIN_KEYS` on: which warp takes which grant, and so the order of its sums, varies),
+    and the counts stay zeros."""
     from longctx.kernels import decode_finish as dfin
     from longctx.quant.rotation import rademacher_signs
 
@@ -589,8 +591,14 @@ def test_gpu_decode_step_mma_whole(shape, qdt, monkeypatch):
                                             mx.float32, count)
     tol = {"bfloat16": 1e-2, "float32": 2e-3}[qdt]
     assert _rel(outs[0], want) < tol
+    # (bfloat16 outputs: one rounding step of the output, 2^-8 relative, where a sum's order flips it)
+    again = {"bfloat16": 8e-3, "float32": 1e-5}[qdt] if dm.hands_out(L) else 0.0
     for o in outs[1:]:
-        assert np.array_equal(np.array(o.astype(mx.float32)), np.array(outs[0].astype(mx.float32)))
+        if again:
+            assert _rel(o, outs[0]) < again
+        else:
+            assert np.array_equal(np.array(o.astype(mx.float32)),
+                                  np.array(outs[0].astype(mx.float32)))
 
 
 def test_decode_step_timing_variant_is_benchmark_only(monkeypatch):
@@ -608,14 +616,18 @@ def test_decode_step_timing_variant_is_benchmark_only(monkeypatch):
 
 @gpu
 @pytest.mark.skipif(_prelude.backend() != "cuda", reason="the tensor-core kernel is CUDA only")
-def test_gpu_decode_step_timing_variant(monkeypatch):
-    """On the device, the timing variant gives the plain step's output bit for bit, and every
-    threadgroup's clock stamps come in its phases' order (entry, copies issued, q staged and
-    rotated, table, loop, exact tokens, state written, arrival, end)."""
+@pytest.mark.parametrize("grants", [False, True])
+def test_gpu_decode_step_timing_variant(grants, monkeypatch):
+    """On the device, the timing variant gives the plain step's output (bit for bit with every
+    split's keys fixed; within fp16 rounding where keys are handed out, whose sums' order
+    varies), and every threadgroup's clock stamps come in its phases' order (entry, copies
+    issued, q staged and rotated, table, loop, exact tokens, state written, arrival, end)."""
     from longctx.kernels import decode_finish as dfin
     from longctx.quant.rotation import rademacher_signs
 
     H, r, P, L = 8, 4, 128, 32768
+    monkeypatch.setattr(dm, "DYNAMIC_MIN_KEYS", L if grants else L + 1)
+    assert dm.hands_out(L) == grants
     q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=5)
     q = q.astype(mx.float16)
     k_signs, v_signs = mx.array(rademacher_signs(P, 9)), mx.array(rademacher_signs(P, 10))
@@ -627,7 +639,10 @@ def test_gpu_decode_step_timing_variant(monkeypatch):
     timed, counts = dm.decode_step_mma(*args, dm.counter(H))
     stamps = dm.stamped()
     mx.eval(plain, timed, counts, stamps)
-    assert np.array_equal(np.array(plain), np.array(timed))
+    if grants:
+        assert _rel(timed, plain) < 2e-3
+    else:
+        assert np.array_equal(np.array(plain), np.array(timed))
     st = np.array(stamps).astype(np.int64)
     assert st.shape == (H * dm.splits(L, H, P)[1], dm.STAMP_WORDS)
     since = (st - st[:, 1:2]) % (1 << 32)
