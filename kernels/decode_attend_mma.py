@@ -121,7 +121,10 @@ DYNAMIC = False
 # 128k the grants (75% static, split-major) took the step from 66.5 to 62.7 us bare and 71.0 to
 # 66.9 answering (step_stamps_h200.json), pipelined 0.0744 -> 0.0710 ms; at 32k 0.0586 -> 0.0541
 # ms; on the H100 68.4 -> 67.1 us at 128k, 27.9 -> 27.6 at 32k, but 16.0 -> 16.5 at 4k, where
-# the grant bookkeeping outweighs the balance (step_stamps_h100.json)
+# the grant bookkeeping outweighs the balance (step_stamps_h100.json). Handed-out keys make the
+# step's output vary in its last bits from launch to launch (which warp takes which grant, and so
+# the order of its fp32 sums, varies: ~1e-7 relative; a bf16 output may differ by one rounding
+# step): a greedy answer can change only where two tokens' logits tie that closely
 DYNAMIC_MIN_KEYS = 32768
 GRANT_BLOCKS = 1
 # with DYNAMIC: the share of the head's keys (percent) its splits walk as the static kernel
