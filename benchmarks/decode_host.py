@@ -4,7 +4,8 @@ An answer token on a GPU is bound by the host (docs/performance.md, `answer_shap
 layer, the compressed cache's update and its decode step's Python and launch calls against an
 fp16 cache's slice update and one SDPA call. This script times exactly that host work, without a
 GPU: the GPU code paths (backend reported as CUDA) with kernels that return zeros (no kernel
-runs, nothing is evaluated inside the timed region), over the layers of a model shape, for decode
+runs, nothing is evaluated inside the timed region; each launch's stand-in is one node over its
+inputs, `mx.depends`, so that the native helper's tape records it as it records the kernel), over the layers of a model shape, for decode
 steps after a restored and forked prefix and a 16-token question, as `ask` runs them. Rows, per
 layer and token, median over steps 5.. of each pass, passes of the variants interleaved:
 
@@ -48,7 +49,11 @@ STEPS, SKIP, PASSES, QUESTION = 60, 5, 5, 16
 
 
 def _zeros(spec, launch):
-    return [mx.zeros(s, dtype=d) for s, d in zip(launch.output_shapes, launch.output_dtypes)]
+    """A launch's stand-in: zeros of its outputs' shapes, as one node over its inputs (MLX's
+    `depends`: n inputs, m outputs, like the kernel's node), so that a native tape records it
+    (a tape over outputs with no graph from the inputs is refused: `Tape.frozen_outputs`)."""
+    zeros = [mx.zeros(s, dtype=d) for s, d in zip(launch.output_shapes, launch.output_dtypes)]
+    return mx.depends(zeros, list(launch.inputs))
 
 
 def _steps(caches, step, hkv: int, hq: int, d: int) -> list[float]:
