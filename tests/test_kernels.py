@@ -664,6 +664,53 @@ def test_gpu_decode_step_timing_variant(grants, monkeypatch):
 
 @gpu
 @pytest.mark.skipif(_prelude.backend() != "cuda", reason="the tensor-core kernel is CUDA only")
+@pytest.mark.parametrize("shape", [(8, 4, 128, 131072, 8), (8, 4, 128, 32768, 4),
+                                   (4, 7, 128, 32768, 8), (8, 4, 128, 4095, 4)])
+def test_gpu_decode_step_mma_grouped_merge(shape, monkeypatch):
+    """On the device, the whole step merging its splits in two levels (`MERGE_GROUP`, groups of
+    `group` splits; the keys handed out or not as the library chooses by length) equals the
+    references within fp16 rounding and the one-level step within fp32 rounding, with a sink and
+    a window; chained launches leave every count and grant line zero."""
+    from longctx.kernels import decode_finish as dfin
+    from longctx.quant.rotation import rademacher_signs
+
+    H, r, P, L, group = shape
+    q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=L,
+                                               capacity=L + 300)
+    q = q.astype(mx.bfloat16)
+    rng = np.random.default_rng(L)
+
+    def normal(*s):
+        return mx.array(rng.normal(size=s).astype(np.float32))
+
+    sink = (normal(1, H, 4, P), normal(1, H, 4, P))
+    window = (normal(1, H, 64, P)[:, :, :37], normal(1, H, 64, P)[:, :, :37])
+    k_signs, v_signs = mx.array(rademacher_signs(P, 9)), mx.array(rademacher_signs(P, 10))
+    mean = normal(1, H, 1, P)
+    count = dfin.count(37)
+    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5, mx.float32,
+            count)
+    one, counts = dm.decode_step_mma(*args, dm.counter(H))
+    monkeypatch.setattr(dm, "MERGE_GROUP", group)
+    assert dm.merge_group(r) == (group if group * r <= 64 else 0)
+    outs = []
+    for _ in range(4):
+        out, counts = dm.decode_step_mma(*args, counts)
+        outs.append(out)
+    mx.eval(one, outs, counts)
+    assert not _prelude.failed(dm.STEP_NAME)
+    assert not np.array(counts).any() and not np.array(dm.counter(H)).any()
+    with _prelude.force_backend("cpu"):
+        parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
+                                          value_bits=4, scale=P ** -0.5)
+        want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
+                                            mx.float32, count)
+    for o in outs:
+        assert _rel(o, want) < 2e-3 and _rel(o, one) < 1e-5
+
+
+@gpu
+@pytest.mark.skipif(_prelude.backend() != "cuda", reason="the tensor-core kernel is CUDA only")
 @pytest.mark.parametrize("shape", [(8, 4, 128, 131072, 4), (4, 7, 128, 32768, 4),
                                    (2, 1, 128, 17, 4), (8, 4, 128, 4095, 4)])
 @pytest.mark.parametrize("grant", [4, 1])

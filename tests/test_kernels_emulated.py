@@ -777,3 +777,63 @@ def test_layer_major_prefill_through_the_fused_encode(tmp_path):
     assert got.keys() == want.keys()
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+GROUPED_CASES = [  # a WHOLE_CASES row (SM_COUNT chosen for several splits a head), MERGE_GROUP,
+    # DYNAMIC
+    ((1, 2, 4, 128, 4000, 2, 9, "float32", 4, 4), 2, False),  # groups of two splits
+    ((1, 2, 4, 128, 4000, 2, 9, "float32", 4, 4), 3, False),  # a last group of fewer splits
+    ((2, 3, 4, 128, 4000, 0, 0, "float16", 4, 4), 2, True),  # keys handed out, 6 heads
+    ((1, 1, 8, 128, 3000, 1, 37, "bfloat16", 2, 4), 3, False),  # GQA 8, a long window
+    ((1, 2, 4, 128, 999, 2, 9, "float32", 1, 4), 16, False),  # S <= MERGE_GROUP: one level
+    ((1, 1, 8, 128, 3000, 1, 37, "bfloat16", 2, 4), 16, False),  # 16 x 8 rows > 64: one level
+]
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES,
+                         ids=lambda c: f"L{c[0][4]}-R{c[0][2]}-G{c[1]}-{'dyn' if c[2] else 'static'}")
+def test_decode_step_mma_grouped_merge(monkeypatch, case):
+    """The whole step with its merge in two levels (`MERGE_GROUP`: each group's last
+    threadgroup merges the group's split states into the group's first slot, the head's last
+    threadgroup the groups') equals the references within fp16 rounding and the one-level
+    step within fp32 rounding; its counter output (counts, grant lines with the group counts in
+    them) is zeros, and the next launch, taking it, gives the same output (threadgroups in
+    another order)."""
+    from longctx.kernels import decode_finish as dfin
+
+    (B, H, R, P, L, n_sink, n_win, qdt, sm, warps), group, dynamic = case
+    monkeypatch.setattr(da, "SM_COUNT", sm)
+    monkeypatch.setattr(dm, "WARPS", warps)
+    monkeypatch.setattr(dm, "DYNAMIC", dynamic)
+    monkeypatch.setattr(dm, "DYNAMIC_MIN_KEYS", 0)
+    q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + R)
+    q = q.astype(getattr(mx, qdt))
+    sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win,
+                                                                     seed=L)
+    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5, mx.float32,
+            count)
+    parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
+                                      value_bits=4, scale=P ** -0.5)
+    want = np.array(dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean,
+                                                 P ** -0.5, mx.float32, count))
+    S = dm.splits(L, B * H, P)[1]
+    levels = 2 if S > group and group * R <= 64 else 1
+    assert S <= 31 * group and (levels == 2) == (group < 16)
+    launched = []
+    with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
+        one, _ = dm.decode_step_mma(*args, dm.counter(B * H))
+        monkeypatch.setattr(dm, "MERGE_GROUP", group)
+        got, counts = dm.decode_step_mma(*args, dm.counter(B * H))
+        again, counts2 = dm.decode_step_mma(*args, counts)
+    assert launched == [dm.STEP_NAME] * 3 and not _prelude.failed(dm.STEP_NAME)
+    assert dm.merge_group(R) == (group if group * R <= 64 else 0)
+    assert "lc_grouped" in dm._step_spec(P, dynamic, dm.merge_group(R)).source or group * R > 64
+    # two levels round differently from one (fp32 sums in another grouping); S <= MERGE_GROUP
+    # runs the one-level merge, bit for bit
+    assert np.array_equal(np.array(got), np.array(one)) == (levels == 1)
+    assert not np.array(counts).any() and not np.array(counts2).any()
+    assert not np.array(dm.counter(B * H)).any()
+    a = np.array(got)
+    assert np.isfinite(a).all() and np.linalg.norm(a - want) / np.linalg.norm(want) < 2e-3
+    assert np.linalg.norm(a - np.array(one)) / np.linalg.norm(a) < 1e-5
+    assert np.linalg.norm(np.array(again) - a) / np.linalg.norm(a) < 1e-5
