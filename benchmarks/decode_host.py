@@ -5,9 +5,10 @@ layer, the compressed cache's update and its decode step's Python and launch cal
 fp16 cache's slice update and one SDPA call. This script times exactly that host work, without a
 GPU: the GPU code paths (backend reported as CUDA) with kernels that return zeros (no kernel
 runs, nothing is evaluated inside the timed region; each launch's stand-in is one node over its
-inputs, `mx.depends`, so that the native helper's tape records it as it records the kernel), over the layers of a model shape, for decode
-steps after a restored and forked prefix and a 16-token question, as `ask` runs them. Rows, per
-layer and token, median over steps 5.. of each pass, passes of the variants interleaved:
+inputs, `mx.depends`, so that the native helper's tape records it as it records the kernel),
+over the layers of a model shape, for decode steps after a restored and forked prefix and a
+16-token question, as `ask` runs them. Rows, per layer and token, median over steps 5.. of each
+pass, passes of the variants interleaved:
 
 - fp16: mlx-lm's KVCache update plus `mx.fast.scaled_dot_product_attention` (the anchor);
 - tq4: `TurboQuantCache.update_and_fetch` + `compressed_attention` (the compiled two-launch

@@ -28,8 +28,9 @@ it runs (`decode_attend_mma.DYNAMIC`) at every length side by side, per length a
 (`default`: the library's choice by length, `DYNAMIC_MIN_KEYS`); `dynamic:SP:GB` sets its
 static share and grant size, and a `:hm` suffix numbers its threadgroups head-major (not
 `HEADS_INTERLEAVED`); `+gN` after any of them merges the splits in two levels, groups of N
-(`MERGE_GROUP`), e.g. `default+g8`. Per head: when its last threadgroup left its main loop (`head_loop_end_us`,
-since the launch's first entry; a head's grants balance its splits' ends only within the head).
+(`MERGE_GROUP`), e.g. `default+g8`. Per head: when its last threadgroup left its main loop
+(`head_loop_end_us`, since the launch's first entry; a head's grants balance its splits' ends
+only within the head).
 
 Clocks become microseconds at each threadgroup's own rate (clocks over global-timer ns between
 its entry and exit). The stamps cost a few instructions per threadgroup (thread 0, ~12 stores;

@@ -1026,10 +1026,9 @@ _GROUP_ARRIVAL = (
     LC_UNROLL for (int j = 0; j < GS; ++j) {
       LC_UNROLL for (int r = 0; r < R; ++r) gv[j][r] = j < gn ? ga[(j * R + r) * P + tid] : 0.0f;
     }
+    // (past this barrier every read of the group's slots is done: the m and l pairs are in gml,
+    // and a thread rewrites only its own dim's acc, already in gv)
     LC_BARRIER();
-    float gacc[R];
-    float gM[R];
-    float gL[R];
     LC_UNROLL for (int r = 0; r < R; ++r) {
       float M = -LC_INF;
       LC_UNROLL for (int j = 0; j < GS; ++j) M = LC_MAX(M, gml[j * R + r]);
@@ -1041,19 +1040,10 @@ _GROUP_ARRIVAL = (
         a += gv[j][r] * w;
         l += gml[GS * R + j * R + r] * w;
       }
-      gacc[r] = a;
-      gM[r] = M;
-      gL[r] = l;
-    }
-    LC_BARRIER();  // the group's first slot is read by all before it is rewritten
-    float* wm = m_out + go * R;
-    float* wl = l_out + go * R;
-    float* wa = acc_out + go * (R * P);
-    LC_UNROLL for (int r = 0; r < R; ++r) {
-      wa[r * P + tid] = gacc[r];
+      acc_out[go * (R * P) + r * P + tid] = a;
       if (tid == r) {
-        wm[r] = gM[r];
-        wl[r] = gL[r];
+        m_out[go * R + r] = M;
+        l_out[go * R + r] = l;
       }
     }
     LC_FENCE();

@@ -542,6 +542,37 @@ def test_gpu_decode_attend_mma(shape, qdt, warps, stages, monkeypatch):
     assert errs["finite"] and errs["out_rel"] < 1e-3 and errs["l_rel"] < 5e-3, errs
 
 
+def _gpu_step_case(H, r, P, L, q_dtype, out_dtype=None):
+    """A whole decode step's arguments (one batch, H KV heads of r query rows, L compressed keys
+    in a buffer of L + 300, a 4-token sink and a window of 37 valid slots of 64; the output in
+    `out_dtype`, default q's) and its reference on the CPU (the partials', then the finish's,
+    fp32): (args for `decode_step_mma` before its count array, want)."""
+    from longctx.kernels import decode_finish as dfin
+    from longctx.quant.rotation import rademacher_signs
+
+    q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=L,
+                                               capacity=L + 300)
+    q = q.astype(q_dtype)
+    rng = np.random.default_rng(L)
+
+    def normal(*s):
+        return mx.array(rng.normal(size=s).astype(np.float32))
+
+    sink = (normal(1, H, 4, P), normal(1, H, 4, P))
+    window = (normal(1, H, 64, P)[:, :, :37], normal(1, H, 64, P)[:, :, :37])
+    k_signs, v_signs = mx.array(rademacher_signs(P, 9)), mx.array(rademacher_signs(P, 10))
+    mean = normal(1, H, 1, P)
+    count = dfin.count(37)
+    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5,
+            out_dtype or q.dtype, count)
+    with _prelude.force_backend("cpu"):
+        parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
+                                          value_bits=4, scale=P ** -0.5)
+        want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
+                                            mx.float32, count)
+    return args, want
+
+
 @gpu
 @pytest.mark.skipif(_prelude.backend() != "cuda", reason="the tensor-core kernel is CUDA only")
 @pytest.mark.parametrize("shape", [(8, 4, 128, 131072, 4), (4, 7, 128, 32768, 4),
@@ -556,25 +587,9 @@ def test_gpu_decode_step_mma_whole(shape, qdt, monkeypatch):
     where every split's keys are fixed; within fp32 rounding where the step hands keys out, from
     `DYNAMIC_MIN_KEYS` on: which warp takes which grant, and so the order of its sums, varies),
     and the counts stay zeros."""
-    from longctx.kernels import decode_finish as dfin
-    from longctx.quant.rotation import rademacher_signs
-
     H, r, P, L, warps = shape
     monkeypatch.setattr(dm, "WARPS", warps)
-    q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=L,
-                                               capacity=L + 300)
-    q = q.astype(getattr(mx, qdt))
-    rng = np.random.default_rng(L)
-
-    def normal(*s):
-        return mx.array(rng.normal(size=s).astype(np.float32))
-
-    sink = (normal(1, H, 4, P), normal(1, H, 4, P))
-    window = (normal(1, H, 64, P)[:, :, :37], normal(1, H, 64, P)[:, :, :37])
-    k_signs, v_signs = mx.array(rademacher_signs(P, 9)), mx.array(rademacher_signs(P, 10))
-    mean = normal(1, H, 1, P)
-    count = dfin.count(37)
-    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5, q.dtype, count)
+    args, want = _gpu_step_case(H, r, P, L, getattr(mx, qdt))
     assert dm.fuses_finish(P, r)
     counts = dm.counter(H)
     outs = []
@@ -584,14 +599,10 @@ def test_gpu_decode_step_mma_whole(shape, qdt, monkeypatch):
     mx.eval(outs, counts)
     assert not _prelude.failed(dm.STEP_NAME)
     assert not np.array(counts).any() and not np.array(dm.counter(H)).any()
-    with _prelude.force_backend("cpu"):
-        parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
-                                          value_bits=4, scale=P ** -0.5)
-        want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
-                                            mx.float32, count)
     tol = {"bfloat16": 1e-2, "float32": 2e-3}[qdt]
     assert _rel(outs[0], want) < tol
-    # (bfloat16 outputs: one rounding step of the output, 2^-8 relative, where a sum's order flips it)
+    # (bfloat16 outputs: one rounding step of the output, 2^-8 relative, where a sum's order
+    # flips it)
     again = {"bfloat16": 8e-3, "float32": 1e-5}[qdt] if dm.hands_out(L) else 0.0
     for o in outs[1:]:
         if again:
@@ -671,25 +682,8 @@ def test_gpu_decode_step_mma_grouped_merge(shape, monkeypatch):
     `group` splits; the keys handed out or not as the library chooses by length) equals the
     references within fp16 rounding and the one-level step within fp32 rounding, with a sink and
     a window; chained launches leave every count and grant line zero."""
-    from longctx.kernels import decode_finish as dfin
-    from longctx.quant.rotation import rademacher_signs
-
     H, r, P, L, group = shape
-    q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=L,
-                                               capacity=L + 300)
-    q = q.astype(mx.bfloat16)
-    rng = np.random.default_rng(L)
-
-    def normal(*s):
-        return mx.array(rng.normal(size=s).astype(np.float32))
-
-    sink = (normal(1, H, 4, P), normal(1, H, 4, P))
-    window = (normal(1, H, 64, P)[:, :, :37], normal(1, H, 64, P)[:, :, :37])
-    k_signs, v_signs = mx.array(rademacher_signs(P, 9)), mx.array(rademacher_signs(P, 10))
-    mean = normal(1, H, 1, P)
-    count = dfin.count(37)
-    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5, mx.float32,
-            count)
+    args, want = _gpu_step_case(H, r, P, L, mx.bfloat16, out_dtype=mx.float32)
     one, counts = dm.decode_step_mma(*args, dm.counter(H))
     monkeypatch.setattr(dm, "MERGE_GROUP", group)
     assert dm.merge_group(r) == (group if group * r <= 64 else 0)
@@ -700,11 +694,6 @@ def test_gpu_decode_step_mma_grouped_merge(shape, monkeypatch):
     mx.eval(one, outs, counts)
     assert not _prelude.failed(dm.STEP_NAME)
     assert not np.array(counts).any() and not np.array(dm.counter(H)).any()
-    with _prelude.force_backend("cpu"):
-        parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
-                                          value_bits=4, scale=P ** -0.5)
-        want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
-                                            mx.float32, count)
     for o in outs:
         assert _rel(o, want) < 2e-3 and _rel(o, one) < 1e-5
 
@@ -720,28 +709,12 @@ def test_gpu_decode_step_mma_dynamic(shape, grant, sp, monkeypatch):
     the references within fp16 rounding with a sink and a window; ten launches chained through
     their count outputs agree within rounding (which warp takes which grant varies), and every
     count and grant line is back to zero."""
-    from longctx.kernels import decode_finish as dfin
-    from longctx.quant.rotation import rademacher_signs
-
     H, r, P, L, warps = shape
     monkeypatch.setattr(dm, "WARPS", warps)
     monkeypatch.setattr(dm, "DYNAMIC", True)
     monkeypatch.setattr(dm, "GRANT_BLOCKS", grant)
     monkeypatch.setattr(dm, "STATIC_PERCENT", sp)
-    q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=L,
-                                               capacity=L + 300)
-    q = q.astype(mx.bfloat16)
-    rng = np.random.default_rng(L)
-
-    def normal(*s):
-        return mx.array(rng.normal(size=s).astype(np.float32))
-
-    sink = (normal(1, H, 4, P), normal(1, H, 4, P))
-    window = (normal(1, H, 64, P)[:, :, :37], normal(1, H, 64, P)[:, :, :37])
-    k_signs, v_signs = mx.array(rademacher_signs(P, 9)), mx.array(rademacher_signs(P, 10))
-    mean = normal(1, H, 1, P)
-    count = dfin.count(37)
-    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5, q.dtype, count)
+    args, want = _gpu_step_case(H, r, P, L, mx.bfloat16)
     counts = dm.counter(H)
     assert counts.shape == (33 * max(4, H),)
     outs = []
@@ -751,11 +724,6 @@ def test_gpu_decode_step_mma_dynamic(shape, grant, sp, monkeypatch):
     mx.eval(outs, counts)
     assert not _prelude.failed(dm.STEP_NAME)
     assert not np.array(counts).any() and not np.array(dm.counter(H)).any()
-    with _prelude.force_backend("cpu"):
-        parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
-                                          value_bits=4, scale=P ** -0.5)
-        want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
-                                            mx.float32, count)
     for o in outs:
         assert _rel(o, want) < 1e-2
 

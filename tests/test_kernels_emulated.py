@@ -504,21 +504,12 @@ WHOLE_CASES = [  # B, H, R, P, L, n_sink, n_win (of a 2x longer buffer), q dtype
 ]
 
 
-@pytest.mark.parametrize("in_splits", [True, False], ids=["exact-in-splits", "exact-in-tail"])
-@pytest.mark.parametrize("case", WHOLE_CASES, ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}-{c[7]}")
-def test_decode_step_mma_whole(monkeypatch, case, in_splits):
-    """The whole-step variant (the tensor-core kernel whose last threadgroup per KV head runs
-    the finish; the exact tokens folded into the splits' states, or attended by that last
-    threadgroup) equals its reference, the partials' reference then the finish's, within fp16
-    rounding; its count output is zeros, which the next launch takes, and that launch gives the
-    same output (threadgroups in another order: the emulator shuffles them per grid size)."""
+def _whole_case(case):
+    """A WHOLE_CASES row's whole-step arguments (before its count array; fp32 output) and its
+    reference, the partials' then the finish's: (args, want)."""
     from longctx.kernels import decode_finish as dfin
 
-    B, H, R, P, L, n_sink, n_win, qdt, sm, warps = case
-    if sm:
-        monkeypatch.setattr(da, "SM_COUNT", sm)
-    monkeypatch.setattr(dm, "WARPS", warps)
-    monkeypatch.setattr(dm, "EXACT_IN_SPLITS", in_splits)
+    B, H, R, P, L, n_sink, n_win, qdt, _, _ = case
     q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + R)
     q = q.astype(getattr(mx, qdt))
     sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win,
@@ -529,6 +520,23 @@ def test_decode_step_mma_whole(monkeypatch, case, in_splits):
                                       value_bits=4, scale=P ** -0.5)
     want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
                                         mx.float32, count)
+    return args, want
+
+
+@pytest.mark.parametrize("in_splits", [True, False], ids=["exact-in-splits", "exact-in-tail"])
+@pytest.mark.parametrize("case", WHOLE_CASES, ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}-{c[7]}")
+def test_decode_step_mma_whole(monkeypatch, case, in_splits):
+    """The whole-step variant (the tensor-core kernel whose last threadgroup per KV head runs
+    the finish; the exact tokens folded into the splits' states, or attended by that last
+    threadgroup) equals its reference, the partials' reference then the finish's, within fp16
+    rounding; its count output is zeros, which the next launch takes, and that launch gives the
+    same output (threadgroups in another order: the emulator shuffles them per grid size)."""
+    B, H, R, P, L, n_sink, n_win, qdt, sm, warps = case
+    if sm:
+        monkeypatch.setattr(da, "SM_COUNT", sm)
+    monkeypatch.setattr(dm, "WARPS", warps)
+    monkeypatch.setattr(dm, "EXACT_IN_SPLITS", in_splits)
+    args, want = _whole_case(case)
     assert dm.fuses_finish(P, R)
     launched = []
     with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
@@ -570,8 +578,6 @@ def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages, sp, interleav
     ones: most splits' states hold no compressed key); its counter output (counts and grant
     lines) is zeros, and the next launch, taking it, gives the same output within rounding (its
     warps, threads here, race for the grants)."""
-    from longctx.kernels import decode_finish as dfin
-
     B, H, R, P, L, n_sink, n_win, qdt, sm, warps = case
     if sm:
         monkeypatch.setattr(da, "SM_COUNT", sm)
@@ -581,16 +587,7 @@ def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages, sp, interleav
     monkeypatch.setattr(dm, "GRANT_BLOCKS", grant)
     monkeypatch.setattr(dm, "STATIC_PERCENT", sp)
     monkeypatch.setattr(dm, "HEADS_INTERLEAVED", interleaved)
-    q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + R)
-    q = q.astype(getattr(mx, qdt))
-    sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win,
-                                                                     seed=L)
-    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5, mx.float32,
-            count)
-    parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
-                                      value_bits=4, scale=P ** -0.5)
-    want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
-                                        mx.float32, count)
+    args, want = _whole_case(case)
     c0 = dm.counter(B * H)
     assert c0.shape == (33 * max(4, B * H),)
     launched = []
@@ -791,7 +788,8 @@ GROUPED_CASES = [  # a WHOLE_CASES row (SM_COUNT chosen for several splits a hea
 
 
 @pytest.mark.parametrize("case", GROUPED_CASES,
-                         ids=lambda c: f"L{c[0][4]}-R{c[0][2]}-G{c[1]}-{'dyn' if c[2] else 'static'}")
+                         ids=lambda c: f"L{c[0][4]}-R{c[0][2]}-G{c[1]}-"
+                                       + ("dyn" if c[2] else "static"))
 def test_decode_step_mma_grouped_merge(monkeypatch, case):
     """The whole step with its merge in two levels (`MERGE_GROUP`: each group's last
     threadgroup merges the group's split states into the group's first slot, the head's last
@@ -799,23 +797,13 @@ def test_decode_step_mma_grouped_merge(monkeypatch, case):
     step within fp32 rounding; its counter output (counts, grant lines with the group counts in
     them) is zeros, and the next launch, taking it, gives the same output (threadgroups in
     another order)."""
-    from longctx.kernels import decode_finish as dfin
-
     (B, H, R, P, L, n_sink, n_win, qdt, sm, warps), group, dynamic = case
     monkeypatch.setattr(da, "SM_COUNT", sm)
     monkeypatch.setattr(dm, "WARPS", warps)
     monkeypatch.setattr(dm, "DYNAMIC", dynamic)
     monkeypatch.setattr(dm, "DYNAMIC_MIN_KEYS", 0)
-    q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + R)
-    q = q.astype(getattr(mx, qdt))
-    sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win,
-                                                                     seed=L)
-    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5, mx.float32,
-            count)
-    parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
-                                      value_bits=4, scale=P ** -0.5)
-    want = np.array(dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean,
-                                                 P ** -0.5, mx.float32, count))
+    args, want = _whole_case(case[0])
+    want = np.array(want)
     S = dm.splits(L, B * H, P)[1]
     levels = 2 if S > group and group * R <= 64 else 1
     assert S <= 31 * group and (levels == 2) == (group < 16)
