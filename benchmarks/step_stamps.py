@@ -27,10 +27,8 @@ back to back; sync: each evaluated; flush: each after a 1 GiB read, cold L2):
 it runs (`decode_attend_mma.DYNAMIC`) at every length side by side, per length and view
 (`default`: the library's choice by length, `DYNAMIC_MIN_KEYS`); `dynamic:SP:GB` sets its
 static share and grant size, and a `:hm` suffix numbers its threadgroups head-major (not
-`HEADS_INTERLEAVED`); `+gN` after any of them merges the splits in two levels, groups of N
-(`MERGE_GROUP`), e.g. `default+g8`. Per head: when its last threadgroup left its main loop
-(`head_loop_end_us`, since the launch's first entry; a head's grants balance its splits' ends
-only within the head).
+`HEADS_INTERLEAVED`). Per head: when its last threadgroup left its main loop (`head_loop_end_us`,
+since the launch's first entry; a head's grants balance its splits' ends only within the head).
 
 Clocks become microseconds at each threadgroup's own rate (clocks over global-timer ns between
 its entry and exit). The stamps cost a few instructions per threadgroup (thread 0, ~12 stores;
@@ -183,13 +181,7 @@ def measure(s: int, view, kind: str, calls: int, mode: str, flush=None) -> dict:
 
 def _variant(name: str, defaults: dict) -> dict:
     """The `decode_attend_mma` tunables a --variants name sets (`defaults`: the module's own, which
-    `default` keeps: the library's choice by length). A `+gN` suffix merges in two levels, groups
-    of N splits (`MERGE_GROUP`)."""
-    name, plus, group = name.partition("+g")
-    if plus:
-        if not group.isdigit() or int(group) < 2:
-            raise SystemExit(f"step_stamps: unknown merge group {group!r} (+gN, N >= 2)")
-        return {**_variant(name, defaults), "MERGE_GROUP": int(group)}
+    `default` keeps: the library's choice by length)."""
     if name == "default":
         return dict(defaults)
     if name == "static":
@@ -223,7 +215,7 @@ def main() -> None:
         sys.exit("step_stamps: the whole-step kernel's stamps need the CUDA backend")
     dm.STAMPS = True
     defaults = {k: getattr(dm, k) for k in ("DYNAMIC", "DYNAMIC_MIN_KEYS", "STATIC_PERCENT",
-                                            "GRANT_BLOCKS", "HEADS_INTERLEAVED", "MERGE_GROUP")}
+                                            "GRANT_BLOCKS", "HEADS_INTERLEAVED")}
     for v in args.variants:
         _variant(v, defaults)  # (a malformed one fails before any timing)
     rows = []

@@ -142,13 +142,6 @@ STATIC_PERCENT = 75
 # and the last head's all in the youngest, so a head's grants could not pass from slow
 # threadgroups to fast ones (head loop ends 48 ... 55 us, 75% static).
 HEADS_INTERLEAVED = True
-# The whole step's merge in two levels (`_grouped`; 0: one): the last threadgroup of each group
-# of MERGE_GROUP splits merges their states into the group's first slot, and the head's last
-# threadgroup then merges the groups' states, so that one threadgroup no longer reads all S
-# splits' states (64 at 128k on the H200: ~3 us of the ~6 us finish, one SM reading 128 KB), the
-# groups' merges running beside the splits still walking their keys. Where S > 31 MERGE_GROUP
-# (a group count per grant-line word) or S <= MERGE_GROUP, the one-level merge runs.
-MERGE_GROUP = 0
 
 _HEADER = r"""
 #ifndef LC_STAMP
@@ -977,100 +970,6 @@ _TAIL = r"""
 """
 
 
-# `MERGE_GROUP` > 0: the tail's arrival first counts per group (word 1 + group of the head's grant
-# line); the group's last threadgroup merges the group's states (m, l, acc; m in natural-log
-# units, acc unnormalized, in the value codec's frame, as a split writes them) into the group's
-# first slot, then arrives at the head's count, whose last threadgroup merges the NG group slots
-# (the finish's merge reading every GS-th split's state). Thread t < GS R loads one (m, l) pair
-# into shared memory, every thread its dim's GS x R acc values, in one round.
-_GROUP_ARRIVAL = (
-    ("""  LC_FENCE();
-  LC_BARRIER();
-  if (tid == 0) {
-    const int seen = lc_atomic_add(counter + bh, 1);
-    lc_last[0] = seen == S - 1 ? 1 : 0;
-    if (seen == S - 1) {""",
-    """  LC_FENCE();
-  LC_BARRIER();
-  const bool lc_grouped = S > GS && S <= 31 * GS;
-  const int lc_gs = lc_grouped ? GS : 1;  // splits per group
-  const int lc_ng = (S + lc_gs - 1) / lc_gs;  // states the head's last threadgroup merges
-  if (lc_grouped) {
-    const int g0 = split / GS * GS;
-    const int gn = LC_MIN_I(GS, S - g0);
-    const int32_t* gctr = counter + counter_shape[0] / 33 + 32 * bh + 1 + split / GS;
-    if (tid == 0) {
-      const int seen = lc_atomic_add(gctr, 1);
-      lc_last[0] = seen == gn - 1 ? 1 : 0;
-      if (seen == gn - 1) lc_atomic_zero(gctr);  // (counter_out's: the head's line, below)
-    }
-    LC_BARRIER();
-    if (lc_last[0] == 0) {
-      LC_STAMP(8);
-      LC_STAMP(9);
-      LC_GSTAMP(10);
-      return;
-    }
-    LC_FENCE();
-    float* gml = reinterpret_cast<float*>(lc_smem);  // [split][row] m, then l
-    const int64_t go = (int64_t)bh * S + g0;
-    const volatile float* gm = m_out + go * R;  // (volatile: past L1)
-    const volatile float* gl = l_out + go * R;
-    const volatile float* ga = acc_out + go * (R * P);
-    static_assert(2 * GS * R <= TAB && GS * R <= 64, "a group's states fit");
-    for (int i = tid; i < GS * R; i += NT) {
-      gml[i] = i < gn * R ? gm[i] : -LC_INF;
-      gml[GS * R + i] = i < gn * R ? gl[i] : 0.0f;
-    }
-    float gv[GS][R];
-    LC_UNROLL for (int j = 0; j < GS; ++j) {
-      LC_UNROLL for (int r = 0; r < R; ++r) gv[j][r] = j < gn ? ga[(j * R + r) * P + tid] : 0.0f;
-    }
-    // (past this barrier every read of the group's slots is done: the m and l pairs are in gml,
-    // and a thread rewrites only its own dim's acc, already in gv)
-    LC_BARRIER();
-    LC_UNROLL for (int r = 0; r < R; ++r) {
-      float M = -LC_INF;
-      LC_UNROLL for (int j = 0; j < GS; ++j) M = LC_MAX(M, gml[j * R + r]);
-      float a = 0.0f;
-      float l = 0.0f;
-      LC_UNROLL for (int j = 0; j < GS; ++j) {
-        const float mj = gml[j * R + r];
-        const float w = mj == -LC_INF ? 0.0f : LC_EXP(mj - M);
-        a += gv[j][r] * w;
-        l += gml[GS * R + j * R + r] * w;
-      }
-      acc_out[go * (R * P) + r * P + tid] = a;
-      if (tid == r) {
-        m_out[go * R + r] = M;
-        l_out[go * R + r] = l;
-      }
-    }
-    LC_FENCE();
-    LC_BARRIER();
-  }
-  if (tid == 0) {
-    const int seen = lc_atomic_add(counter + bh, 1);
-    lc_last[0] = seen == lc_ng - 1 ? 1 : 0;
-    if (seen == lc_ng - 1) {""", 1),
-    ("""    const int64_t m_p_strides[3] = {(int64_t)S * R, R, 1};
-    const int64_t l_p_strides[3] = {(int64_t)S * R, R, 1};
-    const int64_t acc_p_strides[4] = {(int64_t)S * R * P, (int64_t)R * P, P, 1};
-    const int m_p_shape[2] = {0, S};""",
-     """    const int64_t m_p_strides[3] = {(int64_t)S * R, (int64_t)lc_gs * R, 1};
-    const int64_t l_p_strides[3] = {(int64_t)S * R, (int64_t)lc_gs * R, 1};
-    const int64_t acc_p_strides[4] = {(int64_t)S * R * P, (int64_t)lc_gs * R * P, P, 1};
-    const int m_p_shape[2] = {0, lc_ng};""", 1),
-)
-
-
-def _grouped(src: str) -> str:
-    """The whole step with its merge in two levels (`MERGE_GROUP`, template GS)."""
-    for old, new, times in _GROUP_ARRIVAL:
-        src = _sub(src, old, new, times)
-    return src
-
-
 def _step_source(exact_in_splits: bool) -> str:
     """The whole step's body: the partials' kernel, its write with (`_EXACT_SPLIT`) or without
     the exact tokens, the tail, and the finish's body in the tail's block: its split merge and
@@ -1316,20 +1215,12 @@ def keep_counter(n: int, c: mx.array) -> None:
     _COUNTERS[(n, c.shape[0])] = c
 
 
-def merge_group(rows: int) -> int:
-    """The whole step's `MERGE_GROUP` at `rows` query rows per KV head: 0 (one level) where a
-    group's states would not fit a thread's registers (MERGE_GROUP x rows > 64)."""
-    return MERGE_GROUP if 0 < MERGE_GROUP and MERGE_GROUP * rows <= 64 else 0
-
-
-def _step_spec(p: int, dynamic: bool = False, group: int = 0) -> KernelSpec:
+def _step_spec(p: int, dynamic: bool = False) -> KernelSpec:
     key = ("step", p, WARPS, STAGES, RESIDENT, EXACT_IN_SPLITS, STAMPS, dynamic,
-           dynamic and HEADS_INTERLEAVED, group)
+           dynamic and HEADS_INTERLEAVED)
     if key not in _SPECS:
         base = _spec(p)
         source = _step_source(EXACT_IN_SPLITS)
-        if group:
-            source = _grouped(source)
         _SPECS[key] = dataclasses.replace(
             _STEP_SPEC, shared_memory=base.shared_memory,
             header=(_STAMP_HEADER if STAMPS else "") + base.header,
@@ -1390,13 +1281,10 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
         raise ValueError(f"the whole step takes counter({B * H}), not {count_in.shape}")
     if dynamic:
         template.append(("GB", GRANT_BLOCKS))
-    group = merge_group(R)
-    if group:
-        template.append(("GS", group))
     shapes = ([(n * R * (P + 2),), (B, H, R, P), count_in.shape]
               + ([(n, STAMP_WORDS)] if STAMPS else []))
     dtypes = [f32, out_dtype, mx.int32] + ([mx.uint32] if STAMPS else [])
-    outs = run(_step_spec(P, dynamic, group), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1),
+    outs = run(_step_spec(P, dynamic), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1),
                                               shapes, dtypes), reference=reference)
     if STAMPS:
         _STAMPED[:] = [outs[3]]

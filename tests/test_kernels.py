@@ -542,11 +542,11 @@ def test_gpu_decode_attend_mma(shape, qdt, warps, stages, monkeypatch):
     assert errs["finite"] and errs["out_rel"] < 1e-3 and errs["l_rel"] < 5e-3, errs
 
 
-def _gpu_step_case(H, r, P, L, q_dtype, out_dtype=None):
+def _gpu_step_case(H, r, P, L, q_dtype):
     """A whole decode step's arguments (one batch, H KV heads of r query rows, L compressed keys
-    in a buffer of L + 300, a 4-token sink and a window of 37 valid slots of 64; the output in
-    `out_dtype`, default q's) and its reference on the CPU (the partials', then the finish's,
-    fp32): (args for `decode_step_mma` before its count array, want)."""
+    in a buffer of L + 300, a 4-token sink and a window of 37 valid slots of 64; the output in q's
+    dtype) and its reference on the CPU (the partials', then the finish's, fp32): (args for
+    `decode_step_mma` before its count array, want)."""
     from longctx.kernels import decode_finish as dfin
     from longctx.quant.rotation import rademacher_signs
 
@@ -564,7 +564,7 @@ def _gpu_step_case(H, r, P, L, q_dtype, out_dtype=None):
     mean = normal(1, H, 1, P)
     count = dfin.count(37)
     args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5,
-            out_dtype or q.dtype, count)
+            q.dtype, count)
     with _prelude.force_backend("cpu"):
         parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
                                           value_bits=4, scale=P ** -0.5)
@@ -671,31 +671,6 @@ def test_gpu_decode_step_timing_variant(grants, monkeypatch):
     # warps' merge and the exact tokens later, ~2 us.)
     assert (warp_ends >= since[:, 5:6]).all() and (warp_ends <= since[:, 11:12]).all()
     assert (st[:, 16] < 1024).all() and len(np.unique(st[:, 16])) > 1  # SM ids
-
-
-@gpu
-@pytest.mark.skipif(_prelude.backend() != "cuda", reason="the tensor-core kernel is CUDA only")
-@pytest.mark.parametrize("shape", [(8, 4, 128, 131072, 8), (8, 4, 128, 32768, 4),
-                                   (4, 7, 128, 32768, 8), (8, 4, 128, 4095, 4)])
-def test_gpu_decode_step_mma_grouped_merge(shape, monkeypatch):
-    """On the device, the whole step merging its splits in two levels (`MERGE_GROUP`, groups of
-    `group` splits; the keys handed out or not as the library chooses by length) equals the
-    references within fp16 rounding and the one-level step within fp32 rounding, with a sink and
-    a window; chained launches leave every count and grant line zero."""
-    H, r, P, L, group = shape
-    args, want = _gpu_step_case(H, r, P, L, mx.bfloat16, out_dtype=mx.float32)
-    one, counts = dm.decode_step_mma(*args, dm.counter(H))
-    monkeypatch.setattr(dm, "MERGE_GROUP", group)
-    assert dm.merge_group(r) == (group if group * r <= 64 else 0)
-    outs = []
-    for _ in range(4):
-        out, counts = dm.decode_step_mma(*args, counts)
-        outs.append(out)
-    mx.eval(one, outs, counts)
-    assert not _prelude.failed(dm.STEP_NAME)
-    assert not np.array(counts).any() and not np.array(dm.counter(H)).any()
-    for o in outs:
-        assert _rel(o, want) < 2e-3 and _rel(o, one) < 1e-5
 
 
 @gpu

@@ -132,7 +132,7 @@ def _tunables() -> tuple:
             da.MIN_SPLIT_TILES, da.EXACT_IN_SPLITS, dm.ENABLED, dm.WARPS, dm.STAGES,
             dm.RESIDENT, dm.BANKS, dm.WAVES, dm.MIN_WARP_BLOCKS, dm.FUSE_FINISH,
             dm.EXACT_IN_SPLITS, dm.DYNAMIC, dm.DYNAMIC_MIN_KEYS, dm.GRANT_BLOCKS,
-            dm.STATIC_PERCENT, dm.HEADS_INTERLEAVED, dm.MERGE_GROUP, df.ROWS_PER_GROUP,
+            dm.STATIC_PERCENT, dm.HEADS_INTERLEAVED, df.ROWS_PER_GROUP,
             df.SCORE_BY_WARP)
 
 
