@@ -1,0 +1,91 @@
+"""What a fresh process pays the first time it attends a compressed cache of a given length on
+a CUDA GPU: MLX compiles each kernel source with NVRTC on its first launch and keeps the PTX in
+its cache directory (`MLX_PTX_CACHE_DIR`, by default under the system temp dir), so a second
+process on the same machine loads it instead.
+
+For each length, two fresh processes in turn share one new, empty PTX cache directory (the
+first finds it cold, the second warm). Each builds a one-layer compressed cache of Llama-3.1-8B's
+attention shape (8 KV heads, 32 query heads, d = 128) from random keys and values, seals and
+forks it as `ask` does, then times, evaluated one at a time: a 16-token question's attention
+(the fused compiled path), the first answer token's decode step, and the second one's. Lengths
+below `decode_attend_mma.DYNAMIC_MIN_KEYS` run the static whole-step kernel, lengths from it
+the one that hands out keys: two kernel sources.
+
+Usage: python benchmarks/first_step.py [--lengths 16384 131072] [--name first_step_h100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import device_kind, write  # noqa: E402
+
+CHILD = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[2])
+import _common  # noqa: F401  (longctx first)
+import mlx.core as mx
+from longctx.kvcache import get_preset
+from longctx.kvcache.attention import compressed_attention
+from longctx.kvcache.turbo import TurboQuantCache
+L, H, HQ, D = int(sys.argv[1]), 8, 32, 128
+preset = get_preset("tq4")
+mx.random.seed(0)
+c = TurboQuantCache(preset, 0)
+for lo in range(0, L, 8192):
+    n = min(8192, L - lo)
+    kv = mx.random.normal((1, H, n, D)).astype(mx.bfloat16)
+    c.update_and_fetch(kv, kv)
+    mx.eval(c.state)
+c.seal()
+mx.eval(c.state)
+fork = TurboQuantCache.from_arrays(preset, 0, c.arrays(), D).fork(exact_new=1024)
+out = {}
+
+def timed(name, lq):
+    k = mx.random.normal((1, H, lq, D)).astype(mx.bfloat16)
+    q = mx.random.normal((1, HQ, lq, D)).astype(mx.bfloat16)
+    mx.eval(k, q)
+    t = time.perf_counter()
+    view, _ = fork.update_and_fetch(k, k)
+    mx.eval(compressed_attention(q, view, D ** -0.5, mask="causal" if lq > 1 else None))
+    out[name] = time.perf_counter() - t
+
+timed("question_s", 16)
+timed("first_step_s", 1)
+timed("second_step_s", 1)
+print(json.dumps(out))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 131072])
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+    here = str(Path(__file__).resolve().parent)
+    rows = []
+    for length in args.lengths:
+        with tempfile.TemporaryDirectory(prefix="lc-ptx-") as ptx:
+            env = dict(os.environ, MLX_PTX_CACHE_DIR=ptx)
+            for run in ("cold", "warm"):
+                p = subprocess.run([sys.executable, "-c", CHILD, str(length), here], env=env,
+                                   capture_output=True, text=True, check=False)
+                if p.returncode:
+                    sys.exit(f"first_step: the child failed at {length}:\n{p.stderr[-2000:]}")
+                r = {"length": length, "ptx_cache": run, **json.loads(p.stdout.strip().splitlines()[-1])}
+                rows.append(r)
+                print(f"L={length:>7} {run}: question {r['question_s']:.3f} s, first step "
+                      f"{r['first_step_s']:.3f} s, second {r['second_step_s']:.4f} s", flush=True)
+    write(args.name or f"first_step_{device_kind()}", {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
