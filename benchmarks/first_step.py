@@ -9,7 +9,9 @@ attention shape (8 KV heads, 32 query heads, d = 128) from random keys and value
 forks it as `ask` does, then times, evaluated one at a time: a 16-token question's attention
 (the fused compiled path), the first answer token's decode step, and the second one's. Lengths
 below `decode_attend_mma.DYNAMIC_MIN_KEYS` run the static whole-step kernel, lengths from it
-the one that hands out keys: two kernel sources.
+the one that hands out keys: two kernel sources. A third process, on the warm folder, feeds the
+question one token at a time instead (`question_stepwise`, `engine.stepwise`: the decode step's
+kernel only, not the decode-attend kernel and the split combine a batched question launches).
 
 Usage: python benchmarks/first_step.py [--lengths 16384 131072] [--name first_step_h100]
 """
@@ -36,6 +38,7 @@ from longctx.kvcache import get_preset
 from longctx.kvcache.attention import compressed_attention
 from longctx.kvcache.turbo import TurboQuantCache
 L, H, HQ, D = int(sys.argv[1]), 8, 32, 128
+stepwise = sys.argv[3] == "stepwise"
 preset = get_preset("tq4")
 mx.random.seed(0)
 c = TurboQuantCache(preset, 0)
@@ -58,7 +61,16 @@ def timed(name, lq):
     mx.eval(compressed_attention(q, view, D ** -0.5, mask="causal" if lq > 1 else None))
     out[name] = time.perf_counter() - t
 
-timed("question_s", 16)
+if stepwise:  # the question's 16 tokens one at a time, timed together
+    t = time.perf_counter()
+    for _ in range(16):
+        k = mx.random.normal((1, H, 1, D)).astype(mx.bfloat16)
+        q = mx.random.normal((1, HQ, 1, D)).astype(mx.bfloat16)
+        view, _ = fork.update_and_fetch(k, k)
+        mx.eval(compressed_attention(q, view, D ** -0.5))
+    out["question_s"] = time.perf_counter() - t
+else:
+    timed("question_s", 16)
 timed("first_step_s", 1)
 timed("second_step_s", 1)
 print(json.dumps(out))
@@ -75,14 +87,16 @@ def main() -> None:
     for length in args.lengths:
         with tempfile.TemporaryDirectory(prefix="lc-ptx-") as ptx:
             env = dict(os.environ, MLX_PTX_CACHE_DIR=ptx)
-            for run in ("cold", "warm"):
-                p = subprocess.run([sys.executable, "-c", CHILD, str(length), here], env=env,
-                                   capture_output=True, text=True, check=False)
+            for run, question in (("cold", "batched"), ("warm", "batched"),
+                                  ("warm", "stepwise")):
+                p = subprocess.run([sys.executable, "-c", CHILD, str(length), here, question],
+                                   env=env, capture_output=True, text=True, check=False)
                 if p.returncode:
                     sys.exit(f"first_step: the child failed at {length}:\n{p.stderr[-2000:]}")
-                r = {"length": length, "ptx_cache": run, **json.loads(p.stdout.strip().splitlines()[-1])}
+                r = {"length": length, "ptx_cache": run, "question": question,
+                     **json.loads(p.stdout.strip().splitlines()[-1])}
                 rows.append(r)
-                print(f"L={length:>7} {run}: question {r['question_s']:.3f} s, first step "
+                print(f"L={length:>7} {run} {question:>8}: question {r['question_s']:.3f} s, first step "
                       f"{r['first_step_s']:.3f} s, second {r['second_step_s']:.4f} s", flush=True)
     write(args.name or f"first_step_{device_kind()}", {"rows": rows})
 

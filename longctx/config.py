@@ -92,6 +92,10 @@ SETTINGS: dict[str, Setting] = {
     "compile": Setting("LONGCTX_COMPILE", _choice("0", "1", "question"), "1",
                        "GPU: run the fused attention path under mx.compile: always (1), for "
                        "questions only, or never (0)"),
+    "question_stepwise": Setting("LONGCTX_QUESTION_STEPWISE", _choice("0", "auto", "1"), "0",
+                                 "a question of up to 64 tokens over a compressed cache is fed one "
+                                 "token at a time: on CUDA (auto: only the decode step's kernel "
+                                 "is compiled in a fresh process), everywhere (1), or never (0)"),
     "fused_step": Setting("LONGCTX_FUSED_STEP", _flag, True,
                           "GPU: a decode step over one scalar-coded segment runs as two kernel "
                           "launches, one on CUDA's tensor-core path (0: the compiled fused "

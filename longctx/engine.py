@@ -125,13 +125,39 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
                         max(times, default=0.0), tuple(times))
 
 
+STEPWISE_MAX = 64  # the longest prompt `question_stepwise` feeds one token at a time
+
+
+def stepwise(tokens: list[int], cache: list) -> bool:
+    """Whether `token_stream` feeds `tokens` through `cache` one at a time (`question_stepwise`):
+    a prompt of 2 to STEPWISE_MAX tokens over a compressed cache that holds tokens, on CUDA
+    (`auto`) or anywhere (`1`). On CUDA MLX compiles every custom kernel with NVRTC in each process
+    (`benchmarks/first_step.py`): a batched question needs the decode-attend kernel and the split
+    combine besides the decode step's own, single tokens only the latter."""
+    from longctx import config
+
+    mode = config.get("question_stepwise")
+    if mode == "0" or not 1 < len(tokens) <= STEPWISE_MAX:
+        return False
+    if mode == "auto":
+        from longctx.kernels import backend
+
+        if backend() != "cuda":
+            return False
+    from longctx.kvcache.turbo import TurboQuantCache
+
+    return any(isinstance(c, TurboQuantCache) and c.offset > 0 for c in cache)
+
+
 def token_stream(model, tokens: list[int], cache: list, max_tokens: int, temperature: float = 0.0,
                  stop: frozenset | set = frozenset()) -> Iterator[int]:
     """Token ids decoded after `tokens` (appended to `cache`), greedy or sampled, up to a stop id.
 
     Each step's successor is queued (`mx.async_eval`) before the step's token is read, so on a
     GPU the next forward pass runs while the caller handles the current token (as mlx-lm's
-    generate_step does). A stop id ends the stream without being yielded.
+    generate_step does). A stop id ends the stream without being yielded. A long prompt is
+    prefilled in chunks; a short one over a compressed cache may go one token at a time
+    (`stepwise`).
     """
     import mlx.core as mx
 
@@ -139,6 +165,10 @@ def token_stream(model, tokens: list[int], cache: list, max_tokens: int, tempera
         raise ValueError("token_stream needs at least one prompt token")
     if len(tokens) > DEFAULT_CHUNK:  # long prompts: chunked like any prefill, last token below
         prefill(model, tokens[:-1], cache)
+        tokens = tokens[-1:]
+    elif stepwise(tokens, cache):  # one token at a time, as decoding runs (their logits unused)
+        for t in tokens[:-1]:
+            model(mx.array([[t]], dtype=mx.int32), cache=cache)
         tokens = tokens[-1:]
 
     def step(ids: mx.array) -> mx.array:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
+import numpy as np
 
 from longctx import engine, kvcache
 from longctx.runtime import models
@@ -216,3 +217,64 @@ def test_the_inflight_bound_queues_every_few_layers(tiny_model, monkeypatch):
         for a, b in zip(c, caches[0]):
             for x, y in zip(a.state, b.state):
                 assert mx.array_equal(x, y)
+
+
+def _stepwise_case(tiny_model):
+    lm = models.load(models.resolve(str(tiny_model)))
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, 200, size=600).tolist()
+    question = rng.integers(3, 200, size=12).tolist()
+    cache = kvcache.make(lm.model, kvcache.get_preset("tq4"))
+    engine.prefill(lm.model, prefix, cache)
+    kvcache.seal(cache)
+    return lm, cache, question
+
+
+def test_stepwise_is_chosen_for_short_prompts_over_a_filled_compressed_cache(tiny_model):
+    from longctx import config
+
+    lm, cache, question = _stepwise_case(tiny_model)
+    fp16 = kvcache.make(lm.model, kvcache.get_preset("fp16"))
+    engine.prefill(lm.model, question, fp16)
+    with config.override(question_stepwise="1"):
+        assert engine.stepwise(question, cache)
+        assert not engine.stepwise(question[:1], cache)  # one token: nothing to step through
+        assert not engine.stepwise(question * 6, cache)  # 72 > STEPWISE_MAX
+        assert not engine.stepwise(question, fp16)  # no compressed layer
+        assert not engine.stepwise(question, kvcache.make(lm.model, kvcache.get_preset("tq4")))
+    with config.override(question_stepwise="auto"):  # CUDA only
+        from longctx.kernels import backend
+
+        assert engine.stepwise(question, cache) == (backend() == "cuda")
+    with config.override(question_stepwise="0"):
+        assert not engine.stepwise(question, cache)
+
+
+def test_a_question_fed_token_by_token_answers_as_the_batched_one(tiny_model):
+    """The question's tokens one at a time (`question_stepwise`) leave the same cache (offsets,
+    exact window within rounding) and give the same greedy answer as one batched pass."""
+    from longctx import config
+
+    lm, cache, question = _stepwise_case(tiny_model)
+    got, want = kvcache.fork(cache), kvcache.fork(cache)
+    lengths = []
+
+    def model(ids, cache):  # the model, recording each call's token count
+        lengths.append(ids.shape[1])
+        return lm.model(ids, cache=cache)
+
+    with config.override(question_stepwise="1"):
+        a = engine.greedy_tokens(model, question, got, 8)
+    assert lengths == [1] * (12 + 7)
+    lengths.clear()
+    with config.override(question_stepwise="0"):
+        b = engine.greedy_tokens(model, question, want, 8)
+    assert lengths == [12] + [1] * 7
+    assert a == b
+    for x, y in zip(got, want):
+        assert x.offset == y.offset == 600 + 12 + 7  # the answer's tokens but its last
+        kx, vx = x.window
+        ky, vy = y.window
+        assert kx.shape == ky.shape
+        np.testing.assert_allclose(np.array(kx), np.array(ky), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.array(vx), np.array(vy), rtol=1e-4, atol=1e-4)
