@@ -1,15 +1,16 @@
 """What a fresh process pays the first time it attends a compressed cache of a given length on
-a CUDA GPU: MLX compiles each kernel source with NVRTC on its first launch and keeps the PTX in
-its cache directory (`MLX_PTX_CACHE_DIR`, by default under the system temp dir), so a second
-process on the same machine loads it instead.
+a CUDA GPU: MLX compiles each kernel source with NVRTC on its first launch in a process. It keeps
+the PTX of its own kernels in a cache directory (`MLX_PTX_CACHE_DIR`, by default under the system
+temp dir) that later processes load, but not that of custom kernels (`mx.fast.cuda_kernel`, all
+of longctx's), which every process compiles again.
 
-For each length, two fresh processes in turn share one new, empty PTX cache directory (the
-first finds it cold, the second warm). Each builds a one-layer compressed cache of Llama-3.1-8B's
+For each length, fresh processes in turn share one new, empty PTX cache directory (the first
+finds it cold, the next ones warm). Each builds a one-layer compressed cache of Llama-3.1-8B's
 attention shape (8 KV heads, 32 query heads, d = 128) from random keys and values, seals and
 forks it as `ask` does, then times, evaluated one at a time: a 16-token question's attention
 (the fused compiled path), the first answer token's decode step, and the second one's. Lengths
 below `decode_attend_mma.DYNAMIC_MIN_KEYS` run the static whole-step kernel, lengths from it
-the one that hands out keys: two kernel sources. A third process, on the warm folder, feeds the
+the one that hands out keys: two kernel sources. The third, on the warm folder, feeds the
 question one token at a time instead (`question_stepwise`, `engine.stepwise`: the decode step's
 kernel only, not the decode-attend kernel and the split combine a batched question launches).
 
