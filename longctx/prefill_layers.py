@@ -27,6 +27,16 @@ computed. The first chunk is a probe: a model whose call does not reach the stan
 with them, or has more than one layer write the staging cache gets the token-major loop, with
 nothing written yet.
 
+The model's call is needed only in the first layer's pass: there each chunk's call goes on
+through every stand-in, which records what the model passed its layer besides the hidden states
+(the mask, the cache, keywords) and hands the hidden states on unchanged (`_record`); later
+passes call each layer directly with its recorded arguments, the pass's staging cache in place
+of the first's (`_direct`). That saves the model's call (embedding, masks, the stand-ins before
+the layer) for all but one layer: 13% of the loop's host time at 8k tokens of SmolLM2's shape
+(CPU, kernels stood in: `benchmarks/prefill_loop_host.py`). A model whose layers do not take the hidden states first and pass them
+on as they came (keywords, tuples, work between layers) stops the recording: its later passes go
+through its call as before.
+
 Where: `applies` (the `prefill_order` setting: `auto` takes this path on a GPU for an empty
 cache whose layers are all compressed; the CPU keeps the token-major loop, already faster than
 its fp16 cache there).
@@ -44,6 +54,15 @@ _log = logging.getLogger("longctx.prefill")
 
 class _Stop(Exception):
     """Raised by the active layer's stand-in once its output is kept: ends the model call."""
+
+
+_STAGE = object()  # in a recorded call, where the model passed the staging cache
+RECORD = True  # False: every pass goes through the model's call (benchmarks/prefill_loop_host.py)
+
+
+class _Unrecorded(Exception):
+    """Raised by a recording stand-in whose call is not `layer(h, ...)` with h what the layer
+    before returned: that model's layers past the first run through its own call."""
 
 
 class _Stand:
@@ -179,14 +198,42 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
     real = list(layers)
     n_layers, total = len(real), len(tokens)
     pieces = [mx.array(tokens[lo:hi], dtype=mx.int32)[None] for lo, hi in bounds]  # (1, T) each
-    at = {"layer": 0, "chunk": 0, "out": None}
+    at = {"layer": 0, "chunk": 0, "out": None, "prev": None, "stage": None, "record": RECORD}
     hidden: list = []  # the previous layer's output, per chunk
+    # per chunk, per layer i >= 1: the arguments the model passed it besides the hidden states
+    # (`_record`), kept during the first layer's pass; None once a chunk's call did not fit
+    calls: list | None = [] if RECORD else None
 
     def run(i: int, args, kwargs):
+        if at["record"] and at["layer"] == 0:
+            return _record(i, args, kwargs)
         if i < at["layer"]:  # what layer j - 1 returned (its earlier stand-ins' is discarded)
             return hidden[at["chunk"]]
         at["out"] = real[i](*args, **kwargs)
         raise _Stop
+
+    def _record(i: int, args, kwargs):
+        # the first layer's pass lets the model's call go on through every stand-in: layer 0
+        # runs, and each later stand-in keeps what the model passed it and hands the hidden
+        # states on unchanged, so later passes call their layer directly (`_direct`) instead of
+        # the whole model (embedding, masks, every stand-in before it: ~10 us a call)
+        if i == 0:
+            at["out"] = at["prev"] = real[0](*args, **kwargs)
+            calls.append([None])
+            return at["out"]
+        if not args or args[0] is not at["prev"] or len(calls[-1]) != i:
+            raise _Unrecorded
+        stage = at["stage"]  # kept as a mark: that pass's buffers are not held past it
+        calls[-1].append((tuple(_STAGE if a is stage else a for a in args[1:]),
+                          {k: _STAGE if v is stage else v for k, v in kwargs.items()}))
+        return args[0]
+
+    def _direct(j: int, c: int, stage):
+        # layer j on chunk c with the arguments the model passed it in the first pass, this
+        # pass's staging cache where that one's was
+        rest, kwargs = calls[c][j]
+        return real[j](hidden[c], *[stage if a is _STAGE else a for a in rest],
+                       **{k: stage if v is _STAGE else v for k, v in kwargs.items()})
 
     spans = absorb_spans(bounds)
     budget = config.get("prefill_inflight") or float("inf")
@@ -203,28 +250,45 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
             # slices)
             stage = KVCache()
             stages = [stage] * n_layers  # the model's mask and rope read cache[0] / cache[j]
+            at["stage"] = stage
             outs = []
             group, nbytes, ntokens = [], 0, 0  # the group being built
             for c, piece in enumerate(pieces):
                 at["layer"], at["chunk"] = j, c
                 probe = j == 0 and c == 0  # nothing is written yet: the fallback is clean
-                try:
-                    model(piece, cache=stages)
-                except _Stop:
-                    pass
-                except Exception as err:  # the stand-ins do not fit this model's call
-                    if not probe:
-                        raise
-                    _log.debug("layer-major prefill refused by the model's call: %r", err)
-                    return None
+                if j > 0 and calls is not None:
+                    at["out"] = _direct(j, c, stage)
                 else:
-                    if probe:
-                        return None  # the model's call bypassed its layers list
-                    raise RuntimeError("the model's call stopped going through its layers")
+                    try:
+                        model(piece, cache=stages)
+                    except _Stop:
+                        pass
+                    except _Unrecorded:  # layer 0 ran: later passes go through the model's call
+                        calls = None
+                        at["record"] = False
+                    except Exception as err:  # the stand-ins do not fit this model's call
+                        if at["out"] is None:
+                            if not probe:
+                                raise
+                            _log.debug("layer-major prefill refused by the model's call: %r", err)
+                            return None
+                        # recording: layer 0 ran, the rest of the model's call did not fit
+                        calls = None
+                        at["record"] = False
+                    else:
+                        if at["out"] is None:
+                            if probe:
+                                return None  # the model's call bypassed its layers list
+                            raise RuntimeError("the model's call stopped going through its layers")
+                        if not at["record"] or j > 0:
+                            raise RuntimeError("the model's call went on past its active layer")
+                        if len(calls[-1]) != n_layers:  # it did not reach every layer
+                            calls = None
+                            at["record"] = False
                 if probe and stage.offset != piece.shape[1]:  # one layer wrote, once
                     return None
                 out = at["out"]
-                at["out"] = None
+                at["out"] = at["prev"] = None
                 if j < n_layers - 1:
                     outs.append(out)
                     group.append(out)
@@ -239,7 +303,7 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
                     for lo, hi in spans:
                         window = cache[j].absorb(keys[:, :, lo:hi], values[:, :, lo:hi])
                     group += list(cache[j].state) + window
-                    stage = stages = keys = values = None
+                    stage = stages = keys = values = at["stage"] = None
                 if not (last or ntokens >= group_tokens or nbytes >= budget / 2):
                     continue
                 mx.async_eval(group)

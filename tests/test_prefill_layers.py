@@ -343,3 +343,40 @@ def test_layers_called_with_keywords_that_return_tuples(lm):
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
     assert any(not np.array_equal(tokenwise[k], want[k]) for k in want if k.startswith("1."))
+
+
+def _counting(model, monkeypatch) -> list:
+    """Every call of `model`'s class, by its token count (the class's __call__ wrapped)."""
+    calls, cls = [], type(model)
+    plain = cls.__call__
+
+    def counted(self, ids, *args, **kwargs):
+        calls.append(ids.shape[1])
+        return plain(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__call__", counted)
+    return calls
+
+
+def test_past_the_first_layer_the_layers_are_called_directly(lm, monkeypatch):
+    """The first layer's pass records what the model passes each layer; later passes call the
+    layer with it (no model call), and store what the model's calls would."""
+    preset = kvcache.get_preset("tq4")
+    tokens = _tokens(3 * CHUNK + 11)
+    want = _arrays(_fp16_then_compressed(lm.model, tokens, preset), preset)
+    calls = _counting(lm.model, monkeypatch)
+    got = _arrays(_prefill(lm.model, tokens, preset, "layer")[0], preset)
+    assert calls == [CHUNK] * 3 + [11]  # one per chunk, in the first layer's pass only
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_a_model_whose_layers_do_not_pass_on_the_hidden_states_is_called_per_layer(
+        lm, monkeypatch):
+    """Layers called with keywords and returning tuples: the recording stops at the second
+    layer, so every later pass goes through the model's call, as before."""
+    preset = kvcache.get_preset("tq4")
+    model = _TupleModel(lm.model)
+    calls = _counting(model, monkeypatch)
+    _prefill(model, _tokens(3 * CHUNK + 11), preset, "layer")
+    assert calls == ([CHUNK] * 3 + [11]) * len(model.layers)
