@@ -35,7 +35,9 @@ of the first's (`_direct`). That saves the model's call (embedding, masks, the s
 the layer) for all but one layer: the loop's host time at 8k tokens of SmolLM2's shape went from
 116 to 93 ms (CPU, kernels stood in: `benchmarks/prefill_loop_host.py`). A model whose layers do
 not take the hidden states first and pass them on as they came (keywords, tuples, work between
-layers) stops the recording: its later passes go through its call as before.
+layers), or that hands them a large array (an explicit mask: kept per chunk, it would hold GiBs
+at 128k tokens; `RECORD_MAX_BYTES`), stops the recording: its later passes go through its call
+as before.
 
 Where: `applies` (the `prefill_order` setting: `auto` takes this path on a GPU for an empty
 cache whose layers are all compressed; the CPU keeps the token-major loop, already faster than
@@ -58,6 +60,9 @@ class _Stop(Exception):
 
 _STAGE = object()  # in a recorded call, where the model passed the staging cache
 RECORD = True  # False: every pass goes through the model's call (benchmarks/prefill_loop_host.py)
+# the largest array a recorded call may hold (a chunk's explicit mask is (T, offset + T): at 128k
+# tokens kept for every chunk until the last layer's pass, GiBs; such a model is called per layer)
+RECORD_MAX_BYTES = 2**20
 
 
 class _Unrecorded(Exception):
@@ -222,6 +227,9 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
             calls.append([None])
             return at["out"]
         if not args or args[0] is not at["prev"] or len(calls[-1]) != i:
+            raise _Unrecorded
+        if any(getattr(a, "nbytes", 0) > RECORD_MAX_BYTES
+               for a in (*args[1:], *kwargs.values())):
             raise _Unrecorded
         stage = at["stage"]  # kept as a mark: that pass's buffers are not held past it
         calls[-1].append((tuple(_STAGE if a is stage else a for a in args[1:]),

@@ -380,3 +380,37 @@ def test_a_model_whose_layers_do_not_pass_on_the_hidden_states_is_called_per_lay
     calls = _counting(model, monkeypatch)
     _prefill(model, _tokens(3 * CHUNK + 11), preset, "layer")
     assert calls == ([CHUNK] * 3 + [11]) * len(model.layers)
+
+
+class _ArrayMaskModel:
+    """A model handing its layers an explicit mask array (positional arguments otherwise)."""
+
+    def __init__(self, model):
+        self.inner = model.model
+        self.layers = model.layers
+
+    def __call__(self, ids, cache=None):
+        from mlx_lm.models.base import create_attention_mask
+
+        h = self.inner.embed_tokens(ids)
+        mask = create_attention_mask(h, cache[0], return_array=True)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, c)
+        return self.inner.embed_tokens.as_linear(self.inner.norm(h))
+
+
+@pytest.mark.parametrize("most, direct", [(2**20, True), (0, False)])
+def test_a_large_array_argument_stops_the_recording(lm, monkeypatch, most, direct):
+    """An explicit mask over RECORD_MAX_BYTES is not kept for every chunk: that model is called
+    per layer; either way the arrays are the oracle's."""
+    preset = kvcache.get_preset("tq4")
+    model = _ArrayMaskModel(lm.model)
+    tokens = _tokens(3 * CHUNK + 11)
+    want = _arrays(_fp16_then_compressed(model, tokens, preset), preset)
+    monkeypatch.setattr(prefill_layers, "RECORD_MAX_BYTES", most)
+    calls = _counting(model, monkeypatch)
+    got = _arrays(_prefill(model, tokens, preset, "layer")[0], preset)
+    chunks = [CHUNK] * 3 + [11]
+    assert calls == (chunks if direct else chunks * len(model.layers))
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
