@@ -37,7 +37,9 @@ the layer) for all but one layer: the loop's host time at 8k tokens of SmolLM2's
 not take the hidden states first and pass them on as they came (keywords, tuples, work between
 layers), or that hands them a large array (an explicit mask: kept per chunk, it would hold GiBs
 at 128k tokens; `RECORD_MAX_BYTES`), stops the recording: its later passes go through its call
-as before.
+as before. What it assumes: a layer's other arguments do not depend on the hidden states (a
+model computing one from them inside its loop would have it from the first pass's; none of the
+families in tests/families.py does, each stores the oracle's arrays bit for bit).
 
 Where: `applies` (the `prefill_order` setting: `auto` takes this path on a GPU for an empty
 cache whose layers are all compressed; the CPU keeps the token-major loop, already faster than
