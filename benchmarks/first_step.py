@@ -97,8 +97,9 @@ def main() -> None:
                 r = {"length": length, "ptx_cache": run, "question": question,
                      **json.loads(p.stdout.strip().splitlines()[-1])}
                 rows.append(r)
-                print(f"L={length:>7} {run} {question:>8}: question {r['question_s']:.3f} s, first step "
-                      f"{r['first_step_s']:.3f} s, second {r['second_step_s']:.4f} s", flush=True)
+                print(f"L={length:>7} {run} {question:>8}: question {r['question_s']:.3f} s, "
+                      f"first step {r['first_step_s']:.3f} s, second "
+                      f"{r['second_step_s']:.4f} s", flush=True)
     write(args.name or f"first_step_{device_kind()}", {"rows": rows})
 
 

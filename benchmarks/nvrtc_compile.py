@@ -91,7 +91,8 @@ def main() -> None:
     for spec, launch in launches():
         name = spec.name
         t = time.perf_counter()
-        kernel_emu.nvrtc_check(spec, launch, str(lib), cccl_include=str(nv / "cuda_cccl" / "include"),
+        kernel_emu.nvrtc_check(spec, launch, str(lib),
+                               cccl_include=str(nv / "cuda_cccl" / "include"),
                                cuda_include=str(nv / "cuda_runtime" / "include"), arch=args.arch)
         seconds = time.perf_counter() - t
         template = {k: (v if isinstance(v, (int, bool)) else str(v)) for k, v in launch.template}

@@ -33,13 +33,14 @@ through every stand-in, which records what the model passed its layer besides th
 passes call each layer directly with its recorded arguments, the pass's staging cache in place
 of the first's (`_direct`). That saves the model's call (embedding, masks, the stand-ins before
 the layer) for all but one layer: the loop's host time at 8k tokens of SmolLM2's shape went from
-116 to 93 ms (CPU, kernels stood in: `benchmarks/prefill_loop_host.py`). A model whose layers do
-not take the hidden states first and pass them on as they came (keywords, tuples, work between
-layers), or that hands them a large array (an explicit mask: kept per chunk, it would hold GiBs
-at 128k tokens; `RECORD_MAX_BYTES`), stops the recording: its later passes go through its call
-as before. What it assumes: a layer's other arguments do not depend on the hidden states (a
-model computing one from them inside its loop would have it from the first pass's; none of the
-families in tests/families.py does, each stores the oracle's arrays bit for bit).
+123 to 106 ms (median of 7; CPU, kernels stood in: `benchmarks/prefill_loop_host.py`). A model
+whose layers do not take the hidden states first and pass them on as they came (keywords,
+tuples, work between layers), or that hands them a large array (an explicit mask: kept per
+chunk, it would hold GiBs at 128k tokens; `RECORD_MAX_BYTES`), stops the recording: its later
+passes go through its call as before. What it assumes: a layer's other arguments do not depend
+on the hidden states (a model computing one from them inside its loop would have it from the
+first pass's; none of the families in tests/families.py does, each stores the oracle's arrays
+bit for bit).
 
 Where: `applies` (the `prefill_order` setting: `auto` takes this path on a GPU for an empty
 cache whose layers are all compressed; the CPU keeps the token-major loop, already faster than
@@ -230,7 +231,7 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
             return at["out"]
         if not args or args[0] is not at["prev"] or len(calls[-1]) != i:
             raise _Unrecorded
-        if any(getattr(a, "nbytes", 0) > RECORD_MAX_BYTES
+        if any(isinstance(a, mx.array) and a.nbytes > RECORD_MAX_BYTES
                for a in (*args[1:], *kwargs.values())):
             raise _Unrecorded
         stage = at["stage"]  # kept as a mark: that pass's buffers are not held past it
