@@ -33,7 +33,7 @@ through every stand-in, which records what the model passed its layer besides th
 passes call each layer directly with its recorded arguments, the pass's staging cache in place
 of the first's (`_direct`). That saves the model's call (embedding, masks, the stand-ins before
 the layer) for all but one layer: the loop's host time at 8k tokens of SmolLM2's shape went from
-123 to 106 ms (median of 7; CPU, kernels stood in: `benchmarks/prefill_loop_host.py`). A model
+79 to 65 ms (median of 7; CPU, kernels stood in: `benchmarks/prefill_loop_host.py`). A model
 whose layers do not take the hidden states first and pass them on as they came (keywords,
 tuples, work between layers), or that hands them a large array (an explicit mask: kept per
 chunk, it would hold GiBs at 128k tokens; `RECORD_MAX_BYTES`), stops the recording: its later
@@ -206,14 +206,15 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
     real = list(layers)
     n_layers, total = len(real), len(tokens)
     pieces = [mx.array(tokens[lo:hi], dtype=mx.int32)[None] for lo, hi in bounds]  # (1, T) each
-    at = {"layer": 0, "chunk": 0, "out": None, "prev": None, "stage": None, "record": RECORD}
+    at = {"layer": 0, "chunk": 0, "out": None, "stage": None}
     hidden: list = []  # the previous layer's output, per chunk
     # per chunk, per layer i >= 1: the arguments the model passed it besides the hidden states
-    # (`_record`), kept during the first layer's pass; None once a chunk's call did not fit
+    # (`_record`), kept during the first layer's pass; None once a chunk's call did not fit (or
+    # not RECORD): the model's call serves every pass
     calls: list | None = [] if RECORD else None
 
     def run(i: int, args, kwargs):
-        if at["record"] and at["layer"] == 0:
+        if calls is not None and at["layer"] == 0:
             return _record(i, args, kwargs)
         if i < at["layer"]:  # what layer j - 1 returned (its earlier stand-ins' is discarded)
             return hidden[at["chunk"]]
@@ -226,10 +227,10 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
         # states on unchanged, so later passes call their layer directly (`_direct`) instead of
         # the whole model (embedding, masks, every stand-in before it: ~10 us a call)
         if i == 0:
-            at["out"] = at["prev"] = real[0](*args, **kwargs)
+            at["out"] = real[0](*args, **kwargs)
             calls.append([None])
             return at["out"]
-        if not args or args[0] is not at["prev"] or len(calls[-1]) != i:
+        if not args or args[0] is not at["out"] or len(calls[-1]) != i:
             raise _Unrecorded
         if any(isinstance(a, mx.array) and a.nbytes > RECORD_MAX_BYTES
                for a in (*args[1:], *kwargs.values())):
@@ -274,9 +275,6 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
                         model(piece, cache=stages)
                     except _Stop:
                         pass
-                    except _Unrecorded:  # layer 0 ran: later passes go through the model's call
-                        calls = None
-                        at["record"] = False
                     except Exception as err:  # the stand-ins do not fit this model's call
                         if at["out"] is None:
                             if not probe:
@@ -284,22 +282,22 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
                             _log.debug("layer-major prefill refused by the model's call: %r", err)
                             return None
                         # recording: layer 0 ran, the rest of the model's call did not fit
+                        # (`_Unrecorded`, or an error past the stand-ins): later passes go
+                        # through the model's call
                         calls = None
-                        at["record"] = False
                     else:
                         if at["out"] is None:
                             if probe:
                                 return None  # the model's call bypassed its layers list
                             raise RuntimeError("the model's call stopped going through its layers")
-                        if not at["record"] or j > 0:
+                        if calls is None or j > 0:
                             raise RuntimeError("the model's call went on past its active layer")
                         if len(calls[-1]) != n_layers:  # it did not reach every layer
                             calls = None
-                            at["record"] = False
                 if probe and stage.offset != piece.shape[1]:  # one layer wrote, once
                     return None
                 out = at["out"]
-                at["out"] = at["prev"] = None
+                at["out"] = None
                 if j < n_layers - 1:
                     outs.append(out)
                     group.append(out)
