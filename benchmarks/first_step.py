@@ -1,18 +1,19 @@
 """What a fresh process pays the first time it attends a compressed cache of a given length on
 a CUDA GPU: MLX compiles each kernel source with NVRTC on its first launch in a process. It keeps
-the PTX of its own kernels in a cache directory (`MLX_PTX_CACHE_DIR`, by default under the system
-temp dir) that later processes load, but not that of custom kernels (`mx.fast.cuda_kernel`, all
-of longctx's), which every process compiles again.
+the compiled code of its own kernels in a cache directory (`MLX_PTX_CACHE_DIR`) that later
+processes load, but does not write that of custom kernels (`mx.fast.cuda_kernel`, all of
+longctx's); longctx writes those files itself (`kernels/_cuda_cache`), where MLX reads them.
 
-For each length, fresh processes in turn share one new, empty PTX cache directory (the first
-finds it cold, the next ones warm). Each builds a one-layer compressed cache of Llama-3.1-8B's
-attention shape (8 KV heads, 32 query heads, d = 128) from random keys and values, seals and
-forks it as `ask` does, then times, evaluated one at a time: a 16-token question's attention
-(the fused compiled path), the first answer token's decode step, and the second one's. Lengths
-below `decode_attend_mma.DYNAMIC_MIN_KEYS` run the static whole-step kernel, lengths from it
-the one that hands out keys: two kernel sources. The third, on the warm folder, feeds the
-question one token at a time instead (`question_stepwise`, `engine.stepwise`: the decode step's
-kernel only, not the decode-attend kernel and the split combine a batched question launches).
+For each length, fresh processes in turn share one new, empty cache directory (`RUNS`: the first
+finds it cold and fills it, the next ones find it warm, with longctx's kernel files off, as
+before them, or on). Each builds a one-layer compressed cache of Llama-3.1-8B's attention shape
+(8 KV heads, 32 query heads, d = 128) from random keys and values, seals and forks it as `ask`
+does, then times, evaluated one at a time: a 16-token question's attention (the fused compiled
+path), the first answer token's decode step, and the second one's. Lengths below
+`decode_attend_mma.DYNAMIC_MIN_KEYS` run the static whole-step kernel, lengths from it the one
+that hands out keys: two kernel sources. The stepwise rows feed the question one token at a
+time instead (`question_stepwise`, `engine.stepwise`: the decode step's kernel only, not the
+decode-attend kernel and the split combine a batched question launches).
 
 Usage: python benchmarks/first_step.py [--lengths 16384 131072] [--name first_step_h100]
 """
@@ -71,8 +72,19 @@ else:
     timed("question_s", 16)
 timed("first_step_s", 1)
 timed("second_step_s", 1)
+from longctx.kernels import _cuda_cache
+out["kernel_file_stats"] = {k: _cuda_cache.STATS[k] for k in ("hit", "write", "skip", "last_skip")}
+out["kernel_file_stats"]["compile_s"] = round(_cuda_cache.STATS["compile_s"], 3)
 print(json.dumps(out))
 """
+
+
+# (MLX's PTX folder, longctx's compiled-kernel files, question): the first process finds the
+# folder empty and fills it (MLX its own kernels, longctx its files: `kernels/_cuda_cache`); the
+# next ones find it warm, with the files off (MLX compiles longctx's kernels, as before them) or
+# on (MLX loads them)
+RUNS = (("cold", True, "batched"), ("warm", False, "batched"), ("warm", True, "batched"),
+        ("warm", False, "stepwise"), ("warm", True, "stepwise"))
 
 
 def main() -> None:
@@ -84,19 +96,19 @@ def main() -> None:
     rows = []
     for length in args.lengths:
         with tempfile.TemporaryDirectory(prefix="lc-ptx-") as ptx:
-            env = dict(os.environ, MLX_PTX_CACHE_DIR=ptx)
-            for run, question in (("cold", "batched"), ("warm", "batched"),
-                                  ("warm", "stepwise")):
+            for run, files, question in RUNS:
+                env = dict(os.environ, MLX_PTX_CACHE_DIR=ptx,
+                           LONGCTX_CUDA_KERNEL_CACHE="1" if files else "0")
                 p = subprocess.run([sys.executable, "-c", CHILD, str(length), here, question],
                                    env=env, capture_output=True, text=True, check=False)
                 if p.returncode:
                     sys.exit(f"first_step: the child failed at {length}:\n{p.stderr[-2000:]}")
-                r = {"length": length, "ptx_cache": run, "question": question,
-                     **json.loads(p.stdout.strip().splitlines()[-1])}
+                r = {"length": length, "ptx_cache": run, "kernel_files": files,
+                     "question": question, **json.loads(p.stdout.strip().splitlines()[-1])}
                 rows.append(r)
-                print(f"L={length:>7} {run} {question:>8}: question {r['question_s']:.3f} s, "
-                      f"first step {r['first_step_s']:.3f} s, second "
-                      f"{r['second_step_s']:.4f} s", flush=True)
+                print(f"L={length:>7} {run} files={'on ' if files else 'off'} {question:>8}: "
+                      f"question {r['question_s']:.3f} s, first step {r['first_step_s']:.3f} s, "
+                      f"second {r['second_step_s']:.4f} s  {r['kernel_file_stats']}", flush=True)
     write(args.name or f"first_step_{device_kind()}", {"rows": rows})
 
 

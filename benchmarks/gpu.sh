@@ -70,7 +70,8 @@ for phase in "${phases[@]}"; do
       # Full fp32 matmuls: the test oracles need them (MLX uses TF32 by default on this GPU).
       MLX_ENABLE_TF32=0 run gpu_tests 400 python3 -m pytest -q -rfEs -p no:cacheprovider $workers \
         tests/test_kernels.py tests/test_kvcache.py tests/test_dense_gpu.py \
-        tests/test_kernel_fallback.py tests/test_prefill_layers.py tests/test_native.py ;;
+        tests/test_kernel_fallback.py tests/test_prefill_layers.py tests/test_native.py \
+        tests/test_cuda_cache.py ;;
     attend)
       # ATTEND_ARGS="--heads 28 4 --name attend_h200_qwen2.5-7b": another shape, its own file;
       # ATTEND_ARGS="--methods fp16_sdpa fused_tq4 ...": those rows only (and torch's anchors),

@@ -355,6 +355,8 @@ class KernelFallbackWarning(RuntimeWarning):
 
 
 _BY_SPEC: dict = {}  # (backend, spec) -> kernel object: a launch's lookup without the digest
+_SOURCES: dict = {}  # (backend, spec) -> (MLX kernel name, header, body) as handed to MLX
+_PREPARED: set = set()  # CUDA variants whose compiled module `_cuda_cache.prepare` has seen to
 
 
 def _mlx_kernel(spec: KernelSpec, which: str):
@@ -374,7 +376,21 @@ def _mlx_kernel(spec: KernelSpec, which: str):
                              output_names=list(spec.outputs), source=body, header=header,
                              ensure_row_contiguous=spec.row_contiguous, **extra)
     _BY_SPEC[(which, spec)] = _KERNELS[key]
+    _SOURCES[(which, spec)] = (f"{spec.name}_{digest}", header, body)
     return _KERNELS[key]
+
+
+def _prepare_cuda(spec: KernelSpec, launch: Launch, variant: tuple) -> None:
+    """Before a variant's first CUDA launch in this process: its compiled module on disk where
+    MLX looks (`_cuda_cache`), so that MLX loads it instead of compiling it (once per machine)."""
+    _PREPARED.add(variant)
+    from longctx.kernels import _cuda_cache
+
+    if not _cuda_cache.enabled():
+        return
+    _mlx_kernel(spec, "cuda")
+    name, header, body = _SOURCES[("cuda", spec)]
+    _cuda_cache.prepare(name, header, body, spec.inputs, spec.outputs, launch)
 
 
 def failed(name: str) -> bool:
@@ -433,10 +449,16 @@ def run(spec: KernelSpec, launch: Launch, reference=None) -> list:
             output_dtypes=launch.output_dtypes)
 
     if reference is None:
+        if which == "cuda" and _EXECUTOR is None:
+            variant = _variant(spec, which, launch)
+            if variant not in _PREPARED:
+                _prepare_cuda(spec, launch, variant)
         return call()
     variant = _variant(spec, which, launch)
     if variant in _VERIFIED:
         return call()
+    if which == "cuda" and _EXECUTOR is None and variant not in _PREPARED:
+        _prepare_cuda(spec, launch, variant)
     if _in_transformation(launch.inputs):
         _TRACED_REFERENCES[0] += 1
         return list(reference())

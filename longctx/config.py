@@ -96,6 +96,11 @@ SETTINGS: dict[str, Setting] = {
                                  "a question of up to 64 tokens over a compressed cache is fed one "
                                  "token at a time: on CUDA (auto: only the decode step's kernel "
                                  "is compiled in a fresh process), everywhere (1), or never (0)"),
+    "cuda_kernel_cache": Setting("LONGCTX_CUDA_KERNEL_CACHE", _flag, True,
+                                 "CUDA: longctx's kernels are compiled once per machine and kept "
+                                 "where MLX loads them (MLX_PTX_CACHE_DIR, set to "
+                                 "<home>/cuda-kernels when unset); 0: MLX compiles them in "
+                                 "every process"),
     "fused_step": Setting("LONGCTX_FUSED_STEP", _flag, True,
                           "GPU: a decode step over one scalar-coded segment runs as two kernel "
                           "launches, one on CUDA's tensor-core path (0: the compiled fused "
