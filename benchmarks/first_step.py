@@ -2,7 +2,7 @@
 a CUDA GPU: MLX compiles each kernel source with NVRTC on its first launch in a process. It keeps
 the compiled code of its own kernels in a cache directory (`MLX_PTX_CACHE_DIR`) that later
 processes load, but does not write that of custom kernels (`mx.fast.cuda_kernel`, all of
-longctx's); longctx writes those files itself (`kernels/_cuda_cache`), where MLX reads them.
+longctx's); longctx writes those files itself (`runtime/cuda_kernels`), where MLX reads them.
 
 For each length, fresh processes in turn share one new, empty cache directory (`RUNS`: the first
 finds it cold and fills it, the next ones find it warm, with longctx's kernel files off, as
@@ -73,15 +73,15 @@ else:
     timed("question_s", 16)
 timed("first_step_s", 1)
 timed("second_step_s", 1)
-from longctx.kernels import _cuda_cache
-out["kernel_file_stats"] = {k: _cuda_cache.STATS[k] for k in ("hit", "write", "skip", "last_skip")}
-out["kernel_file_stats"]["compile_s"] = round(_cuda_cache.STATS["compile_s"], 3)
+from longctx.runtime import cuda_kernels
+out["kernel_file_stats"] = {k: cuda_kernels.STATS[k] for k in ("hit", "write", "skip", "last_skip")}
+out["kernel_file_stats"]["compile_s"] = round(cuda_kernels.STATS["compile_s"], 3)
 print(json.dumps(out))
 """
 
 
 # (MLX's PTX folder, longctx's compiled-kernel files, question): the first process finds the
-# folder empty and fills it (MLX its own kernels, longctx its files: `kernels/_cuda_cache`); the
+# folder empty and fills it (MLX its own kernels, longctx its files: `runtime/cuda_kernels`); the
 # next ones find it warm, with the files off (MLX compiles longctx's kernels, as before them) or
 # on (MLX loads them)
 RUNS = (("cold", True, "batched"), ("warm", False, "batched"), ("warm", True, "batched"),

@@ -356,7 +356,7 @@ class KernelFallbackWarning(RuntimeWarning):
 
 _BY_SPEC: dict = {}  # (backend, spec) -> kernel object: a launch's lookup without the digest
 _SOURCES: dict = {}  # (backend, spec) -> (MLX kernel name, header, body) as handed to MLX
-_PREPARED: set = set()  # CUDA variants whose compiled module `_cuda_cache.prepare` has seen to
+_PREPARED: set = set()  # CUDA variants handed to CUDA_PREPARE (below) before their first launch
 
 
 def _mlx_kernel(spec: KernelSpec, which: str):
@@ -380,17 +380,20 @@ def _mlx_kernel(spec: KernelSpec, which: str):
     return _KERNELS[key]
 
 
-def _prepare_cuda(spec: KernelSpec, launch: Launch, variant: tuple) -> None:
-    """Before a variant's first CUDA launch in this process: its compiled module on disk where
-    MLX looks (`_cuda_cache`), so that MLX loads it instead of compiling it (once per machine)."""
-    _PREPARED.add(variant)
-    from longctx.kernels import _cuda_cache
+# Called before each variant's first CUDA launch in a process with (MLX kernel name, header,
+# body, input names, output names, launch): the library's `runtime.cuda_kernels.prepare` (it puts
+# the compiled module on disk where MLX looks, so MLX loads it instead of compiling it); None:
+# nothing is done
+CUDA_PREPARE = None
 
-    if not _cuda_cache.enabled():
+
+def _prepare_cuda(spec: KernelSpec, launch: Launch, variant: tuple) -> None:
+    _PREPARED.add(variant)
+    if CUDA_PREPARE is None:
         return
     _mlx_kernel(spec, "cuda")
     name, header, body = _SOURCES[("cuda", spec)]
-    _cuda_cache.prepare(name, header, body, spec.inputs, spec.outputs, launch)
+    CUDA_PREPARE(name, header, body, spec.inputs, spec.outputs, launch)
 
 
 def failed(name: str) -> bool:

@@ -15,7 +15,7 @@ def _kernel_cache_dir() -> None:
     """MLX's CUDA kernel cache (`MLX_PTX_CACHE_DIR`, read when MLX first compiles a kernel) in
     longctx's data directory when the user has not set it: kept across reboots, where MLX's
     default (the temp dir) is not, and holding longctx's own compiled kernels as well
-    (`kernels/_cuda_cache`): a fresh `ask` on CUDA then compiles nothing."""
+    (`runtime/cuda_kernels`): a fresh `ask` on CUDA then compiles nothing."""
     if sys.platform == "darwin" or os.environ.get("MLX_PTX_CACHE_DIR"):
         return
     from importlib import metadata

@@ -92,10 +92,11 @@ SETTINGS: dict[str, Setting] = {
     "compile": Setting("LONGCTX_COMPILE", _choice("0", "1", "question"), "1",
                        "GPU: run the fused attention path under mx.compile: always (1), for "
                        "questions only, or never (0)"),
-    "question_stepwise": Setting("LONGCTX_QUESTION_STEPWISE", _choice("0", "auto", "1"), "0",
+    "question_stepwise": Setting("LONGCTX_QUESTION_STEPWISE", _choice("0", "auto", "1"), "auto",
                                  "a question of up to 64 tokens over a compressed cache is fed one "
-                                 "token at a time: on CUDA (auto: only the decode step's kernel "
-                                 "is compiled in a fresh process), everywhere (1), or never (0)"),
+                                 "token at a time: on CUDA (auto: the decode step's kernel serves "
+                                 "every question length, where a batched question compiles one "
+                                 "kernel per length), everywhere (1), or never (0)"),
     "cuda_kernel_cache": Setting("LONGCTX_CUDA_KERNEL_CACHE", _flag, True,
                                  "CUDA: longctx's kernels are compiled once per machine and kept "
                                  "where MLX loads them (MLX_PTX_CACHE_DIR, set to "

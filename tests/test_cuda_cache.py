@@ -1,4 +1,4 @@
-"""kernels/_cuda_cache: longctx's compiled CUDA kernels on disk, where MLX looks for them.
+"""runtime/cuda_kernels: longctx's compiled CUDA kernels on disk, where MLX looks for them.
 
 On the CPU: the generated source is MLX 0.32's `build_kernel` text, the module name its
 `{name}_{std::hash:x}`, a launch that cannot be cached is skipped with a reason, a file pair
@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from longctx.kernels import _cuda_cache as cc
+from longctx.runtime import cuda_kernels as cc
 from longctx.kernels import _prelude
 
 SPEC = _prelude.KernelSpec(name="lc_probe", inputs=("x", "n"), outputs=("out",),
@@ -169,3 +169,30 @@ def test_cuda_kernel_cache_file_is_loaded():
     path.write_bytes(cubin)
     (out,) = _prelude.run(spec, launch)
     assert mx.all(out == 2.0).item(), "MLX did not load the planted file (module name differs)"
+
+
+def test_dispatcher_prepares_each_cuda_variant_once(monkeypatch):
+    """`_prelude.run` hands each variant to CUDA_PREPARE before its first CUDA launch, with the
+    kernel name, header and body it gives MLX; the compressed cache's module installs `prepare`."""
+    import longctx.kvcache.turbo  # noqa: F401
+
+    assert _prelude.CUDA_PREPARE is cc.prepare
+    seen, made = [], {}
+
+    def fake_cuda_kernel(*, name, source, header, **kw):
+        made[name] = (header, source)
+        return lambda **launch: [mx.zeros(s, d) for s, d in
+                                 zip(launch["output_shapes"], launch["output_dtypes"])]
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_cuda_kernel)
+    monkeypatch.setattr(_prelude, "CUDA_PREPARE", lambda *a: seen.append(a))
+    spec = _prelude.KernelSpec(name="lc_probe_dispatch", inputs=("x", "n"), outputs=("out",),
+                               source=f"out[lc_gid] = (float)0x{os.urandom(3).hex()};")
+    with _prelude.force_backend("cuda"):
+        for template in ((("NT", 32),), (("NT", 32),), (("NT", 64),)):
+            _prelude.run(spec, _launch(template))
+            _prelude.run(spec, _launch(template), reference=lambda: [mx.zeros((32,))])
+    assert [a[5].template for a in seen] == [[("NT", 32)], [("NT", 64)]]
+    (name,) = made
+    assert all(a[0] == name and (a[1], a[2]) == made[name] for a in seen)
+    assert seen[0][3:5] == (("x", "n"), ("out",))

@@ -36,6 +36,9 @@ from longctx.kernels.prefill_encode import prefill_encode
 from longctx.kvcache import compiling
 from longctx.kvcache.presets import Preset
 from longctx.quant.codec import QuantSpec, VectorCodec
+from longctx.runtime import cuda_kernels
+
+cuda_kernels.install()  # CUDA: compiled kernels kept on disk, loaded by MLX (runtime/cuda_kernels)
 
 
 def _on_gpu() -> bool:

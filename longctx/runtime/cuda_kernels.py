@@ -16,6 +16,8 @@ that file is missing, compiles the source with NVRTC itself (same options as MLX
 header replaced by the few declarations the signature needs) and writes the cubin and its
 kernel's mangled name there. MLX then loads that file instead of compiling: ~ms, in this process
 and every later one. The launch itself is MLX's, unchanged (inputs, shapes and strides as always).
+`install()` hands `prepare` to the kernels' dispatcher (`_prelude.CUDA_PREPARE`); the compressed
+cache's module installs it when imported.
 
 Anything that does not fit (another MLX version, a bool template value, a name too long for one
 file, no NVRTC or libstdc++ found, a compile error) skips the file: MLX compiles as it always
@@ -37,6 +39,9 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+
+from longctx import config
+from longctx.kernels import _prelude
 
 # mlx versions whose custom-kernel source layout and module naming this reproduces (checked on
 # an H100 with 0.32.4: tests/test_kernels.py, test_cuda_kernel_cache_file_is_loaded)
@@ -74,9 +79,12 @@ _LOCK = threading.Lock()
 
 
 def enabled() -> bool:
-    from longctx import config
-
     return bool(config.get("cuda_kernel_cache")) and mx.__version__.startswith(MLX_VERSIONS)
+
+
+def install() -> None:
+    """Have the kernels' dispatcher call `prepare` before each variant's first CUDA launch."""
+    _prelude.CUDA_PREPARE = prepare
 
 
 def mlx_source(kernel_name: str, header: str, body: str, input_names, inputs, output_names,
@@ -244,6 +252,8 @@ def _skip(why: str) -> str:
 def prepare(name: str, header: str, body: str, input_names, output_names, launch) -> str:
     """Make sure MLX finds this launch's compiled module on disk: "hit" (already there),
     "write" (compiled and written now) or "skip" (left to MLX; STATS["last_skip"] says why)."""
+    if not enabled():
+        return _skip("off (LONGCTX_CUDA_KERNEL_CACHE=0) or another mlx version")
     template = list(launch.template)
     if any(isinstance(v, bool) or not isinstance(v, (int, mx.Dtype)) for _, v in template):
         return _skip("template value that is not an int or a dtype")
