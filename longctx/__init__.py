@@ -1,7 +1,6 @@
 """longctx: long-document question answering over a compressed, cached KV prefix."""
 
 import os
-import sys
 
 from longctx.runtime.blas import preload_openblas
 
@@ -9,29 +8,6 @@ from longctx.runtime.blas import preload_openblas
 BLAS_STATUS = preload_openblas()
 # fp32 matmuls (rotated scores, QJL projections) stay fp32 on CUDA instead of MLX's default TF32.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
-
-
-def _kernel_cache_dir() -> None:
-    """MLX's CUDA kernel cache (`MLX_PTX_CACHE_DIR`, read when MLX first compiles a kernel) in
-    longctx's data directory when the user has not set it: kept across reboots, where MLX's
-    default (the temp dir) is not, and holding longctx's own compiled kernels as well
-    (`runtime/cuda_kernels`): a fresh `ask` on CUDA then compiles nothing."""
-    if sys.platform == "darwin" or os.environ.get("MLX_PTX_CACHE_DIR"):
-        return
-    from importlib import metadata
-
-    from longctx import config, paths
-
-    try:
-        if not config.get("cuda_kernel_cache"):
-            return
-        version = metadata.version("mlx")
-    except Exception:  # noqa: BLE001 - a bad setting is reported where it is used; no mlx: none
-        return
-    os.environ["MLX_PTX_CACHE_DIR"] = str(paths.home_path() / "cuda-kernels" / f"mlx-{version}")
-
-
-_kernel_cache_dir()
 
 __version__ = "0.1.0"
 

@@ -98,10 +98,10 @@ SETTINGS: dict[str, Setting] = {
                                  "every question length, where a batched question compiles one "
                                  "kernel per length), everywhere (1), or never (0)"),
     "cuda_kernel_cache": Setting("LONGCTX_CUDA_KERNEL_CACHE", _flag, True,
-                                 "CUDA: longctx's kernels are compiled once per machine and kept "
-                                 "where MLX loads them (MLX_PTX_CACHE_DIR, set to "
-                                 "<home>/cuda-kernels when unset); 0: MLX compiles them in "
-                                 "every process"),
+                                 "CUDA (mlx 0.32.4): longctx compiles each of its kernels once "
+                                 "and writes it into MLX's kernel cache folder "
+                                 "(MLX_PTX_CACHE_DIR, default <temp>/mlx/<version>/ptx), where "
+                                 "MLX loads it; 0: MLX compiles them in every process"),
     "fused_step": Setting("LONGCTX_FUSED_STEP", _flag, True,
                           "GPU: a decode step over one scalar-coded segment runs as two kernel "
                           "launches, one on CUDA's tensor-core path (0: the compiled fused "

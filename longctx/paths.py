@@ -16,26 +16,22 @@ def home() -> Path:
         `$LONGCTX_HOME` if set, else `~/Library/Caches/longctx` on macOS, else
         `$XDG_CACHE_HOME/longctx` (default `~/.cache/longctx`).
     """
-    path = home_path()
+    from longctx import config
+
+    env = config.get("home")
+    if env:
+        path = Path(env).expanduser()
+    elif sys.platform == "darwin":
+        path = Path.home() / "Library" / "Caches" / "longctx"
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        path = Path(base) / "longctx"
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as err:
         raise StoreError(f"Cannot create the data directory {path}: {err.strerror}. "
                          "Set LONGCTX_HOME to a writable directory.") from err
     return path
-
-
-def home_path() -> Path:
-    """Where `home()` is, without creating it."""
-    from longctx import config
-
-    env = config.get("home")
-    if env:
-        return Path(env).expanduser()
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "longctx"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "longctx"
 
 
 def subdir(name: str) -> Path:

@@ -18,7 +18,7 @@ import tempfile
 # (concurrent writers of one cache file can hand a reader half a module).
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["MLX_PTX_CACHE_DIR"] = (os.path.join(
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", os.path.join(
         tempfile.gettempdir(), f"mlx_ptx_{os.environ['PYTEST_XDIST_WORKER']}"))
 
 import mlx.core as mx

@@ -19,12 +19,14 @@ and every later one. The launch itself is MLX's, unchanged (inputs, shapes and s
 `install()` hands `prepare` to the kernels' dispatcher (`_prelude.CUDA_PREPARE`); the compressed
 cache's module installs it when imported.
 
-Anything that does not fit (another MLX version, a bool template value, a name too long for one
-file, no NVRTC or libstdc++ found, a compile error) skips the file: MLX compiles as it always
-did. A wrong guess of the name is harmless the same way (the file is never read).
-`LONGCTX_CUDA_KERNEL_CACHE=0` turns it off. `longctx/__init__` points `MLX_PTX_CACHE_DIR` at
-`<longctx home>/cuda-kernels/mlx-<version>` when it is unset (kept across reboots, unlike the
-temp dir; MLX's own kernels land there too).
+Anything that does not fit (another MLX version, a template value that is not an int or a
+dtype, a name too long for one file, no NVRTC or libstdc++ found, a compile error, a folder that
+cannot be written) skips the file: MLX compiles as it always did, and `prepare` never raises. A
+wrong guess of the name is harmless the same way (the file is never read). The files live in
+MLX's own folder (machine-local by default, so GPUs of other architectures on other machines
+never share them); the `.txt` carries the cubin's architecture on a line MLX ignores (no tab),
+and a file compiled for another architecture is compiled again. `LONGCTX_CUDA_KERNEL_CACHE=0`
+turns it off.
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ import mlx.core as mx
 from longctx import config
 from longctx.kernels import _prelude
 
-# mlx versions whose custom-kernel source layout and module naming this reproduces (checked on
-# an H100 with 0.32.4: tests/test_kernels.py, test_cuda_kernel_cache_file_is_loaded)
-MLX_VERSIONS = ("0.32.",)
+# mlx versions whose custom-kernel source layout, module naming and NVRTC options this
+# reproduces (checked on an H100: tests/test_cuda_cache.py, test_cuda_kernel_cache_file_is_loaded)
+MLX_VERSIONS = ("0.32.4",)
 MAX_FILE_NAME = 245  # mlx get_ptx_path: longer module names become nested folders (not written)
 HASH_SEED = 0xC70F6907  # libstdc++'s seed for std::hash<std::string>
 
@@ -79,7 +81,8 @@ _LOCK = threading.Lock()
 
 
 def enabled() -> bool:
-    return bool(config.get("cuda_kernel_cache")) and mx.__version__.startswith(MLX_VERSIONS)
+    return (sys.platform.startswith("linux") and mx.__version__ in MLX_VERSIONS
+            and bool(config.get("cuda_kernel_cache")))
 
 
 def install() -> None:
@@ -122,6 +125,9 @@ def template_suffix(template) -> str:
                    for _, v in template)
 
 
+ARCH_LINE = "arch "  # the .txt's line naming the cubin's architecture (no tab: MLX skips it)
+
+
 _HASH = []
 
 
@@ -155,7 +161,8 @@ def _loaded_library(stem: str) -> str | None:
     try:
         with open("/proc/self/maps") as f:
             for line in f:
-                path = line.rstrip().split(" ")[-1]
+                fields = line.rstrip("\n").split(None, 5)
+                path = fields[5].removesuffix(" (deleted)") if len(fields) == 6 else ""
                 if os.path.basename(path).startswith(stem + ".so"):
                     return path
     except OSError:
@@ -211,7 +218,7 @@ def _include_paths(nvrtc: Path) -> list[str]:
     CUDA_HOME / CUDA_PATH, then /usr/local/cuda)."""
     root = Path(mx.__file__).resolve().parent
     found = [str(p) for p in (root / "include", root / "include" / "cccl") if p.is_dir()]
-    candidates = [nvrtc.parent.parent / "include"]
+    candidates = [nvrtc.parent.parent / "include"] if nvrtc.is_absolute() else []
     for base in [root.parent, *map(Path, sys.path)]:
         candidates += [base / "nvidia" / "cu13" / "include", base / "nvidia" / "cuda_runtime" / "include"]
     for env in ("CUDA_HOME", "CUDA_PATH"):
@@ -251,46 +258,73 @@ def _skip(why: str) -> str:
 
 def prepare(name: str, header: str, body: str, input_names, output_names, launch) -> str:
     """Make sure MLX finds this launch's compiled module on disk: "hit" (already there),
-    "write" (compiled and written now) or "skip" (left to MLX; STATS["last_skip"] says why)."""
+    "write" (compiled and written now) or "skip" (left to MLX; STATS["last_skip"] says why).
+    Never raises: whatever goes wrong leaves the kernel to MLX's own compilation."""
+    try:
+        return _prepare(name, header, body, input_names, output_names, launch)
+    except Exception as err:  # noqa: BLE001 - a launch must never fail for its file
+        return _skip(f"{type(err).__name__}: {err}"[:300])
+
+
+_FAILED: set = set()  # modules this process could not compile or write (not tried again)
+
+
+def _prepare(name, header, body, input_names, output_names, launch) -> str:
     if not enabled():
-        return _skip("off (LONGCTX_CUDA_KERNEL_CACHE=0) or another mlx version")
+        return _skip("off (LONGCTX_CUDA_KERNEL_CACHE=0), not Linux, or an mlx version other "
+                     f"than {', '.join(MLX_VERSIONS)}")
     template = list(launch.template)
     if any(isinstance(v, bool) or not isinstance(v, (int, mx.Dtype)) for _, v in template):
         return _skip("template value that is not an int or a dtype")
+    if not all(isinstance(a, mx.array) for a in launch.inputs):
+        return _skip("an input that is not an array")
     kernel = "custom_kernel_" + name + template_suffix(template)
-    try:
-        source = mlx_source(kernel, header, body, input_names, launch.inputs, output_names,
-                            launch.output_dtypes, template)
-    except KeyError as err:
-        return _skip(f"dtype {err}")
+    source = mlx_source(kernel, header, body, input_names, launch.inputs, output_names,
+                        launch.output_dtypes, template)
     module = module_name(kernel, source)
     if len(module) > MAX_FILE_NAME:
         return _skip("module name longer than one file name")
-    folder = cache_dir()
-    path = folder / (module + ".ptx")
-    if path.is_file() and path.with_suffix(".txt").is_file():
-        STATS["hit"] += 1
-        return "hit"
+    if module in _FAILED:
+        return _skip("failed earlier in this process")
     nvrtc, arch = _nvrtc_and_arch()
     if nvrtc is None:
         return _skip(_STATE.get("why", "no NVRTC"))
+    folder = cache_dir()
+    path = folder / (module + ".ptx")
     with _LOCK:
-        start = time.perf_counter()
-        try:
-            cubin, mangled = nvrtc.compile(source, module, "mlx::core::cu::" + kernel, arch)
-        except Exception as err:  # noqa: BLE001 - MLX compiles it (and reports its own errors)
-            return _skip(f"{type(err).__name__}: {err}"[:300])
-        finally:
-            STATS["compile_s"] += time.perf_counter() - start
+        if _complete(path, arch):
+            STATS["hit"] += 1
+            return "hit"
         try:
             folder.mkdir(parents=True, exist_ok=True)
+            if not os.access(folder, os.W_OK):
+                raise PermissionError(f"{folder} is not writable")
+            start = time.perf_counter()
+            try:
+                cubin, mangled = nvrtc.compile(source, module, "mlx::core::cu::" + kernel, arch)
+            finally:
+                STATS["compile_s"] += time.perf_counter() - start
             tag = f".{os.getpid()}.{threading.get_ident()}.tmp"
-            for suffix, data in ((".txt", f"mlx::core::cu::{kernel}\t{mangled}\n".encode()),
-                                 (".ptx", cubin)):  # the .ptx last: it marks the pair complete
-                tmp = path.with_suffix(suffix + tag)
-                tmp.write_bytes(data)
-                os.replace(tmp, path.with_suffix(suffix))
-        except OSError as err:
-            return _skip(f"cannot write {folder}: {err.strerror}")
-    STATS["write"] += 1
+            txt = f"mlx::core::cu::{kernel}\t{mangled}\n{ARCH_LINE}{arch}\n".encode()
+            for suffix, data in ((".txt", txt), (".ptx", cubin)):  # the .ptx last: it marks
+                tmp = path.with_suffix(suffix + tag)               # the pair complete
+                try:
+                    tmp.write_bytes(data)
+                    os.replace(tmp, path.with_suffix(suffix))
+                finally:
+                    tmp.unlink(missing_ok=True)
+        except Exception:
+            _FAILED.add(module)  # (MLX compiles it; this process does not try again)
+            raise
+        STATS["write"] += 1
     return "write"
+
+
+def _complete(path: Path, arch: str) -> bool:
+    """Whether the pair at `path` is there and compiled for `arch`."""
+    try:
+        if not path.is_file():
+            return False
+        return f"{ARCH_LINE}{arch}" in path.with_suffix(".txt").read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return False
