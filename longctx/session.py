@@ -7,6 +7,7 @@ Everything here reports through callbacks and return values; the CLI renders. Er
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,8 @@ from longctx.store.failpoints import failpoint
 
 if TYPE_CHECKING:
     from longctx.store.format import PendingChecksums
+
+_log = logging.getLogger("longctx.session")
 
 Progress = Callable[[int, int], None]
 ANSWER_RESERVE = 256  # tokens kept free after the prefix for a question and its answer
@@ -202,7 +205,35 @@ def build_entry(store: Store, lm: models.LoadedModel, preset: kvcache.Preset, to
                                  **kvcache.window_config(cache)}),
         "document_name": name,
     }
-    return store.save(entry, arrays, metadata), stats
+    saved = store.save(entry, arrays, metadata)
+    warm_answer_path(lm, preset, arrays)
+    return saved, stats
+
+
+def warm_answer_path(lm: models.LoadedModel, preset: kvcache.Preset, arrays: dict) -> bool:
+    """On CUDA, with longctx's kernel files on (`cuda_kernel_cache`): one decode step through a
+    fork of the new cache rebuilt from its arrays, as `ask` restores and forks it, so that the
+    kernels an answer launches (longctx's, whose compiled files `runtime.cuda_kernels` writes,
+    and MLX's own, which MLX keeps on disk) compile here, inside the ingest, instead of before
+    the first answer token of a later `ask` (a question goes token by token on CUDA, through the
+    same step: `engine.stepwise`). Once compiled it costs ~two decode steps. Returns whether it
+    ran; it never fails the ingest (the entry is saved already)."""
+    import mlx.core as mx
+
+    from longctx import config
+    from longctx.kernels import backend
+
+    try:
+        if backend() != "cuda" or not config.get("cuda_kernel_cache") or preset.kind != "turbo":
+            return False
+        cache = kvcache.fork(kvcache.from_arrays(arrays, lm.model, preset, getattr(mx, lm.dtype)))
+        last = int(arrays["tokens"][-1].item())
+        for _ in engine.token_stream(lm.model, [last], cache, max_tokens=1):
+            pass
+        return True
+    except Exception as err:  # noqa: BLE001 - the first `ask` compiles them instead
+        _log.debug("warming the answer path failed: %r", err)
+        return False
 
 
 def _check_same_model(entry: Entry, ref: models.ModelRef) -> None:

@@ -104,3 +104,38 @@ def test_remove(tiny_model, text_doc):
     assert path.exists()
     manage.remove_entry(entry.id[:6])
     assert not path.exists() and manage.list_entries() == []
+
+
+def test_ingest_warms_the_answer_path_on_cuda_only(tiny_model, text_doc, monkeypatch):
+    """On CUDA an ingest runs one decode step through a fork of the cache rebuilt from its saved
+    arrays (the kernels an `ask` launches compile there); elsewhere, or off, it does not; a
+    failure there never fails the ingest."""
+    from longctx import config
+    from longctx.kernels import _prelude
+
+    calls = []
+
+    def stream(model, tokens, cache, max_tokens, **kw):
+        calls.append((tokens, [c.offset for c in cache], max_tokens))
+        yield 7
+
+    monkeypatch.setattr(engine, "token_stream", stream)
+    first = session.ingest(text_doc, model=str(tiny_model))  # CPU
+    assert not calls
+    lm = models.load(models.resolve(str(tiny_model)))
+    preset = kvcache.get_preset(first.entry.kv_preset)
+    arrays, _ = Store().load(first.entry)
+    with _prelude.force_backend("cuda"):
+        assert session.warm_answer_path(lm, preset, arrays)
+        prefix = first.entry.tokens
+        assert calls == [([int(arrays["tokens"][-1].item())], [prefix] * len(calls[0][1]), 1)]
+        with config.override(cuda_kernel_cache=False):
+            assert not session.warm_answer_path(lm, preset, arrays)
+        monkeypatch.setattr(engine, "token_stream", lambda *a, **k: (_ for _ in ()).throw(
+            RuntimeError("kernel")))
+        assert not session.warm_answer_path(lm, preset, arrays)
+    warmed = []  # an ingest warms after saving, with the arrays it saved
+    monkeypatch.setattr(session, "warm_answer_path", lambda lm, p, a: warmed.append((p, a)))
+    forced = session.ingest(text_doc, model=str(tiny_model), force=True)
+    ((p, a),) = warmed
+    assert p.name == first.entry.kv_preset and a["tokens"].shape == (forced.entry.tokens,)
