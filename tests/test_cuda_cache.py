@@ -238,3 +238,28 @@ def test_dispatcher_prepares_each_cuda_variant_once(monkeypatch):
     with _prelude.force_backend("cuda"):
         (out,) = _prelude.run(spec, _launch((("NT", 128),)))
     assert out.shape == (32,)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
+def test_cuda_kernel_files_serve_the_answer_path(monkeypatch):
+    """Every kernel a question and a decode step launch over a compressed cache gets its file
+    (compiled against the stub header, or found): none is left to MLX's own compilation."""
+    from longctx.kvcache import get_preset
+    from longctx.kvcache.attention import compressed_attention
+    from longctx.kvcache.turbo import TurboQuantCache
+
+    monkeypatch.setattr(_prelude, "_PREPARED", set())  # (variants met earlier: prepared again)
+    before = dict(cc.STATS)
+    preset, (h, hq, d) = get_preset("tq4"), (8, 32, 128)
+    c = TurboQuantCache(preset, 0)
+    kv = mx.random.normal((1, h, 4096, d)).astype(mx.bfloat16)
+    c.update_and_fetch(kv, kv)
+    c.seal()
+    fork = TurboQuantCache.from_arrays(preset, 0, c.arrays(), d).fork(exact_new=1024)
+    for lq in (16, 1):
+        k = mx.random.normal((1, h, lq, d)).astype(mx.bfloat16)
+        q = mx.random.normal((1, hq, lq, d)).astype(mx.bfloat16)
+        view, _ = fork.update_and_fetch(k, k)
+        mx.eval(compressed_attention(q, view, d ** -0.5, mask="causal" if lq > 1 else None))
+    assert cc.STATS["skip"] == before["skip"], cc.STATS["last_skip"]
+    assert cc.STATS["hit"] + cc.STATS["write"] > before["hit"] + before["write"]
