@@ -248,7 +248,9 @@ def test_cuda_kernel_files_serve_the_answer_path(monkeypatch):
     from longctx.kvcache.attention import compressed_attention
     from longctx.kvcache.turbo import TurboQuantCache
 
-    monkeypatch.setattr(_prelude, "_PREPARED", set())  # (variants met earlier: prepared again)
+    # variants met earlier in this process are checked and prepared again
+    monkeypatch.setattr(_prelude, "_PREPARED", set())
+    monkeypatch.setattr(_prelude, "_VERIFIED", set())
     before = dict(cc.STATS)
     preset, (h, hq, d) = get_preset("tq4"), (8, 32, 128)
     c = TurboQuantCache(preset, 0)
