@@ -21,6 +21,8 @@
 #            and tq4 queueing its graph every 4 and 30 layers (PREFILL_QUEUE="4 30")
 #   profile  benchmarks/prefill_profile.py: one layer's prefill chunk, part by part
 #   answer   benchmarks/answer_shapes.py: Llama-3.1-8B shape, 32k / 128k cached tokens, fp16 vs tq4
+#   firststep benchmarks/first_step.py: a fresh process's first question and decode steps, with
+#            longctx's kernel files off / on (FIRSTSTEP_ARGS, e.g. "--lengths 131072")
 #   restore  benchmarks/restore.py: restore + first token vs mlx-lm's prompt cache (8k-32k)
 #   niah     benchmarks/niah.py on SmolLM2-135M (the anchor grid)
 #   niahseg  benchmarks/niah_segments.py on SmolLM2-135M: 16k/32k/64k haystacks past its 8k
@@ -131,6 +133,10 @@ for phase in "${phases[@]}"; do
       run answer 500 python3 benchmarks/answer_shapes.py --tokens ${ANSWER_TOKENS:-32768 131072} \
         --bits ${ANSWER_BITS:-4} --name answer_gpu ${ANSWER_ARGS:-}
       keep benchmarks/results/answer_gpu.json ;;
+    firststep)
+      run firststep 400 python3 benchmarks/first_step.py --name first_step_${FIRSTSTEP_CARD:-h100} \
+        ${FIRSTSTEP_ARGS:-}
+      keep benchmarks/results/first_step_*.json ;;
     restore)
       run restore 300 python3 benchmarks/restore.py --model "smollm2#rope=ntk-by-parts:4" \
         --tokens 8000 32000 --presets fp16 tq4 --repeat 5 --name restore_gpu
