@@ -118,12 +118,14 @@ for phase in "${phases[@]}"; do
       # the token-major loop (PREFILL_ORDERS=""  leaves it out); tq4:queueK the token-major
       # loop queueing every K layers (`prefill_queue_every`; PREFILL_QUEUE, none by default);
       # tq4:inflightM at most M MiB queued (`prefill_inflight`; PREFILL_INFLIGHT, none);
+      # tq4:callsT each layer called on runs of chunks of up to T tokens
+      # (`prefill_layer_call_tokens`; PREFILL_CALLS, none);
       # PREFILL_ARGS="--repeat 5": steady runs per row (alternating rounds, median; 3 by default);
       # PREFILL_NAME=prefill_h100: another card's file
       run prefill 400 python3 benchmarks/prefill_shapes.py --shapes smollm2-135m llama-3.1-8b \
         --tokens 8192 32768 --kv fp16 tq4 --queue-every ${PREFILL_QUEUE-} \
         --group-tokens ${PREFILL_GROUPS-16384} --orders ${PREFILL_ORDERS-token} \
-        --inflight ${PREFILL_INFLIGHT-} \
+        --inflight ${PREFILL_INFLIGHT-} --layer-calls ${PREFILL_CALLS-} \
         ${PREFILL_ARGS:-} --name ${PREFILL_NAME:-prefill_gpu}
       keep benchmarks/results/${PREFILL_NAME:-prefill_gpu}.json ;;
     profile)

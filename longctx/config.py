@@ -126,6 +126,12 @@ SETTINGS: dict[str, Setting] = {
                                     "GPU: a layer-major prefill queues a layer's graph every "
                                     "this many tokens (whole chunks; fewer where "
                                     "prefill_inflight bounds what is queued)"),
+    "prefill_layer_call_tokens": Setting("LONGCTX_PREFILL_LAYER_CALL_TOKENS", _count, 0,
+                                         "GPU: a layer-major prefill calls each layer on runs "
+                                         "of whole chunks of up to this many tokens (fewer "
+                                         "calls and staging copies; each scores at most a "
+                                         "512-token chunk's pairs at 128k); 0: one call per "
+                                         "chunk, as the fp16 prefill calls them"),
     "prefill_order": Setting("LONGCTX_PREFILL_ORDER", _choice("auto", "layer", "token"), "auto",
                              "compressed prefill of an empty cache: layer by layer, each layer "
                              "attending its keys exactly before they are compressed (layer), or "

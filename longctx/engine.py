@@ -108,7 +108,7 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
         lo = hi
     times = None  # on a GPU, an empty compressed cache fills layer by layer (`prefill_layers`)
     if total and prefill_layers.applies(model, cache):
-        times = prefill_layers.prefill(model, tokens, cache, bounds, progress)
+        times = prefill_layers.prefill(model, tokens, cache, bounds, progress, pairs)
     if times is None:
         times = []
         for lo, hi in bounds:

@@ -130,6 +130,32 @@ def layer_list(model) -> list | None:
 ABSORB_TOKENS = 8192  # most tokens one `absorb` appends (past the first chunk)
 
 
+CALL_PAIRS = 512 * 131072  # most query-key pairs a merged layer call scores per head: what a
+# 512-token chunk scores at 128k keys (one evaluation's time: Metal's watchdog)
+
+
+def call_spans(bounds: list[tuple[int, int]], most: int, pairs: int = 0) -> list[tuple[int, int]]:
+    """The token runs each layer is called on: runs of whole chunks of up to `most` tokens whose
+    queries x keys (the run's length x its end) stay within `pairs` (0: CALL_PAIRS) and
+    CALL_PAIRS, at least one chunk each; `most` 0: one call per chunk (`bounds` as they are).
+
+    Fewer calls cost less host time (the loop is host-bound at small shapes: ~0.5 ms a
+    layer-call on the H200's host) and each queued call holds one copy of the staging keys and
+    values (`chunk_bytes`) where its chunks held one each. The keys and values then come from
+    calls of other lengths than the fp16 prefill's chunks (the same math; the last bits may
+    differ where a kernel's result depends on the call's length)."""
+    if not most:
+        return list(bounds)
+    cap = min(pairs, CALL_PAIRS) if pairs else CALL_PAIRS
+    spans: list[tuple[int, int]] = []
+    for lo, hi in bounds:
+        if spans and hi - spans[-1][0] <= most and (hi - spans[-1][0]) * hi <= cap:
+            spans[-1] = (spans[-1][0], hi)
+        else:
+            spans.append((lo, hi))
+    return spans
+
+
 def absorb_spans(bounds: list[tuple[int, int]], most: int | None = None) -> list[tuple[int, int]]:
     """The spans a layer's keys and values are absorbed in: the first chunk alone (it fixes the
     centering means and holds the sink, as in the token-major loop), then runs of whole chunks
@@ -173,7 +199,7 @@ def chunk_bytes(stage, out) -> int:
 
 
 def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]],
-            progress: Progress | None = None) -> list[float] | None:
+            progress: Progress | None = None, pairs: int = 0) -> list[float] | None:
     """Fill the empty compressed `cache` with `tokens`, layer by layer (module docstring).
 
     Args:
@@ -181,10 +207,14 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
         tokens: the prompt token ids.
         cache: one empty `TurboQuantCache` per layer (`applies`).
         bounds: the chunks, (lo, hi) token ranges in order, as the token-major loop cuts them:
-            each is one model call per layer, and one `absorb` into the compressed cache.
+            each is one call per layer (or runs of them: `call_spans`, the
+            `prefill_layer_call_tokens` setting), and the compressed cache absorbs them in
+            `absorb_spans`.
         progress: `progress(done, total)` after every queued group of chunks, `done` the
             tokens' share of the work queued so far (layers x chunks; the GPU may still be
             running the last groups).
+        pairs: the `prefill_pairs` bound the chunks were cut by (0: none): merged calls keep
+            within it.
 
     A layer's chunks are queued for the GPU in groups (`mx.async_eval`) of up to
     `prefill_group_tokens` tokens, or fewer where their `chunk_bytes` reach half of
@@ -205,7 +235,8 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
     layers = layer_list(model)
     real = list(layers)
     n_layers, total = len(real), len(tokens)
-    pieces = [mx.array(tokens[lo:hi], dtype=mx.int32)[None] for lo, hi in bounds]  # (1, T) each
+    runs = call_spans(bounds, config.get("prefill_layer_call_tokens"), pairs)
+    pieces = [mx.array(tokens[lo:hi], dtype=mx.int32)[None] for lo, hi in runs]  # (1, T) each
     at = {"layer": 0, "chunk": 0, "out": None, "stage": None}
     hidden: list = []  # the previous layer's output, per chunk
     # per chunk, per layer i >= 1: the arguments the model passed it besides the hidden states

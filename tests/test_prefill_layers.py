@@ -37,11 +37,13 @@ def _prefill(model, tokens, preset, order: str, progress=None, pairs=0):
     return cache, stats
 
 
-def _fp16_then_compressed(model, tokens, preset, pairs=0):
-    """The oracle: an fp16 prefill (token-major, exact attention), then each layer's keys and
-    values appended to a fresh compressed cache in the same chunks, as the model's own calls
-    append them (`update_and_fetch`, not the `absorb` under test)."""
-    exact, _ = _prefill(model, tokens, kvcache.get_preset("fp16"), "token", pairs=pairs)
+def _fp16_then_compressed(model, tokens, preset, pairs=0, fp16_chunk=CHUNK):
+    """The oracle: an fp16 prefill (token-major, exact attention; in chunks of `fp16_chunk`),
+    then each layer's keys and values appended to a fresh compressed cache in CHUNK's chunks,
+    as the model's own calls append them (`update_and_fetch`, not the `absorb` under test)."""
+    exact = kvcache.make(model, kvcache.get_preset("fp16"))
+    with config.override(prefill_order="token"):
+        engine.prefill(model, tokens, exact, chunk=fp16_chunk, pairs=pairs)
     cache = kvcache.make(model, preset)
     bounds, lo = [], 0
     while lo < len(tokens):
@@ -414,5 +416,34 @@ def test_a_large_array_argument_stops_the_recording(lm, monkeypatch, most, direc
     got = _arrays(_prefill(model, tokens, preset, "layer")[0], preset)
     chunks = [CHUNK] * 3 + [11]
     assert calls == (chunks if direct else chunks * len(model.layers))
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_call_spans():
+    b = [(0, 4), (4, 8), (8, 12), (12, 14)]
+    assert prefill_layers.call_spans(b, 0) == b  # off: one call per chunk
+    assert prefill_layers.call_spans(b, 8) == [(0, 8), (8, 14)]
+    assert prefill_layers.call_spans(b, 100) == [(0, 14)]
+    assert prefill_layers.call_spans(b, 100, pairs=8 * 8) == [(0, 8), (8, 12), (12, 14)]
+    assert prefill_layers.call_spans(b, 2) == b  # a chunk longer than `most` stays one call
+    far = [(0, 512), (512, 1024)]  # near 128k keys a merge would pass CALL_PAIRS
+    at = [(lo + 130048, hi + 130048) for lo, hi in far]
+    assert prefill_layers.call_spans(at, 2048) == at
+    assert prefill_layers.call_spans(far, 2048) == [(0, 1024)]
+
+
+def test_longer_layer_calls_store_what_an_fp16_prefill_in_those_calls_makes(lm, monkeypatch):
+    """`prefill_layer_call_tokens`: each layer is called on runs of two chunks; the cache holds
+    the compression of the keys an fp16 prefill in chunks of that length makes (appended in the
+    original chunks: the same codes), and the model is called once per run."""
+    preset = kvcache.get_preset("tq4")
+    tokens = _tokens(5 * CHUNK + 37)
+    calls = _counting(lm.model, monkeypatch)
+    with config.override(prefill_layer_call_tokens=2 * CHUNK):
+        got = _arrays(_prefill(lm.model, tokens, preset, "layer")[0], preset)
+    assert calls == [2 * CHUNK, 2 * CHUNK, CHUNK + 37]
+    calls.clear()
+    want = _arrays(_fp16_then_compressed(lm.model, tokens, preset, fp16_chunk=2 * CHUNK), preset)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
