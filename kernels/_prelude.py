@@ -388,6 +388,8 @@ CUDA_PREPARE = None
 
 
 def _prepare_cuda(spec: KernelSpec, launch: Launch, variant: tuple) -> None:
+    if variant in _PREPARED:
+        return
     _PREPARED.add(variant)
     try:  # (a launch never fails here: building the kernel object is retried by the launch,
         _mlx_kernel(spec, "cuda")  # inside the fallback's reach)
@@ -452,17 +454,15 @@ def run(spec: KernelSpec, launch: Launch, reference=None) -> list:
             threadgroup=launch.threadgroup, output_shapes=launch.output_shapes,
             output_dtypes=launch.output_dtypes)
 
+    prepare = CUDA_PREPARE is not None and which == "cuda" and _EXECUTOR is None
     if reference is None:
-        if CUDA_PREPARE is not None and which == "cuda" and _EXECUTOR is None:
-            variant = _variant(spec, which, launch)
-            if variant not in _PREPARED:
-                _prepare_cuda(spec, launch, variant)
+        if prepare:
+            _prepare_cuda(spec, launch, _variant(spec, which, launch))
         return call()
     variant = _variant(spec, which, launch)
     if variant in _VERIFIED:
         return call()
-    if CUDA_PREPARE is not None and which == "cuda" and _EXECUTOR is None and \
-            variant not in _PREPARED:
+    if prepare:
         _prepare_cuda(spec, launch, variant)
     if _in_transformation(launch.inputs):
         _TRACED_REFERENCES[0] += 1

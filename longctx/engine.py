@@ -131,9 +131,10 @@ STEPWISE_MAX = 64  # the longest prompt `question_stepwise` feeds one token at a
 def stepwise(tokens: list[int], cache: list) -> bool:
     """Whether `token_stream` feeds `tokens` through `cache` one at a time (`question_stepwise`):
     a prompt of 2 to STEPWISE_MAX tokens over a compressed cache that holds tokens, on CUDA
-    (`auto`) or anywhere (`1`). On CUDA MLX compiles every custom kernel with NVRTC in each process
-    (`benchmarks/first_step.py`): a batched question needs the decode-attend kernel and the split
-    combine besides the decode step's own, single tokens only the latter."""
+    (`auto`) or anywhere (`1`). On CUDA a kernel compiles the first time its variant is met (then
+    it is kept on disk: `runtime.cuda_kernels`), and a batched question's decode-attend kernel and
+    split combine take its row count as constants, one variant per question length; single
+    tokens need only the decode step's kernel, met by every question (`benchmarks/first_step.py`)."""
     from longctx import config
 
     mode = config.get("question_stepwise")

@@ -147,9 +147,16 @@ def call_spans(bounds: list[tuple[int, int]], most: int, pairs: int = 0) -> list
     if not most:
         return list(bounds)
     cap = min(pairs, CALL_PAIRS) if pairs else CALL_PAIRS
+    return _runs(bounds, lambda lo, hi: hi - lo <= most and (hi - lo) * hi <= cap)
+
+
+def _runs(bounds: list[tuple[int, int]], fits, first_alone: bool = False) -> list[tuple[int, int]]:
+    """`bounds` merged into runs of consecutive chunks while `fits(lo, hi)` holds for the run
+    (a chunk that does not fit alone stays one run); `first_alone`: the first chunk is never
+    merged."""
     spans: list[tuple[int, int]] = []
     for lo, hi in bounds:
-        if spans and hi - spans[-1][0] <= most and (hi - spans[-1][0]) * hi <= cap:
+        if spans and not (first_alone and len(spans) == 1) and fits(spans[-1][0], hi):
             spans[-1] = (spans[-1][0], hi)
         else:
             spans.append((lo, hi))
@@ -166,13 +173,7 @@ def absorb_spans(bounds: list[tuple[int, int]], most: int | None = None) -> list
     depend on the span it is appended in: the stored arrays are the same. `most`: None,
     `ABSORB_TOKENS`."""
     most = most or ABSORB_TOKENS
-    spans = [bounds[0]] if bounds else []
-    for lo, hi in bounds[1:]:
-        if len(spans) > 1 and hi - spans[-1][0] <= most:
-            spans[-1] = (spans[-1][0], hi)
-        else:
-            spans.append((lo, hi))
-    return spans
+    return _runs(bounds, lambda lo, hi: hi - lo <= most, first_alone=True)
 
 
 ACTIVATIONS = 12  # a chunk's transients in flight, in multiples of its output (see chunk_bytes)

@@ -200,8 +200,6 @@ EMU_IDS = r"""
 
 _C_TYPES = {mx.uint8: "uint8_t", mx.uint32: "uint32_t", mx.int32: "int32_t",
             mx.float32: "float", mx.float16: "lc_half_t", mx.bfloat16: "lc_bf16_t"}
-_CUDA_TYPES = {mx.uint8: "uint8_t", mx.uint32: "uint32_t", mx.int32: "int32_t",
-               mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
 _NP = {mx.uint8: np.uint8, mx.uint32: np.uint32, mx.int32: np.int32, mx.float32: np.float32,
        mx.float16: np.float16, mx.bfloat16: np.uint16}  # bfloat16: its bits
 MAXD = 8
@@ -325,49 +323,25 @@ def emulator(strided: bool = True, odd_rows: bool = False):
 
 # --- CUDA: the source MLX's cuda_kernel builds, compiled with nvcc --------------------------
 
-_MLX_DEVICE_STUB = r"""#pragma once
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda/std/array>
-#include <cuda/std/limits>
-#include <cuda/std/tuple>
-#define MAX_NDIM 10
-namespace mlx::core::cu {
-using Shape = cuda::std::array<int32_t, MAX_NDIM>;
-using Strides = cuda::std::array<int64_t, MAX_NDIM>;
-}
-"""
-
-
 def cuda_source(spec, launch) -> str:
-    """What `mx.fast.cuda_kernel` compiles for this spec and launch (mlx 0.32 build_kernel)."""
+    """What `mx.fast.cuda_kernel` compiles for this spec and launch (`runtime.cuda_kernels`: mlx
+    0.32 `build_kernel`; the kernel named `custom_kernel_<spec name>`)."""
+    from longctx.runtime import cuda_kernels
+
     header, body = _prelude.assemble(spec, "cuda")
-    src = ('#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
-           "#define inf cuda::std::numeric_limits<float>::infinity()\n\n")
-    src += header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-    src += f"__global__ void custom_kernel_{spec.name}(\n"
-    for name, arr in zip(spec.inputs, launch.inputs):
-        src += f"    const {_CUDA_TYPES[arr.dtype]}* {name},\n"
-        if arr.ndim > 0:
-            if f"{name}_shape" in body:
-                src += f"    const __grid_constant__ Shape {name}_shape,\n"
-            if f"{name}_strides" in body:
-                src += f"    const __grid_constant__ Strides {name}_strides,\n"
-            if f"{name}_ndim" in body:
-                src += f"    const __grid_constant__ int {name}_ndim,\n"
-    outs = [f"    {_CUDA_TYPES[d]}* {n}" for n, d in zip(spec.outputs, launch.output_dtypes)]
-    src += ",\n".join(outs) + ") {\n"
-    src += "".join(f"  using {k} = {_CUDA_TYPES[v]};\n" if isinstance(v, mx.Dtype)
-                   else f"  constexpr int {k} = {v};\n" for k, v in launch.template) + "\n"
-    return src + body + "\n}\n\n} // namespace mlx::core::cu\n"
+    return cuda_kernels.mlx_source(f"custom_kernel_{spec.name}", header, body, spec.inputs,
+                                   launch.inputs, spec.outputs, launch.output_dtypes,
+                                   launch.template)
 
 
 def nvcc_check(spec, launch, arch: str = "sm_90") -> str:
     """Compile the CUDA source with nvcc; return ptxas' resource report (raises on errors)."""
+    from longctx.runtime import cuda_kernels
+
     BUILD.mkdir(parents=True, exist_ok=True)
     inc = BUILD / "stub_include" / "mlx" / "backend" / "cuda" / "device"
     inc.mkdir(parents=True, exist_ok=True)
-    (inc / "utils.cuh").write_text(_MLX_DEVICE_STUB)
+    (inc / "utils.cuh").write_text(cuda_kernels.DEVICE_HEADER)
     src = cuda_source(spec, launch)
     digest = hashlib.sha1(src.encode()).hexdigest()[:16]
     cu = BUILD / f"c_{digest}.cu"
@@ -381,28 +355,13 @@ def nvcc_check(spec, launch, arch: str = "sm_90") -> str:
 
 
 def nvrtc_check(spec, launch, libnvrtc: str, cccl_include: str | None = None,
-                cuda_include: str = "/usr/local/cuda/include", arch: str = "sm_90") -> str:
-    """Compile with NVRTC itself, as MLX's JIT does (same options; MLX's device header stubbed).
+                cuda_include: str = "/usr/local/cuda/include", arch: str = "sm_90") -> bytes:
+    """Compile with NVRTC itself, as MLX's JIT does (`runtime.cuda_kernels`: same options, MLX's
+    device header stubbed). Returns the cubin; raises with NVRTC's log on failure."""
+    from longctx.runtime import cuda_kernels
 
-    Returns NVRTC's log; raises with the log on failure.
-    """
-    lib = ctypes.CDLL(libnvrtc)
-    prog = ctypes.c_void_p()
-    src = cuda_source(spec, launch).encode()
-    headers = (ctypes.c_char_p * 1)(_MLX_DEVICE_STUB.encode())
-    names = (ctypes.c_char_p * 1)(b"mlx/backend/cuda/device/utils.cuh")
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"k.cu", 1, headers, names):
-        raise RuntimeError("nvrtcCreateProgram failed")
-    opts = [f"--gpu-architecture={arch}".encode(), f"--include-path={cuda_include}".encode()]
-    if cccl_include:
-        opts.append(f"--include-path={cccl_include}".encode())
-    arr = (ctypes.c_char_p * len(opts))(*opts)
-    rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value + 1)
-    lib.nvrtcGetProgramLog(prog, log)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    if rc:
-        raise RuntimeError(f"NVRTC failed:\n{log.value.decode(errors='replace')[-6000:]}")
-    return log.value.decode(errors="replace")
+    includes = [cuda_include] + ([cccl_include] if cccl_include else [])
+    nvrtc = cuda_kernels._Nvrtc(libnvrtc, includes)
+    cubin, _ = nvrtc.compile(cuda_source(spec, launch), spec.name,
+                             f"mlx::core::cu::custom_kernel_{spec.name}", arch)
+    return cubin

@@ -171,13 +171,16 @@ def _loaded_library(stem: str) -> str | None:
 
 
 class _Nvrtc:
-    def __init__(self):
-        path = (_loaded_library("libnvrtc") or ctypes.util.find_library("nvrtc"))
+    """NVRTC through ctypes: the library MLX loaded (or `path`), MLX's include paths (or
+    `includes`: `benchmarks/nvrtc_compile.py` compiles on a machine without a GPU)."""
+
+    def __init__(self, path: str | None = None, includes: list[str] | None = None):
+        path = path or _loaded_library("libnvrtc") or ctypes.util.find_library("nvrtc")
         if path is None:
             raise OSError("no libnvrtc")
         self.lib = ctypes.CDLL(path)
         self.path = path
-        self.includes = _include_paths(Path(path))
+        self.includes = includes if includes is not None else _include_paths(Path(path))
 
     def compile(self, source: str, name: str, kernel: str, arch: str) -> tuple[bytes, str]:
         """(cubin, mangled name of `kernel`) of `source`; raises with NVRTC's log."""
