@@ -102,9 +102,10 @@ def main() -> None:
                     help="also each compressed preset in this prefill order (prefill_order)")
     ap.add_argument("--inflight", type=int, nargs="*", default=[],
                     help="also the layer-major prefill at these prefill_inflight MiB, e.g. 512")
-    ap.add_argument("--layer-calls", type=int, nargs="*", default=[],
+    ap.add_argument("--layer-calls", nargs="*", default=[],
                     help="also the layer-major prefill calling each layer on runs of chunks of "
-                         "up to these many tokens (prefill_layer_call_tokens), e.g. 2048 4096")
+                         "up to these many tokens (prefill_layer_call_tokens), e.g. 2048 4096; "
+                         "T:M also bounds what is queued at M MiB (prefill_inflight), e.g. 2048:256")
     ap.add_argument("--once", action="store_true",
                     help="run the layer-major A/B rows (--group-tokens, --inflight) once each (the "
                          "--kv rows before them have met every chunk's shapes: their one run is "
@@ -149,8 +150,13 @@ def main() -> None:
             variants += [(f"{kv}:inflight{m}", {"prefill_inflight": m * 2**20})
                          for kv in compressed for m in args.inflight]
             # layer-major calls over runs of chunks (`prefill_layer_call_tokens`)
-            variants += [(f"{kv}:calls{t}", {"prefill_layer_call_tokens": t})
-                         for kv in compressed for t in args.layer_calls]
+            for spec in args.layer_calls:
+                t, _, m = spec.partition(":")
+                settings = {"prefill_layer_call_tokens": int(t)}
+                if m:
+                    settings["prefill_inflight"] = int(m) * 2**20
+                variants += [(f"{kv}:calls{t}" + (f"/inflight{m}" if m else ""), dict(settings))
+                             for kv in compressed]
             # every variant's first run (it meets every chunk's shapes for the first time: MLX
             # kernels, cuDNN graphs keyed by shape and strides, as one ingest does), then
             # --repeat rounds over the variants in turn (alternating, so drift in the machine's
