@@ -12,8 +12,8 @@ that many MiB queued at most (`prefill_inflight`).
 
 Usage: python benchmarks/prefill_shapes.py [--shapes smollm2-135m llama-3.1-8b] [--tokens 8192 32768]
        [--kv fp16 tq4] [--bits 0] [--blocked] [--sync-ab] [--queue-every 4 8]
-       [--group-tokens 16384] [--orders token] [--inflight 512] [--host-profile] [--repeat 3]
-       [--name prefill_gpu]
+       [--group-tokens 16384] [--orders token] [--inflight 512] [--layer-calls 2048 0:1024]
+       [--fp16-chunks 2048] [--host-profile] [--repeat 3] [--name prefill_gpu]
 """
 
 from __future__ import annotations
@@ -106,6 +106,9 @@ def main() -> None:
                     help="also the layer-major prefill calling each layer on runs of chunks of "
                          "up to these many tokens (prefill_layer_call_tokens), e.g. 2048 4096; "
                          "T:M also bounds what is queued at M MiB (prefill_inflight), e.g. 2048:256")
+    ap.add_argument("--fp16-chunks", type=int, nargs="*", default=[],
+                    help="also the fp16 prefill in chunks of these many tokens (an anchor: "
+                         "mlx-lm's own prefill step is 2048), e.g. 2048")
     ap.add_argument("--once", action="store_true",
                     help="run the layer-major A/B rows (--group-tokens, --inflight) once each (the "
                          "--kv rows before them have met every chunk's shapes: their one run is "
@@ -129,6 +132,8 @@ def main() -> None:
             prefill_once(model, ids[:1024], kvcache.get_preset("fp16"), args.chunk)  # warm-up
             # (label, settings): the default, then the A/B rows asked for
             variants = [(kv, {}) for kv in args.kv]
+            # the fp16 prefill in longer chunks (`chunk`, not a setting: engine.prefill's argument)
+            variants += [(f"fp16:chunk{c}", {"chunk": c}) for c in args.fp16_chunks]
             compressed = [kv for kv in args.kv if kv != "fp16"]
             if args.blocked:
                 variants += [(kv + ":blocked", {"dense_gpu": False, "prefill_order": "token"})
@@ -163,16 +168,20 @@ def main() -> None:
             # state falls on all of them alike); the steady rate is the median round
             first, steady = {}, {label: [] for label, _ in variants}
             presets = {label: kvcache.get_preset(label.split(":")[0]) for label, _ in variants}
-            for label, settings in variants:
+            def once(label, settings):
+                settings = dict(settings)
+                chunk = settings.pop("chunk", args.chunk)
                 with config.override(**settings):
-                    first[label] = prefill_once(model, ids, presets[label], args.chunk)
+                    return prefill_once(model, ids, presets[label], chunk)
+
+            for label, settings in variants:
+                first[label] = once(label, settings)
             for _ in range(args.repeat):
                 for label, settings in variants:
                     # --once: the layer-major A/B rows, whose shapes the default rows have met
                     if args.once and label.split(":")[-1].startswith(("group", "inflight")):
                         continue
-                    with config.override(**settings):
-                        steady[label].append(prefill_once(model, ids, presets[label], args.chunk))
+                    steady[label].append(once(label, settings))
             for label, settings in variants:
                 s0, peak0, longest0, _ = first[label]
                 runs = steady[label] or [first[label]]
@@ -191,7 +200,9 @@ def main() -> None:
                       f"{peak / 2**30:>9.2f} {longest:>10.3f}  first run {s0:.2f} s, runs "
                       + " ".join(f"{r[0]:.3f}" for r in runs), flush=True)
                 if args.host_profile:
-                    host_profile(model, ids, presets[label], args.chunk, label, settings)
+                    rest = {k: v for k, v in settings.items() if k != "chunk"}
+                    host_profile(model, ids, presets[label], settings.get("chunk", args.chunk),
+                                 label, rest)
         del model
         gc.collect()
         mx.clear_cache()
@@ -207,8 +218,12 @@ def main() -> None:
     for k, v in ratios.items():
         print(f"{k:>40}: {v['speed_vs_fp16']:.2f}x speed (first run "
               f"{v['first_run_speed_vs_fp16']:.2f}x), {v['peak_vs_fp16']:.2f}x peak")
+    # the prefill settings the default rows ran under (a row's `settings` override them)
+    defaults = {k: config.get(k) for k in ("prefill_order", "prefill_inflight",
+                                           "prefill_group_tokens", "prefill_layer_call_tokens",
+                                           "prefill_queue_every", "prefill_pairs")}
     out = write(args.name, {"chunk": args.chunk, "weights_bits": args.bits or 16,
-                            "repeat": args.repeat, "rows": rows,
+                            "repeat": args.repeat, "defaults": defaults, "rows": rows,
                             "ratios": ratios})
     print(f"wrote {out}")
 

@@ -114,7 +114,7 @@ SETTINGS: dict[str, Setting] = {
                              "query-key pairs one prefill chunk may score per head; past it "
                              "chunks shrink (20971520: 128 tokens at 128k; bounds one "
                              "evaluation for the Metal watchdog; 0: fixed 512-token chunks)"),
-    "prefill_inflight": Setting("LONGCTX_PREFILL_INFLIGHT_MB", _megabytes, 2**30,
+    "prefill_inflight": Setting("LONGCTX_PREFILL_INFLIGHT_MB", _megabytes, 256 * 2**20,
                                 "GPU: most MiB a compressed prefill keeps queued: dequantized "
                                 "cache rows token-major, staging buffers and activations "
                                 "layer-major (past it, older work is waited for; 0: no bound)"),
@@ -126,7 +126,7 @@ SETTINGS: dict[str, Setting] = {
                                     "GPU: a layer-major prefill queues a layer's graph every "
                                     "this many tokens (whole chunks; fewer where "
                                     "prefill_inflight bounds what is queued)"),
-    "prefill_layer_call_tokens": Setting("LONGCTX_PREFILL_LAYER_CALL_TOKENS", _count, 0,
+    "prefill_layer_call_tokens": Setting("LONGCTX_PREFILL_LAYER_CALL_TOKENS", _count, 2048,
                                          "GPU: a layer-major prefill calls each layer on runs "
                                          "of whole chunks of up to this many tokens (fewer "
                                          "calls and staging copies; each scores at most a "

@@ -248,16 +248,20 @@ def test_answering_from_two_segments_keeps_the_answer_the_model_is_surest_of(sho
     assert answer.entry.segment == best and len(answer.sources) == 1
 
 
-def test_gpu_peak_estimate_follows_the_measured_h200_peaks():
-    """The GPU branch of the estimate against the H200's measured prefill peaks with the final
-    code: prefill_gpu.json (bf16 SmolLM2-135M and Llama-3.1-8B shapes, 8k and 32k, and its A/B
+def test_gpu_peak_estimate_follows_the_measured_gpu_peaks():
+    """The GPU branch of the estimate against the measured prefill peaks: on the H200,
+    prefill_gpu.json (bf16 SmolLM2-135M and Llama-3.1-8B shapes, 8k and 32k, and its A/B
     rows), prefill_gpu_128k.json (the 4-bit 8B shape, with the bound at 1-8 GiB) and the
     product path's 128k ingests (4-bit Llama-3.1-8B and Qwen2.5-7B shapes). Within 15% over on
     the 8B shapes (fp16 at 128k: 1.12x, mlx-lm's buffer reallocations; tq4 with a 4 GiB bound:
     1.13x, the bound plus a group counted in flight); never more than 20% under (an ingest told
     it fits must fit); small models are over-estimated (up to ~3x at SmolLM2 8k: the GPU keeps
-    up with the queued work). Each row is estimated with the settings it was measured under
-    (its `settings`, or those its label names)."""
+    up with the queued work). On an H100, prefill_h100.json (the defaults of layer calls over
+    2048-token runs and a 256 MiB bound, the earlier defaults, fp16 in 2048-token chunks):
+    within 30% over, as that card's fp16 peaks sit 11-17% below the H200's for the same code.
+    Each row is estimated with the settings it was measured under (the file's `defaults` or,
+    before they were recorded, calls of one chunk and a 1 GiB bound; then its `settings`, or
+    those its label names)."""
     from longctx.kvcache import get_preset
 
     root = Path(__file__).resolve().parents[1]
@@ -265,10 +269,14 @@ def test_gpu_peak_estimate_follows_the_measured_h200_peaks():
     from shapes import SHAPES
 
     results = root / "benchmarks" / "results"
-    # (shape, config overrides, settings as measured, kv, tokens, weights, measured)
+    # (shape, config overrides, settings as measured, kv, tokens, weights, measured, most over)
     cases = []
-    for name in ("prefill_gpu.json", "prefill_gpu_128k.json"):  # the 128k rows: 4-bit weights
-        for r in json.loads((results / name).read_text())["rows"]:
+    # files written before prefill_shapes recorded its defaults ran under these
+    before = {"prefill_layer_call_tokens": 0, "prefill_inflight": 2**30}
+    for name in ("prefill_gpu.json", "prefill_gpu_128k.json",  # the 128k rows: 4-bit weights
+                 "prefill_h100.json"):
+        data = json.loads((results / name).read_text())
+        for r in data["rows"]:
             kv, _, variant = r["kv"].partition(":")  # every row, with the settings it ran under
             settings = r.get("settings")
             if settings is None:  # rows written before prefill_shapes recorded them
@@ -279,19 +287,23 @@ def test_gpu_peak_estimate_follows_the_measured_h200_peaks():
                     settings["prefill_group_tokens"] = int(variant[len("group"):])
                 elif variant not in ("", "token"):
                     raise AssertionError(f"{name}: a row of unknown settings, {r['kv']}")
+            settings = {**data.get("defaults", before), **settings}
             cases.append((r["shape"], {}, settings, kv, r["tokens"], r["weights_bytes"],
-                          r["peak_bytes"]))
+                          r["peak_bytes"], 1.3 if "h100" in name else 1.15))
     product = json.loads((results / "product_path_h200.json").read_text())
     for r in product["rows"]:  # measured token-major
         if r["tokens_requested"] >= 131072:
-            cases.append((r["shape"], {"vocab_size": 49152}, {"prefill_order": "token"}, r["kv"],
+            cases.append((r["shape"], {"vocab_size": 49152}, {**before, "prefill_order": "token"},
+                          r["kv"],
                           r["ingest"]["tokens"], r["weights_bytes"],
-                          r["ingest"]["ingest_peak_bytes"]))
+                          r["ingest"]["ingest_peak_bytes"], 1.15))
     assert len(cases) >= 12
-    for shape, extra, settings, kv, tokens, weights, measured in cases:
+    for shape, extra, settings, kv, tokens, weights, measured, most in cases:
         s = estimate.shapes({**SHAPES[shape], "rms_norm_eps": 1e-5, **extra})
+        settings = dict(settings)
+        chunk = settings.pop("chunk", 512)  # prefill_shapes' fp16 rows in longer chunks
         with config.override(**settings):
-            ratio = estimate.peak_bytes(s, get_preset(kv), tokens, weights, False, 512) / measured
+            ratio = estimate.peak_bytes(s, get_preset(kv), tokens, weights, False, chunk) / measured
         assert ratio >= 0.8, (shape, kv, tokens, ratio)
         if shape != "smollm2-135m":
-            assert ratio <= 1.15, (shape, kv, tokens, ratio)
+            assert ratio <= most, (shape, kv, tokens, ratio)

@@ -21,6 +21,16 @@ def lm(tmp_path_factory):
     return models.load(models.resolve(str(path)))
 
 
+@pytest.fixture(autouse=True)
+def one_call_per_chunk():
+    """These tests hold the layer-major loop to the chunk-by-chunk oracle below: one layer call
+    per chunk (`prefill_layer_call_tokens` 0). Runs of chunks, the default's included, are
+    tested by `test_longer_layer_calls_store_what_an_fp16_prefill_in_those_calls_makes` and
+    `test_the_default_calls_store_what_an_fp16_prefill_in_those_calls_makes`."""
+    with config.override(prefill_layer_call_tokens=0):
+        yield
+
+
 def _tokens(n: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(3, 200, n).tolist()
 
@@ -445,5 +455,23 @@ def test_longer_layer_calls_store_what_an_fp16_prefill_in_those_calls_makes(lm, 
     assert calls == [2 * CHUNK, 2 * CHUNK, CHUNK + 37]
     calls.clear()
     want = _arrays(_fp16_then_compressed(lm.model, tokens, preset, fp16_chunk=2 * CHUNK), preset)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_the_default_calls_store_what_an_fp16_prefill_in_those_calls_makes(lm, monkeypatch):
+    """The default `prefill_layer_call_tokens` (2048, mlx-lm's own prefill step): a prompt of
+    five and a half chunks is one call per layer, and the cache holds the compression of an fp16
+    prefill in one chunk."""
+    default = config.SETTINGS["prefill_layer_call_tokens"].default
+    assert default >= 6 * CHUNK
+    preset = kvcache.get_preset("tq4")
+    tokens = _tokens(5 * CHUNK + 37)
+    calls = _counting(lm.model, monkeypatch)
+    with config.override(prefill_layer_call_tokens=default):
+        got = _arrays(_prefill(lm.model, tokens, preset, "layer")[0], preset)
+    assert calls == [len(tokens)]
+    calls.clear()
+    want = _arrays(_fp16_then_compressed(lm.model, tokens, preset, fp16_chunk=default), preset)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
