@@ -117,7 +117,7 @@ for phase in "${phases[@]}"; do
       # tokens of a layer (`prefill_group_tokens`, default 4096; PREFILL_GROUPS); tq4:token is
       # the token-major loop (PREFILL_ORDERS=""  leaves it out); tq4:queueK the token-major
       # loop queueing every K layers (`prefill_queue_every`; PREFILL_QUEUE, none by default);
-      # tq4:inflightM at most M MiB queued (`prefill_inflight`; PREFILL_INFLIGHT, none);
+      # tq4:inflightM at most M MiB queued (`prefill_layer_inflight`; PREFILL_INFLIGHT, none);
       # tq4:callsT each layer called on runs of chunks of up to T tokens
       # (`prefill_layer_call_tokens`; PREFILL_CALLS, none);
       # PREFILL_ARGS="--repeat 5": steady runs per row (alternating rounds, median; 3 by default);

@@ -8,7 +8,7 @@ before `kvcache.dense_gpu`); `--sync-ab` with no bound on the layers a chunk kee
 (`prefill_inflight` 0, as before the bound: every layer queued at once) and with a wait at every
 layer (a 1-byte budget), both token-major; `--orders token` the token-major loop beside the default
 (layer-major on a GPU, `longctx.prefill_layers`); `--inflight 512` the layer-major prefill with
-that many MiB queued at most (`prefill_inflight`).
+that many MiB queued at most (`prefill_layer_inflight`).
 
 Usage: python benchmarks/prefill_shapes.py [--shapes smollm2-135m llama-3.1-8b] [--tokens 8192 32768]
        [--kv fp16 tq4] [--bits 0] [--blocked] [--sync-ab] [--queue-every 4 8]
@@ -101,11 +101,13 @@ def main() -> None:
     ap.add_argument("--orders", nargs="*", default=[], choices=["layer", "token"],
                     help="also each compressed preset in this prefill order (prefill_order)")
     ap.add_argument("--inflight", type=int, nargs="*", default=[],
-                    help="also the layer-major prefill at these prefill_inflight MiB, e.g. 512")
+                    help="also the layer-major prefill at these prefill_layer_inflight MiB, "
+                         "e.g. 512")
     ap.add_argument("--layer-calls", nargs="*", default=[],
                     help="also the layer-major prefill calling each layer on runs of chunks of "
                          "up to these many tokens (prefill_layer_call_tokens), e.g. 2048 4096; "
-                         "T:M also bounds what is queued at M MiB (prefill_inflight), e.g. 2048:256")
+                         "T:M also bounds what is queued at M MiB (prefill_layer_inflight), e.g. "
+                         "2048:256")
     ap.add_argument("--fp16-chunks", type=int, nargs="*", default=[],
                     help="also the fp16 prefill in chunks of these many tokens (an anchor: "
                          "mlx-lm's own prefill step is 2048), e.g. 2048")
@@ -152,14 +154,14 @@ def main() -> None:
             # the other prefill order (`prefill_order`; the default on a GPU is layer)
             variants += [(f"{kv}:{order}", {"prefill_order": order})
                          for kv in compressed for order in args.orders]
-            variants += [(f"{kv}:inflight{m}", {"prefill_inflight": m * 2**20})
+            variants += [(f"{kv}:inflight{m}", {"prefill_layer_inflight": m * 2**20})
                          for kv in compressed for m in args.inflight]
             # layer-major calls over runs of chunks (`prefill_layer_call_tokens`)
             for spec in args.layer_calls:
                 t, _, m = spec.partition(":")
                 settings = {"prefill_layer_call_tokens": int(t)}
                 if m:
-                    settings["prefill_inflight"] = int(m) * 2**20
+                    settings["prefill_layer_inflight"] = int(m) * 2**20
                 variants += [(f"{kv}:calls{t}" + (f"/inflight{m}" if m else ""), dict(settings))
                              for kv in compressed]
             # every variant's first run (it meets every chunk's shapes for the first time: MLX
@@ -220,6 +222,7 @@ def main() -> None:
               f"{v['first_run_speed_vs_fp16']:.2f}x), {v['peak_vs_fp16']:.2f}x peak")
     # the prefill settings the default rows ran under (a row's `settings` override them)
     defaults = {k: config.get(k) for k in ("prefill_order", "prefill_inflight",
+                                           "prefill_layer_inflight",
                                            "prefill_group_tokens", "prefill_layer_call_tokens",
                                            "prefill_queue_every", "prefill_pairs")}
     out = write(args.name, {"chunk": args.chunk, "weights_bits": args.bits or 16,

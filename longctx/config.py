@@ -114,10 +114,15 @@ SETTINGS: dict[str, Setting] = {
                              "query-key pairs one prefill chunk may score per head; past it "
                              "chunks shrink (20971520: 128 tokens at 128k; bounds one "
                              "evaluation for the Metal watchdog; 0: fixed 512-token chunks)"),
-    "prefill_inflight": Setting("LONGCTX_PREFILL_INFLIGHT_MB", _megabytes, 256 * 2**20,
-                                "GPU: most MiB a compressed prefill keeps queued: dequantized "
-                                "cache rows token-major, staging buffers and activations "
-                                "layer-major (past it, older work is waited for; 0: no bound)"),
+    "prefill_inflight": Setting("LONGCTX_PREFILL_INFLIGHT_MB", _megabytes, 2**30,
+                                "GPU: most MiB of dequantized cache rows a token-major "
+                                "compressed prefill keeps queued (past it, older layers are "
+                                "waited for; 0: no bound)"),
+    "prefill_layer_inflight": Setting("LONGCTX_PREFILL_LAYER_INFLIGHT_MB", _megabytes,
+                                      256 * 2**20,
+                                      "GPU: most MiB of staging buffers and activations a "
+                                      "layer-major prefill keeps queued (past it, older groups "
+                                      "are waited for; 0: no bound)"),
     "prefill_queue_every": Setting("LONGCTX_PREFILL_QUEUE_EVERY", _count, 4,
                                    "GPU: a compressed prefill chunk queues its graph for the GPU "
                                    "every this many layers (each queueing costs host time; the "
@@ -125,7 +130,7 @@ SETTINGS: dict[str, Setting] = {
     "prefill_group_tokens": Setting("LONGCTX_PREFILL_GROUP_TOKENS", _count, 4096,
                                     "GPU: a layer-major prefill queues a layer's graph every "
                                     "this many tokens (whole chunks; fewer where "
-                                    "prefill_inflight bounds what is queued)"),
+                                    "prefill_layer_inflight bounds what is queued)"),
     "prefill_layer_call_tokens": Setting("LONGCTX_PREFILL_LAYER_CALL_TOKENS", _count, 2048,
                                          "GPU: a layer-major prefill calls each layer on runs "
                                          "of whole chunks of up to this many tokens (fewer "

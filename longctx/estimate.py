@@ -143,7 +143,7 @@ def layer_major_transient(s: Shapes, tokens: int, chunk: int, fp16_token: int,
     of two layers (the one read, the one written), one layer's staging keys and values, and the
     queued layer-chunks (`chunk_bytes` each: the staging buffer it reads and its activations)
     plus one (a layer-chunk: one call, a run of chunks with `prefill_layer_call_tokens`). The
-    host waits only once `prefill_inflight` bytes are queued, and a group (up to
+    host waits only once `prefill_layer_inflight` bytes are queued, and a group (up to
     `prefill_group_tokens`, or half the bound) is queued before the oldest is waited for: so up
     to the bound plus a group is in flight, whatever the group size (on the H200 SmolLM2's 32k
     peak was the same with groups of 2048 and 4096 tokens), at most the whole prompt's
@@ -161,7 +161,7 @@ def layer_major_transient(s: Shapes, tokens: int, chunk: int, fp16_token: int,
     call = max(chunk, runs // max(1, chunk) * chunk) if runs else chunk
     per_chunk = staging + (ACTIVATIONS * chunk * s.hidden * elem + scores) * call / max(1, chunk)
     group = max(1, config.get("prefill_group_tokens") // max(1, call)) * per_chunk
-    budget = config.get("prefill_inflight")
+    budget = config.get("prefill_layer_inflight")
     if budget:
         everything = layers * -(-tokens // max(1, call)) * per_chunk
         queued = min(everything, budget + min(budget / 2, group))

@@ -219,7 +219,7 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
 
     A layer's chunks are queued for the GPU in groups (`mx.async_eval`) of up to
     `prefill_group_tokens` tokens, or fewer where their `chunk_bytes` reach half of
-    `prefill_inflight`; past that many bytes queued, the oldest groups are waited for (the
+    `prefill_layer_inflight`; past that many bytes queued, the oldest groups are waited for (the
     newest always stays queued, so the GPU has work while the host builds the next).
 
     Returns:
@@ -280,7 +280,7 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
                        **{k: stage if v is _STAGE else v for k, v in kwargs.items()})
 
     spans = absorb_spans(bounds)
-    budget = config.get("prefill_inflight") or float("inf")
+    budget = config.get("prefill_layer_inflight") or float("inf")
     group_tokens = config.get("prefill_group_tokens")
     times: list[float] = []
     queued: list = []  # (arrays, bytes) of the groups queued and not yet waited for, oldest first

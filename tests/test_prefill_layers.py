@@ -261,7 +261,7 @@ def test_the_inflight_bound_cuts_groups_and_waits(lm, monkeypatch, budget, group
     monkeypatch.setattr(mx, "eval", lambda *a: (waited.append(1), real_eval(*a))[1])
     preset = kvcache.get_preset("tq4")
     tokens = _tokens(6 * CHUNK)
-    with config.override(prefill_inflight=budget, prefill_group_tokens=10**6):
+    with config.override(prefill_layer_inflight=budget, prefill_group_tokens=10**6):
         got = _prefill(lm.model, tokens, preset, "layer")[0]
     assert len(queued) == 3 * groups_per_layer
     if budget:  # when a group is queued, every group but the one before it was waited for
