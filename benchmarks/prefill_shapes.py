@@ -67,6 +67,13 @@ def prefill_once(model, ids, preset, chunk):
     return stats.seconds, stats.peak_bytes, stats.max_eval_seconds, timed.seconds
 
 
+def split_chunk(settings: dict, default: int) -> tuple[int, dict]:
+    """A row's prefill chunk (its `chunk`, not a setting: `engine.prefill`'s argument; else
+    `default`) and its settings without it."""
+    return (settings.get("chunk", default),
+            {k: v for k, v in settings.items() if k != "chunk"})
+
+
 def host_profile(model, ids, preset, chunk, label, settings) -> None:
     """Print the cProfile of one more (steady) prefill: the host's time by function."""
     import cProfile
@@ -171,8 +178,7 @@ def main() -> None:
             first, steady = {}, {label: [] for label, _ in variants}
             presets = {label: kvcache.get_preset(label.split(":")[0]) for label, _ in variants}
             def once(label, settings):
-                settings = dict(settings)
-                chunk = settings.pop("chunk", args.chunk)
+                chunk, settings = split_chunk(settings, args.chunk)
                 with config.override(**settings):
                     return prefill_once(model, ids, presets[label], chunk)
 
@@ -202,9 +208,8 @@ def main() -> None:
                       f"{peak / 2**30:>9.2f} {longest:>10.3f}  first run {s0:.2f} s, runs "
                       + " ".join(f"{r[0]:.3f}" for r in runs), flush=True)
                 if args.host_profile:
-                    rest = {k: v for k, v in settings.items() if k != "chunk"}
-                    host_profile(model, ids, presets[label], settings.get("chunk", args.chunk),
-                                 label, rest)
+                    chunk, rest = split_chunk(settings, args.chunk)
+                    host_profile(model, ids, presets[label], chunk, label, rest)
         del model
         gc.collect()
         mx.clear_cache()

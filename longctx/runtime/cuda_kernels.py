@@ -55,10 +55,8 @@ CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32
               mx.int64: "int64_t", mx.uint8: "uint8_t", mx.uint16: "uint16_t",
               mx.uint32: "uint32_t", mx.uint64: "uint64_t", mx.float16: "__half",
               mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
-TYPE_STRINGS = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t",
-                mx.int64: "int64_t", mx.uint8: "uint8_t", mx.uint16: "uint16_t",
-                mx.uint32: "uint32_t", mx.uint64: "uint64_t", mx.float16: "float16_t",
-                mx.bfloat16: "bfloat16_t", mx.float32: "float"}
+# the names mlx's template hash gives dtypes (its own type names for the two half types)
+TYPE_STRINGS = {**CUDA_TYPES, mx.float16: "float16_t", mx.bfloat16: "bfloat16_t"}
 
 # What MLX's device header gives the generated signature (mlx/backend/cuda/device/utils.cuh,
 # config.h: MAX_NDIM 10); our kernel bodies use nothing else of it.
