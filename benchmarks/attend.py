@@ -192,6 +192,55 @@ def head_to_head(env, rounds: int = 9) -> dict:
     return out
 
 
+def chained(s: int, layers: int = 8, rounds: int = 5, steps: int = 10) -> dict:
+    """The step as a model's token takes it: `layers` layers, each with a cache of its own, each
+    attending the previous layer's output (an attention output has its query's shape), issued
+    together and evaluated once per token, pipelined like `pipelined_ms`; fp16 SDPA and the tq4
+    step in alternating rounds. A lone step (`head_to_head`) pays one evaluation per step, whose
+    host cost (~40 us on the H200's VM) bounds both contenders below 32k; in a token it is paid
+    once for all layers, as `ask` pays it. Distinct caches, so that no layer reads another's from
+    L2 (a 32k tq4 cache is ~36 MB)."""
+    scale = D ** -0.5
+    caches = []
+    for i in range(layers):
+        k = mx.random.normal((B, HKV, s, D), key=mx.random.key(100 + 2 * i)).astype(mx.float16)
+        v = mx.random.normal((B, HKV, s, D), key=mx.random.key(101 + 2 * i)).astype(mx.float16)
+        kc, vc = codecs_for(get_preset("tq4"), D, layer=i)
+        view = CompressedKV(kc, vc, ((kc.encode(k), vc.encode(v), s),), s,
+                            mx.zeros((B, HKV, 1, D), dtype=mx.float32), plan=[None])
+        mx.eval(k, v, list(view.segments[0][0].values()), list(view.segments[0][1].values()))
+        caches.append((k, v, view))
+    q0 = mx.random.normal((B, HQ, 1, D), key=mx.random.key(99)).astype(mx.float16)
+
+    def fp16():
+        q = q0
+        for k, v, _ in caches:
+            q = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+        return q
+
+    def tq4():
+        q = q0
+        for _, _, view in caches:
+            q = compressed_attention(q, view, scale)
+        return q
+
+    fns = {"fp16_sdpa": fp16, "fused_tq4": tq4}
+    for fn in fns.values():  # the first steps trace and keep each layer's plan
+        for _ in range(2):
+            mx.eval(fn())
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(pipelined_ms(fn, steps=steps, reps=1) / layers)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    out = {"layers": layers, "rounds": rounds, "per_layer_ms": med,
+           "speedup": med["fp16_sdpa"] / med["fused_tq4"],
+           "speedup_per_round": sorted(a / b for a, b in zip(times["fp16_sdpa"],
+                                                             times["fused_tq4"]))}
+    del caches
+    return out
+
+
 def nbytes(arrays) -> int:
     return sum(a.nbytes for a in arrays)
 
@@ -421,6 +470,9 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 32768, 131072])
     ap.add_argument("--name", default=None, help="results file name (default attend_<backend>)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--chained-layers", type=int, default=8, metavar="L",
+                    help="per length, also fp16 SDPA vs the tq4 step over L chained layers with "
+                         "caches of their own, one evaluation per token (`chained`; 0: none)")
     ap.add_argument("--methods", nargs="+", metavar="NAME",
                     help="time only these methods (plus torch's anchors); the other rows of the "
                          "results file are kept, marked carried_over with their run's date")
@@ -451,7 +503,7 @@ def main() -> None:
     if args.mma_variants:
         mma_variants(args)
         return
-    rows, sweeps, checks, duels = [], {}, {}, {}
+    rows, sweeps, checks, duels, chains = [], {}, {}, {}, {}
     for s in args.lengths:
         env = setup(s)
         if backend != "cpu":
@@ -467,6 +519,12 @@ def main() -> None:
                   f"{d['speedup_per_round'][0]:.2f}-{d['speedup_per_round'][-1]:.2f}x){other}; "
                   f"tq4 build {d['tq4_build_us']:.1f} us (plan calls: {calls}), replayed "
                   f"{d['tq4_replayed']} / {d['tq4_replayed'] + d['tq4_not_replayed']}", flush=True)
+        if backend != "cpu" and args.chained_layers:
+            c = chains[s] = chained(s, args.chained_layers)
+            print(f"S={s:>6} {c['layers']} chained layers, one evaluation: per layer fp16 "
+                  f"{c['per_layer_ms']['fp16_sdpa']:.4f} ms, tq4 {c['per_layer_ms']['fused_tq4']:.4f}"
+                  f" ms: {c['speedup']:.2f}x (rounds {c['speedup_per_round'][0]:.2f}-"
+                  f"{c['speedup_per_round'][-1]:.2f}x)", flush=True)
         checks[s] = check(env)
         for name, (fn, cache_bytes) in methods(env, s).items():
             if args.methods and name not in args.methods:
@@ -499,7 +557,7 @@ def main() -> None:
         "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "batch": B, "query_tokens": 1},
         "kernel_backend": backend, "peak_gbs": PEAK_GBS, "rows": rows, "ratios": ratios,
         "fused_vs_mlx_path_max_rel_diff": checks, "sweep": sweeps,
-        "head_to_head": duels or None,
+        "head_to_head": duels or None, "chained": chains or None,
         "knobs": {"TARGET_GROUPS": da.TARGET_GROUPS or "auto", "SM_COUNT": da.SM_COUNT,
                   "NT": da.NT, "PREFETCH": da.PREFETCH, "MIN_SPLIT_TILES": da.MIN_SPLIT_TILES,
                   "MIN_BLOCKS": da.MIN_BLOCKS, "STAGE_WORDS": da.STAGE_WORDS,
