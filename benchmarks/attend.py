@@ -96,6 +96,21 @@ def pipelined_ms(fn, steps=30, reps=7) -> float:
     return 1e3 * statistics.median(burst() for _ in range(reps))
 
 
+def alternating(fns: dict, rounds: int, steps: int = 30) -> dict:
+    """name -> each round's pipelined ms (`pipelined_ms`, one burst of `steps`), the functions
+    timed in turn every round, so that drift in the machine's state falls on all of them alike."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(pipelined_ms(fn, steps=steps, reps=1))
+    return times
+
+
+def per_round(times: dict, name: str) -> list:
+    """fp16 SDPA's time over `name`'s in each round of `alternating`, sorted."""
+    return sorted(a / b for a, b in zip(times["fp16_sdpa"], times[name]))
+
+
 @contextlib.contextmanager
 def native_off():
     """LONGCTX_NATIVE=0 while a view's plan is made on MLX's compiled call. Through the
@@ -137,7 +152,6 @@ def head_to_head(env, rounds: int = 9) -> dict:
                 mx.eval(compressed_attention(q, compiled_view, scale))
         views["fused_tq4_compiled_call"] = compiled_view
         fns["fused_tq4_compiled_call"] = lambda: compressed_attention(q, compiled_view, scale)
-    times = {name: [] for name in fns}
     replay, hits = attend_step.replay, [0, 0]
 
     def counted(*a):
@@ -149,9 +163,7 @@ def head_to_head(env, rounds: int = 9) -> dict:
     try:
         for fn in fns.values():
             mx.eval(fn())
-        for _ in range(rounds):
-            for name, fn in fns.items():
-                times[name].append(pipelined_ms(fn, reps=1))
+        times = alternating(fns, rounds)
         build = []
         for _ in range(5):
             t = time.perf_counter()
@@ -179,16 +191,15 @@ def head_to_head(env, rounds: int = 9) -> dict:
     finally:
         attend_step.replay = replay
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    ratios = sorted(a / b for a, b in zip(times["fp16_sdpa"], times["fused_tq4"]))
     out = {"rounds": rounds, "pipelined_ms": med, "speedup": med["fp16_sdpa"] / med["fused_tq4"],
-           "speedup_per_round": ratios, "tq4_build_us": 1e6 * statistics.median(build),
+           "speedup_per_round": per_round(times, "fused_tq4"),
+           "tq4_build_us": 1e6 * statistics.median(build),
            "native": helper is not None,
            "tq4_plan_call": {n: {"kind": c[0], "us": c[1]} for n, c in calls.items()},
            "tq4_replayed": hits[1], "tq4_not_replayed": hits[0]}
     if "fused_tq4_compiled_call" in med:
         out["speedup_compiled_call"] = med["fp16_sdpa"] / med["fused_tq4_compiled_call"]
-        out["speedup_compiled_call_per_round"] = sorted(
-            a / b for a, b in zip(times["fp16_sdpa"], times["fused_tq4_compiled_call"]))
+        out["speedup_compiled_call_per_round"] = per_round(times, "fused_tq4_compiled_call")
     return out
 
 
@@ -205,9 +216,7 @@ def chained(s: int, layers: int = 8, rounds: int = 5, steps: int = 10) -> dict:
     for i in range(layers):
         k = mx.random.normal((B, HKV, s, D), key=mx.random.key(100 + 2 * i)).astype(mx.float16)
         v = mx.random.normal((B, HKV, s, D), key=mx.random.key(101 + 2 * i)).astype(mx.float16)
-        kc, vc = codecs_for(get_preset("tq4"), D, layer=i)
-        view = CompressedKV(kc, vc, ((kc.encode(k), vc.encode(v), s),), s,
-                            mx.zeros((B, HKV, 1, D), dtype=mx.float32), plan=[None])
+        view = tq_view(k, v, "tq4", layer=i)
         mx.eval(k, v, list(view.segments[0][0].values()), list(view.segments[0][1].values()))
         caches.append((k, v, view))
     q0 = mx.random.normal((B, HQ, 1, D), key=mx.random.key(99)).astype(mx.float16)
@@ -228,17 +237,11 @@ def chained(s: int, layers: int = 8, rounds: int = 5, steps: int = 10) -> dict:
     for fn in fns.values():  # the first steps trace and keep each layer's plan
         for _ in range(2):
             mx.eval(fn())
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(pipelined_ms(fn, steps=steps, reps=1) / layers)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    out = {"layers": layers, "rounds": rounds, "per_layer_ms": med,
-           "speedup": med["fp16_sdpa"] / med["fused_tq4"],
-           "speedup_per_round": sorted(a / b for a, b in zip(times["fp16_sdpa"],
-                                                             times["fused_tq4"]))}
-    del caches
-    return out
+    times = alternating(fns, rounds, steps)
+    med = {name: statistics.median(ts) / layers for name, ts in times.items()}
+    return {"layers": layers, "rounds": rounds, "per_layer_ms": med,
+            "speedup": med["fp16_sdpa"] / med["fused_tq4"],
+            "speedup_per_round": per_round(times, "fused_tq4")}
 
 
 def nbytes(arrays) -> int:
@@ -256,16 +259,22 @@ def setup(s: int, seed: int = 0, presets=TQ, affine=True) -> dict:
         env[f"a{bits}"] = (mx.quantize(k, group_size=64, bits=bits),
                            mx.quantize(v, group_size=64, bits=bits))
     for name in presets:
-        kc, vc = codecs_for(get_preset(name), D, layer=0)
-        # `plan`: the slot where a layer's step keeps its launch, as a cache's view carries it
-        view = CompressedKV(kc, vc, ((kc.encode(k), vc.encode(v), s),), s,
-                            mx.zeros((B, HKV, 1, D), dtype=mx.float32), plan=[None])
-        env[name] = view
+        env[name] = tq_view(k, v, name)
     mx.eval([q, k, v] + [env[a] for a in ("a8", "a4") if a in env]
             + [list(env[n].segments[0][i].values()) for n in presets for i in (0, 1)])
     if "tq4" in presets and affine:
         env["answer_tq4"] = answer_view(k, v)
     return env
+
+
+def tq_view(k, v, preset: str, layer: int = 0) -> CompressedKV:
+    """fp16 K/V encoded with `preset`'s codecs for `layer`, as one segment of a cache's view (not
+    evaluated); `plan`: the slot where a layer's step keeps its launch, as a cache's view
+    carries it."""
+    s = k.shape[2]
+    kc, vc = codecs_for(get_preset(preset), D, layer=layer)
+    return CompressedKV(kc, vc, ((kc.encode(k), vc.encode(v), s),), s,
+                        mx.zeros((B, HKV, 1, D), dtype=mx.float32), plan=[None])
 
 
 def answer_view(k, v, window: int = 256):
@@ -522,8 +531,9 @@ def main() -> None:
         if backend != "cpu" and args.chained_layers:
             c = chains[s] = chained(s, args.chained_layers)
             print(f"S={s:>6} {c['layers']} chained layers, one evaluation: per layer fp16 "
-                  f"{c['per_layer_ms']['fp16_sdpa']:.4f} ms, tq4 {c['per_layer_ms']['fused_tq4']:.4f}"
-                  f" ms: {c['speedup']:.2f}x (rounds {c['speedup_per_round'][0]:.2f}-"
+                  f"{c['per_layer_ms']['fp16_sdpa']:.4f} ms, tq4 "
+                  f"{c['per_layer_ms']['fused_tq4']:.4f} ms: {c['speedup']:.2f}x (rounds "
+                  f"{c['speedup_per_round'][0]:.2f}-"
                   f"{c['speedup_per_round'][-1]:.2f}x)", flush=True)
         checks[s] = check(env)
         for name, (fn, cache_bytes) in methods(env, s).items():
