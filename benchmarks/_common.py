@@ -22,6 +22,25 @@ def device_kind() -> str:
     return "cuda" if getattr(mx, "cuda", None) is not None and mx.cuda.is_available() else "metal"
 
 
+def machine_tag() -> str:
+    """"cpu", "h100", "h200" (the card's model, lower case) or "metal": the machine part of a
+    results file's name (benchmarks/results/<bench>_<machine>.json)."""
+    kind = device_kind()
+    if kind != "cuda":
+        return kind
+    import subprocess
+
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "gpu"
+    for card in ("H100", "H200", "A100", "L40S", "L4"):
+        if card in name:
+            return card.lower()
+    return "gpu"
+
+
 def split_list(text: str) -> list[str]:
     """A command-line list: items separated by commas or spaces."""
     return text.replace(",", " ").split()

@@ -1,131 +1,129 @@
-"""KV cache quality per preset on real text: perplexity and KL(fp16 || preset), two ways.
+"""KV cache quality per preset on real text nobody here wrote, against the uncompressed cache.
 
-- `prefill`: teacher-forced over all N tokens in chunks of 512, every preset in lockstep (how
-  ingest runs: each chunk attends to itself exactly and to earlier chunks through the cache).
-- `answer`: the product path. The first N - A tokens are prefilled and sealed (every token
-  compressed, as a restored cache is), then the last A tokens are teacher-forced in steps of 16
-  from an answering fork (`kvcache.fork`: it keeps up to `--answer-exact` new tokens
-  uncompressed, as `longctx ask` does), like a question and its answer; KL and perplexity over
-  those A tokens only. `--answer-exact 128` reproduces the earlier path that kept only the
-  preset's 128-token window exact.
+For each length N: a haystack of license texts (Debian's /usr/share/common-licenses: GPL-3,
+LGPL-2.1, MPL-2.0, Apache-2.0, ...) with `--needles` RULER needles ("One of the special magic
+numbers for X is: N.") at evenly spread depths, laid out as `longctx ingest` lays out a
+document, is prefilled ONCE uncompressed; every preset's cache is then the compression an
+ingest stores (`longctx.bench.quality.compressed`). Per preset:
+- answer KL(fp16 || preset), perplexity and top-1 agreement over the prefix's last `--answer`
+  tokens, teacher-forced in steps of 16 from an answering fork of the cache of the tokens before
+  them (the exact prefix truncated: keys of a position depend on earlier tokens only);
+- needle in a haystack: each needle's question asked from a fork of the whole prefix's cache,
+  greedy, scored by RULER's string match.
 
-Usage: python benchmarks/kv_quality.py [--tokens 2048] [--answer 256] [--presets ...]
+Results: benchmarks/results/kv_quality_<cpu|h100|h200>.json (one run per length, appended as
+each length finishes).
+
+Usage: python benchmarks/kv_quality.py [--model M] [--lengths 2048 8192 16384] [--presets ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import prose, write  # noqa: E402
+from _common import RESULTS, environment, machine_tag  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-from longctx import engine, kvcache  # noqa: E402
+from longctx import kvcache, prompt  # noqa: E402
+from longctx.bench import haystack, niah, quality  # noqa: E402
 from longctx.kvcache.presets import bits_per_channel  # noqa: E402
 from longctx.runtime import models  # noqa: E402
 
-
-def _logp(model, tokens: list[int], cache: list) -> mx.array:
-    logits = model(mx.array(tokens)[None], cache=cache)[0].astype(mx.float32)  # (T, V)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def _score(ref: mx.array, logp: mx.array, targets: mx.array) -> tuple[float, float, int]:
-    nll = float(-mx.take_along_axis(logp, targets[:, None], axis=-1).sum())
-    kl = float((mx.exp(ref) * (ref - logp)).sum())
-    top1 = int((ref.argmax(-1) == logp.argmax(-1)).sum())
-    return nll, kl, top1
+LICENSES = Path("/usr/share/common-licenses")
+TEXTS = ("GPL-3", "LGPL-2.1", "MPL-2.0", "Apache-2.0", "GPL-2", "Artistic", "GFDL-1.3", "MPL-1.1")
+PRESETS = ["fp16", "tq5k4v", "tq4", "tq4k3v", "tq3+qjl", "tq3", "rvq2+2"]
 
 
-def prefill_metric(lm, ids: list[int], presets: list[str], chunk: int) -> dict:
-    inputs, targets = ids[:-1], mx.array(ids[1:])
-    caches = {p: kvcache.make(lm.model, kvcache.get_preset(p)) for p in presets}
-    tot = {p: [0.0, 0.0, 0] for p in presets}
-    for lo in range(0, len(inputs), chunk):
-        ref = None
-        for p in presets:
-            logp = _logp(lm.model, inputs[lo : lo + chunk], caches[p])
-            ref = logp if ref is None else ref
-            for i, v in enumerate(_score(ref, logp, targets[lo : lo + chunk])):
-                tot[p][i] += v
-        print(f"  prefill metric: {min(lo + chunk, len(inputs))}/{len(inputs)}", file=sys.stderr)
-    n = len(inputs)
-    return {p: {"ppl": math.exp(t[0] / n), "kl": t[1] / n, "top1": t[2] / n} for p, t in tot.items()}
+def license_corpus(folder: Path) -> list:
+    """The license texts as haystack essays (copied as .txt files for `haystack.load_corpus`)."""
+    missing = [t for t in TEXTS if not (LICENSES / t).exists()]
+    if len(missing) == len(TEXTS):
+        raise SystemExit(f"no license texts in {LICENSES} (Debian/Ubuntu base-files)")
+    for t in TEXTS:
+        if t not in missing:
+            (folder / f"{t}.txt").write_text((LICENSES / t).read_text(encoding="utf-8", errors="replace"))
+    return haystack.load_corpus(folder)
 
 
-def answer_metric(lm, ids: list[int], presets: list[str], answer: int, step: int,
-                  exact: int = kvcache.ANSWER_EXACT) -> dict:
-    prefix, rest = ids[: -answer - 1], ids[-answer - 1 :]
-    inputs, targets = rest[:-1], mx.array(rest[1:])
-    out, ref_logps = {}, []
+def run_length(lm, n: int, presets: list[str], needles: int, answer: int, essays, seed: int) -> dict:
+    tok = lm.tokenizer
+    depths = [i / (needles - 1) for i in range(needles)] if needles > 1 else [0.5]
+    cache_pieces: dict[str, int] = {}
+
+    def piece_tokens(s: str) -> int:
+        if s not in cache_pieces:
+            cache_pieces[s] = len(tok.encode(s, add_special_tokens=False))
+        return cache_pieces[s]
+
+    case = niah.make_case("single", n, depths, 0, seed, tok, essays, n, piece_tokens)
+    lay = prompt.layout(tok, niah.DOC_NAME, case.text)
+    ids = prompt.prefix_tokens(tok, lay)
+    print(f"[{n}] prefix {len(ids)} tokens, {needles} needles; exact prefill...", file=sys.stderr, flush=True)
+    exact, prefill_s = quality.prefill_exact(lm.model, ids)
+    head = len(ids) - answer
+    row = {"tokens": len(ids), "answer_tokens": answer, "prefill_seconds": round(prefill_s, 1),
+           "depths": list(case.needle_depths), "presets": {}}
+    truncated = {}
     for p in presets:
-        cache = kvcache.make(lm.model, kvcache.get_preset(p))
-        engine.prefill(lm.model, prefix, cache)
-        kvcache.seal(cache)
-        cache = kvcache.fork(cache, exact_new=exact)
-        nll = kl = 0.0
-        top1 = 0
-        start = time.perf_counter()
-        for j, lo in enumerate(range(0, len(inputs), step)):
-            logp = _logp(lm.model, inputs[lo : lo + step], cache)
-            mx.eval(logp)
-            if p == presets[0]:
-                ref_logps.append(logp)
-            a, b, c = _score(ref_logps[j], logp, targets[lo : lo + step])
-            nll, kl, top1 = nll + a, kl + b, top1 + c
-        out[p] = {"ppl": math.exp(nll / len(inputs)), "kl": kl / len(inputs), "top1": top1 / len(inputs),
-                  "answer_seconds": time.perf_counter() - start}
-        print(f"  answer metric: {p} done", file=sys.stderr)
-    return out
+        truncated[p] = quality.compressed(lm.model, exact, p, upto=head)
+    scores = quality.answer_scores(lm.model, truncated, ids[head - 1:])
+    del truncated
+    for p in presets:
+        full = quality.compressed(lm.model, exact, p)
+        found, answers = [], []
+        for probe in case.probes:
+            suffix = prompt.question_tokens(tok, lay, probe.question)
+            text = niah.cut_answer(quality.ask(lm.model, tok, full, suffix, max_tokens=24))
+            found.append(niah.string_match_all(text, probe.values))
+            answers.append(text)
+        s = scores[p]
+        row["presets"][p] = {
+            "bits_per_channel": round(bits_per_channel(kvcache.get_preset(p), kvcache.head_dims(lm.model)[0], len(ids)), 3),
+            "answer_kl": s["kl"], "answer_ppl": s["ppl"],
+            "ppl_delta_pct": 100 * (s["ppl"] / scores["fp16"]["ppl"] - 1), "top1": s["top1"],
+            "niah": found, "niah_score": sum(found) / len(found), "answers": answers,
+        }
+        r = row["presets"][p]
+        print(f"[{n}] {p:>8} {r['bits_per_channel']:6.2f} b/ch  KL {r['answer_kl']:.5f}  "
+              f"dppl {r['ppl_delta_pct']:+6.2f}%  top1 {100 * r['top1']:5.1f}%  "
+              f"NIAH {sum(found):g}/{len(found)}", file=sys.stderr, flush=True)
+        del full
+    row["expected"] = [list(p.values) for p in case.probes]
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--model", default=None, help="default: longctx's default model")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
+    ap.add_argument("--presets", nargs="+", default=PRESETS)
+    ap.add_argument("--needles", type=int, default=5)
     ap.add_argument("--answer", type=int, default=256)
-    ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--step", type=int, default=16)
-    ap.add_argument("--presets", nargs="+", default=list(kvcache.PRESETS))
-    ap.add_argument("--answer-exact", type=int, default=kvcache.ANSWER_EXACT,
-                    help="new tokens an answering fork keeps uncompressed (the product's default)")
-    ap.add_argument("--skip-prefill-metric", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
 
-    lm = models.load(models.resolve(None))
-    ids = lm.tokenizer.encode(prose(args.tokens * 6))[: args.tokens + 1]
+    lm = models.load(models.resolve(args.model))
     presets = ["fp16"] + [p for p in args.presets if p != "fp16"]
-    if lm.dtype != "float32":  # mlx-lm's quantized SDPA has no CUDA kernel for head_dim 64 (ANCHORS.md)
-        skipped = [p for p in presets if kvcache.get_preset(p).kind == "affine"]
-        presets = [p for p in presets if p not in skipped]
-        print(f"skipping {skipped} on this backend", file=sys.stderr)
-    nan = {"ppl": float("nan"), "kl": float("nan"), "top1": float("nan")}
-    pre = ({p: dict(nan) for p in presets} if args.skip_prefill_metric
-           else prefill_metric(lm, ids, presets, args.chunk))
-    ans = answer_metric(lm, ids, presets, args.answer, args.step, args.answer_exact)
-    head_dim = kvcache.head_dims(lm.model)[0]
-    rows = []
-    print(f"{'preset':>9} {'bits/ch':>8} | {'ppl':>7} {'Δppl%':>6} {'KL':>8} {'top1%':>6} | "
-          f"{'ans ppl':>7} {'Δppl%':>6} {'ans KL':>8} {'top1%':>6}")
-    for p in presets:
-        a, b = pre[p], ans[p]
-        row = {"preset": p, "bits_per_channel": bits_per_channel(kvcache.get_preset(p), head_dim, args.tokens),
-               "prefill": {**a, "ppl_delta_pct": 100 * (a["ppl"] / pre["fp16"]["ppl"] - 1)},
-               "answer": {**b, "ppl_delta_pct": 100 * (b["ppl"] / ans["fp16"]["ppl"] - 1)}}
-        rows.append(row)
-        print(f"{p:>9} {row['bits_per_channel']:>8.3f} | {a['ppl']:>7.3f} {row['prefill']['ppl_delta_pct']:>6.2f} "
-              f"{a['kl']:>8.5f} {100 * a['top1']:>6.2f} | {b['ppl']:>7.3f} {row['answer']['ppl_delta_pct']:>6.2f} "
-              f"{b['kl']:>8.5f} {100 * b['top1']:>6.2f}")
-    device = "cpu" if lm.dtype == "float32" else "gpu"
-    out = write(args.name or f"kv_quality_{device}_{args.tokens}",
-                {"model": lm.ref.model_id, "dtype": lm.dtype, "tokens": args.tokens, "answer_tokens": args.answer,
-                 "chunk": args.chunk, "answer_step": args.step, "answer_exact": args.answer_exact,
-                 "text": "samples/report.pdf + samples/notes.md + GPL-3 (if present) + samples/haystack (real prose)", "rows": rows})
+    out = RESULTS / f"{args.name or 'kv_quality_' + machine_tag()}.json"
+    data = {"model": lm.ref.model_id, "dtype": lm.dtype, "text": "Debian common-licenses: " + ", ".join(TEXTS),
+            "method": "one exact prefill per length; each preset's cache = the compression ingest stores",
+            "runs": []}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        essays = license_corpus(Path(folder))
+        for n in args.lengths:
+            data["runs"].append(run_length(lm, n, presets, args.needles, args.answer, essays, args.seed))
+            data["seconds"] = round(time.perf_counter() - start, 1)
+            out.write_text(json.dumps({"environment": environment(), **data}, indent=1))
+            mx.clear_cache()
     print(f"wrote {out}")
 
 

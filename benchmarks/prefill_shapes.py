@@ -180,7 +180,7 @@ def main() -> None:
             def once(label, settings):
                 chunk, settings = split_chunk(settings, args.chunk)
                 with config.override(**settings):
-                    return prefill_once(model, ids, presets[label], chunk)
+                    return prefill_once(model, ids, presets[label], chunk)  # noqa: F821 (the loop's model, deleted after it)
 
             for label, settings in variants:
                 first[label] = once(label, settings)

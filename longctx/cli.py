@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from contextlib import contextmanager
-from typing import Optional
+from typing import List, Optional
 
 import click
 import typer
@@ -100,7 +100,7 @@ def _version(value: bool):
 
 
 @app.callback()
-def main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                       help="Show the version and exit.")):
     """Ask questions of long documents from a compressed, persisted KV cache."""
@@ -163,9 +163,12 @@ def ingest(files: list[str] = typer.Argument(..., help="PDF, text or markdown fi
     A document longer than the model's context is split into segments (one cache each); `ask`
     then answers from the segments that match the question."""
     from longctx import multidoc
+    from longctx.runtime import models
 
     with _boundary():
         model = _rope_model(model, rope_scale, rope_type)
+        with _bar("preparing the model (once)", "tensors") as update:  # a first-time GGUF import
+            models.resolve(model, progress=update)
         if dry_run:
             info = multidoc.dry_run(files, name, model, kv, password)
             for fname, empty in info.pop("_empty_pages", {}).items():
@@ -225,14 +228,20 @@ def ask(question: str = typer.Argument(..., help="The question."),
         seed: Optional[int] = typer.Option(None, "--seed", help="Sampler seed."),
         ranker: Optional[str] = typer.Option(None, "--ranker", help="Segmented documents: choose segments by bm25, model (question likelihood) or attention (attention mass) (default: LONGCTX_RANKER)."),
         segments: int = typer.Option(1, "--segments", min=1, help="Segmented documents: answer from this many best segments, keep the surest answer."),
+        cont: bool = typer.Option(False, "--continue", "-c", help="Continue the last conversation (of --doc if given): a follow-up question."),
+        cid: Optional[str] = typer.Option(None, "--cid", help="Continue the conversation with this id."),
         as_json: bool = typer.Option(False, "--json", help="Print answer and timings as JSON.")):
-    """Answer a question from a stored document's cache, streaming to stdout."""
+    """Answer a question from a stored document's cache, streaming to stdout.
+
+    Each answer is kept as a conversation: `ask -c "..."` asks a follow-up that sees the earlier
+    questions and answers, in this or a later process."""
     from longctx import session
 
     with _boundary():
         answer = session.Answer()
         for piece in session.ask(question, doc, model, max_tokens, temp, seed, answer=answer,
-                                 ranker=ranker, segments=segments):
+                                 ranker=ranker, segments=segments,
+                                 conversation=cid or ("last" if cont else None)):
             if not as_json:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
@@ -242,12 +251,110 @@ def ask(question: str = typer.Argument(..., help="The question."),
                                        "id": (answer.group or answer.entry).id, "sources": answer.sources,
                                        "segment": answer.entry.segment, "ranking": answer.ranking,
                                        "restore_seconds": answer.restore_seconds,
-                                       "first_token_seconds": answer.first_token_seconds}))
+                                       "first_token_seconds": answer.first_token_seconds,
+                                       "conversation": getattr(answer.conversation, "cid", None)}))
         else:
             sys.stdout.write("\n")
             source = f" (from {', '.join(answer.sources)})" if answer.sources else ""
             err.print(f"[dim]{escape(name)}{escape(source)}: restored in {answer.restore_seconds:.2f} s, "
                       f"first token after {answer.first_token_seconds:.2f} s[/dim]")
+
+
+@app.command()
+def chat(doc: Optional[str] = typer.Option(None, "--doc", "-d", help="Document name or id (default: the latest ingested)."),
+         resume: bool = typer.Option(False, "--resume", help="Resume the last conversation (of --doc if given)."),
+         cid: Optional[str] = typer.Option(None, "--cid", help="Resume the conversation with this id."),
+         model: Optional[str] = typer.Option(None, "--model", "-m", help="Must match the model of the cache (default: that model)."),
+         max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="Most tokens per answer."),
+         temp: float = typer.Option(0.0, "--temp", min=0.0, help="Sampling temperature (0 = greedy).")):
+    """Talk with a document in the terminal: follow-up questions see the earlier turns.
+
+    Commands: /reset (a new conversation), /sources (where answers come from), /quit.
+    Ctrl-C stops an answer; Ctrl-D or /quit leaves. The conversation is kept: `chat --resume`."""
+    from longctx import session
+    from longctx.conversation import Conversation
+
+    with _boundary():
+        conv = session.open_conversation(doc, model, cid or ("last" if resume else None))
+        err.print(f"[dim]{escape(conv.entry.name)}: {conv.entry.tokens:,} tokens, room for "
+                  f"{conversation_room(conv):,} more; conversation {conv.cid}"
+                  f"{f' ({len(conv.turns)} turns)' if conv.turns else ''}. /quit to leave.[/dim]")
+        while True:
+            try:
+                err.print("[bold]you>[/bold] ", end="")
+                line = input().strip()
+            except (EOFError, KeyboardInterrupt):
+                err.print()
+                break
+            if not line:
+                continue
+            if line in ("/quit", "/exit"):
+                break
+            if line == "/reset":
+                conv = Conversation(conv.lm, conv.entry, conv.prefix)
+                err.print(f"[dim]new conversation {conv.cid}[/dim]")
+                continue
+            if line == "/sources":
+                pages = f", {conv.entry.pages} pages" if conv.entry.pages else ""
+                err.print(f"[dim]answers come from {escape(conv.entry.name)}{pages} "
+                          f"({conv.entry.tokens:,} tokens, entry {conv.entry.id})[/dim]")
+                continue
+            dropped = conv.dropped
+            stream = conv.ask(line, max_tokens, temp)
+            try:
+                for piece in stream:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                stream.close()
+                sys.stdout.write(" [stopped]")
+            sys.stdout.write("\n")
+            if conv.dropped > dropped:
+                err.print(f"[yellow]note:[/yellow] dropped the {conv.dropped - dropped} oldest turn(s) "
+                          "to make room in the context")
+            conv.save()
+
+
+def conversation_room(conv) -> int:
+    from longctx.conversation import room
+
+    return room(conv.lm, conv.entry) - conv.tokens
+
+
+@app.command()
+def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (beyond loopback needs --api-key)."),
+          port: int = typer.Option(8080, "--port", min=1, max=65535, help="Port."),
+          model: Optional[str] = typer.Option(None, "--model", "-m", help="The model to serve (default: the default model); its documents are served."),
+          cache_bytes: str = typer.Option("4GB", "--cache-bytes", help="Most memory of restored documents kept warm (e.g. 4GB)."),
+          keep_alive: str = typer.Option("5m", "--keep-alive", help="Unload a warm document after this long unused (e.g. 30s, 5m, 1h)."),
+          api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1."),
+          allowed_origins: Optional[List[str]] = typer.Option(None, "--allowed-origins", help="Browser origins allowed (CORS); repeat for several.")):
+    """Serve the stored documents over an OpenAI-compatible HTTP API: each document is a model
+    (GET /v1/models) to chat with (POST /v1/chat/completions, streaming or not)."""
+    from longctx import config, server
+    from longctx.errors import ConfigError
+
+    with _boundary():
+        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+            raise ConfigError(f"Serving on {host} (beyond this machine) needs --api-key.")
+        limit = config.parse_size(cache_bytes)
+        seconds = _duration(keep_alive)
+        err.print(f"loading the model and serving on http://{host}:{port}/v1 (Ctrl-C stops)")
+        server.serve(model, host, port, limit, seconds, api_key, allowed_origins,
+                     ready=lambda url: err.print(f"[green]ready[/green] {url}/v1"))
+
+
+def _duration(text: str) -> float:
+    from longctx.errors import ConfigError
+
+    units = {"s": 1, "m": 60, "h": 3600}
+    text = text.strip().lower()
+    try:
+        if text[-1:] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"Cannot read the duration '{text}'; write e.g. 30s, 5m or 1h.") from None
 
 
 @app.command("list")

@@ -137,7 +137,7 @@ SETTINGS: dict[str, Setting] = {
                                          "calls and staging copies; each scores at most a "
                                          "512-token chunk's pairs at 128k); 0: one call per "
                                          "chunk, as the fp16 prefill calls them"),
-    "prefill_order": Setting("LONGCTX_PREFILL_ORDER", _choice("auto", "layer", "token"), "auto",
+    "prefill_order": Setting("LONGCTX_PREFILL_ORDER", _choice("auto", "layer", "token"), "layer",
                              "compressed prefill of an empty cache: layer by layer, each layer "
                              "attending its keys exactly before they are compressed (layer), or "
                              "chunk by chunk through every layer, attending the compressed "

@@ -17,7 +17,7 @@ from longctx import engine, kvcache, prompt
 from longctx.documents import Document, read_document
 from longctx.kvcache.presets import bits_per_channel
 from longctx.errors import (CacheCorrupt, CacheMismatch, ConfigError, ContextLengthError,
-                            StoreError)
+                            EntryNotFound, LongctxError, StoreError)
 from longctx.runtime import models
 from longctx.store import Entry, Store, budget, entry_id, layout, rebuild_hint
 from longctx.store.failpoints import failpoint
@@ -73,6 +73,7 @@ class Answer:
     group: object = None  # the multidoc.Group answered from, if the document is segmented
     sources: list[str] = field(default_factory=list)  # where the answer came from ("a.pdf p. 3")
     ranking: list[int] = field(default_factory=list)  # segment indices, best first
+    conversation: object = None  # the `conversation.Conversation` this answer is a turn of
 
 
 def _fp16_bytes_per_token(config: dict) -> int:
@@ -336,7 +337,7 @@ def restore_verifying(entry: Entry, lm: models.LoadedModel, store: Store,
 def ask(question: str, doc: str | None = None, model: str | None = None, max_tokens: int = 256,
         temperature: float = 0.0, seed: int | None = None,
         answer: Answer | None = None, ranker: str | None = None,
-        segments: int = 1) -> Iterator[str]:
+        segments: int = 1, conversation: str | None = None) -> Iterator[str]:
     """Answer `question` from a stored document's cache; yields the answer text as it streams.
 
     Args:
@@ -351,6 +352,8 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
             "model"; None: the `LONGCTX_RANKER` setting).
         segments: how many of the best-ranked segments to answer from (the answer the model
             scores highest is kept).
+        conversation: continue a saved conversation: its id, or "last" (the latest one, of
+            `doc` if given); the answer is its next turn and it is saved again.
     """
     from longctx import multidoc
 
@@ -358,6 +361,11 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
     start = time.perf_counter()
     store = Store(cleanup=False)  # read-only: crashed writers' leftovers go at the next ingest/list
     try:
+        if conversation:
+            store.close()
+            yield from _continue(conversation, doc, question, model, max_tokens, temperature,
+                                 seed, answer, start)
+            return
         target = multidoc.find(store, doc)
         if isinstance(target, multidoc.Group):
             answer.group = target
@@ -381,6 +389,63 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
                            answer, start)
 
 
+def open_conversation(doc: str | None = None, model: str | None = None,
+                      cid: str | None = None):
+    """A conversation over a stored document, ready for questions (`Conversation.ask`).
+
+    Args:
+        doc: document name or entry id (None: the latest ingested, or the conversation's).
+        model: must be the cache's model (None: that model).
+        cid: continue this saved conversation, or "last" (the latest, of `doc` if given);
+            None: a new conversation.
+    """
+    from longctx import conversation as talk
+    from longctx import multidoc
+
+    store = Store(cleanup=False)
+    try:
+        meta = None
+        if cid == "last":
+            entry_id = multidoc.find(store, doc).id if doc is not None else None
+            found = talk.saved(entry_id)
+            if not found:
+                raise EntryNotFound("There is no earlier conversation to continue: ask a question first.")
+            meta = found[0]
+        elif cid:
+            meta = talk.read(cid)
+        if meta is not None:
+            entry = store.get(meta["entry"])
+            if entry is None:
+                raise EntryNotFound(f"The document of conversation {meta['id']} ('{meta['name']}') "
+                                    "is no longer in the store; ingest it again.")
+        else:
+            entry = multidoc.find(store, doc)
+            if isinstance(entry, multidoc.Group):
+                raise ConfigError(f"'{entry.name}' is split into {len(entry.segment_ids)} segments: a "
+                                  "conversation needs a document that fits the model's context; ask it "
+                                  "one question at a time with `longctx ask`.")
+        ref = models.resolve(model or entry.model_spec)
+        _check_same_model(entry, ref)
+        lm = models.load(ref)
+        cache = restore(entry, lm, store)
+        store.record_use(entry.id)
+    finally:
+        store.close()
+    if meta is not None:
+        return talk.Conversation.load(lm, entry, cache, meta["id"])
+    return talk.Conversation(lm, entry, cache)
+
+
+def _continue(cid: str, doc: str | None, question: str, model: str | None, max_tokens: int,
+              temperature: float, seed: int | None, answer: Answer, start: float) -> Iterator[str]:
+    """`ask` as the next turn of a saved conversation."""
+    conv = open_conversation(doc, model, cid)
+    answer.entry = conv.entry
+    answer.restore_seconds = time.perf_counter() - start
+    yield from answer_from(conv.lm, conv.entry, conv.prefix, None, question,
+                           max_tokens, temperature, seed, answer, start, conversation=conv)
+
+
 def question_suffix(lm: models.LoadedModel, entry: Entry, question: str) -> list[int]:
     """The tokens appended to `entry`'s cached prefix for `question` (ContextLengthError if the
     question does not fit after the prefix)."""
@@ -400,18 +465,26 @@ def question_suffix(lm: models.LoadedModel, entry: Entry, question: str) -> list
 
 def answer_from(lm: models.LoadedModel, entry: Entry, cache: list, pending, question: str,
                 max_tokens: int, temperature: float, seed: int | None, answer: Answer,
-                start: float) -> Iterator[str]:
+                start: float, conversation=None) -> Iterator[str]:
     """Stream the answer to `question` from a restored cache (shown only once `pending`, the
-    cache file's checksums, has passed)."""
+    cache file's checksums, has passed), as the next turn of `conversation` (None: a new one,
+    saved afterwards so that `ask --continue` can follow up)."""
+    from longctx.conversation import Conversation
+
     try:
-        suffix = question_suffix(lm, entry, question)
-        max_tokens = min(max_tokens, lm.context_length - entry.tokens - len(suffix))
-        stream = engine.generate(lm.model, lm.tokenizer, suffix, kvcache.fork(cache),
-                                 max_tokens=max_tokens, temperature=temperature, seed=seed)
-        for piece in pending.guard(stream):  # shown only once every checksum has passed
+        conv = conversation or Conversation(lm, entry, cache)
+        answer.conversation = conv
+        stream = conv.ask(question, max_tokens, temperature, seed, Answer(entry=entry))
+        # shown only once every checksum has passed (None: checked already)
+        for piece in (pending.guard(stream) if pending is not None else stream):
             if not answer.text:
                 answer.first_token_seconds = time.perf_counter() - start
             answer.text += piece
             yield piece
     finally:
-        pending.wait()  # an error before the answer starts still reports a damaged cache
+        if pending is not None:
+            pending.wait()  # an error before the answer starts still reports a damaged cache
+    try:  # kept for `ask --continue`; an answer never fails for it
+        conv.save()
+    except (LongctxError, OSError) as err:
+        _log.debug("conversation not kept: %s", err)

