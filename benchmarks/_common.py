@@ -77,7 +77,7 @@ def document_of(lm, directory: Path, n: int, question: str) -> tuple[Path, list[
     or two."""
     from longctx import prompt, session
 
-    n = min(n, lm.context_length - session.ANSWER_RESERVE - 8)
+    n = min(n, lm.context_length - session.answer_reserve(lm.context_length) - 8)
     words = prose(n * 8).split(" ")
     lo, hi = 1, len(words)
     while lo < hi:

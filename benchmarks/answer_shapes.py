@@ -1,5 +1,5 @@
 """Answering after a long cached prefix on a GPU: fp16 cache vs tq4, random-weight models of real
-shapes (benchmarks/shapes.py), side by side in one run.
+shapes (benchmarks/diagnostics/shapes.py), side by side in one run.
 
 For each weight format (bf16, 4-bit) and prefix length N: prefill N tokens (ingest's chunked
 prefill; time and peak memory), then as `ask` does: fp16 answers from its cache as is; tq4 seals
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write  # noqa: E402  (imports longctx first)
 
 import mlx.core as mx  # noqa: E402
-from shapes import random_model  # noqa: E402
+from diagnostics.shapes import random_model  # noqa: E402  (the random-weight models of real shapes)
 
 from longctx import engine, kvcache  # noqa: E402
 
@@ -67,9 +67,11 @@ def run(model, ids, label, rng, profile=False):
     from longctx import config
 
     preset_name, _, variant = label.partition(":")
-    settings = {"nocompile": {"compile": "0"}, "blocked": {"fused_max_lq": 0}}.get(variant, {})
+    settings = {"nocompile": {"compile": "0"}, "blocked": {"fused_max_lq": 0},
+                "nonative": {"native": False}}.get(variant, {})
     # kernel tunables are set for the whole row, not per call (a kept step retires on each)
-    knobs = {"two_launch": {"FUSE_FINISH": False}}.get(variant, {})
+    knobs = {"two_launch": {"FUSE_FINISH": False},
+             "portable": {"ENABLED": False}}.get(variant, {})  # the kernel Metal runs
     with config.override(**settings), tunables(knobs):
         return _run(model, ids, preset_name, rng, profile) | {"kv": label}
 

@@ -81,7 +81,7 @@ def run_length(lm, n: int, presets: list[str], needles: int, answer: int, essays
         for probe in case.probes:
             suffix = prompt.question_tokens(tok, lay, probe.question)
             text = niah.cut_answer(quality.ask(lm.model, tok, full, suffix, max_tokens=24))
-            found.append(niah.string_match_all(text, probe.values))
+            found.append(niah.string_match_all(text, probe.answers))
             answers.append(text)
         s = scores[p]
         row["presets"][p] = {
@@ -95,7 +95,7 @@ def run_length(lm, n: int, presets: list[str], needles: int, answer: int, essays
               f"dppl {r['ppl_delta_pct']:+6.2f}%  top1 {100 * r['top1']:5.1f}%  "
               f"NIAH {sum(found):g}/{len(found)}", file=sys.stderr, flush=True)
         del full
-    row["expected"] = [list(p.values) for p in case.probes]
+    row["expected"] = [list(p.answers) for p in case.probes]
     return row
 
 

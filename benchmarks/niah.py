@@ -1,15 +1,17 @@
 """Needle in a haystack over the product path (ingest, then ask from the restored cache), per preset.
 
 Runs `longctx.bench.niah` (the code behind `longctx bench niah`) and writes
-`<out>/niah_<model>_<device>.json` (every run's cells, grids and per-preset summary, plus the
-environment), `<out>/niah_<model>_<device>.cells.jsonl` (each cell as soon as it is scored, so a
-run cut short still leaves its data) and, where matplotlib is installed, one depth x length
-heatmap PNG per task and preset. `--plot FILE.json` only draws the PNGs of an earlier run.
+`<out>/niah_<machine>[_<label>].json` (machine: cpu, h100, h200; every run's cells, grids and
+per-preset summary with its model, plus the environment), `<out>/niah_<machine>.cells.jsonl` (each
+cell as soon as it is scored, so a run cut short still leaves its data; not committed) and, where
+matplotlib is installed, one depth x length heatmap PNG per task and preset. Another model or
+setting than the committed grid's gets a `--label`. `--plot FILE.json` only draws the PNGs of an
+earlier run.
 
 Usage:
   python benchmarks/niah.py [--model smollm2] [--lengths 1k,2k,4k,8k] [--depths 0,50,100]
       [--kv fp16,tq4] [--task single] [--samples 1] [--budget-s 300] [--out DIR]
-  python benchmarks/niah.py --plot benchmarks/results/niah_<model>_<device>.json
+  python benchmarks/niah.py --plot benchmarks/results/niah_<machine>.json
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, device_kind, environment, safe_name, split_list  # noqa: E402
+from _common import RESULTS, environment, machine_tag, split_list  # noqa: E402
 
 from longctx.bench import niah  # noqa: E402
 
@@ -70,8 +72,8 @@ def main() -> None:
 
     if args.rope_scale:
         args.model = models.with_rope_scale(args.model, args.rope_scale, args.rope_type)
-    model_id = models.resolve(args.model).model_id  # a first GGUF import happens here
-    name = f"niah_{safe_name(model_id)}_{device_kind()}" + (f"_{args.label}" if args.label else "")
+    models.resolve(args.model)  # a first GGUF import happens here
+    name = f"niah_{machine_tag()}" + (f"_{args.label}" if args.label else "")
     cells_file = out / f"{name}.cells.jsonl"
     cells_file.unlink(missing_ok=True)
 

@@ -1,18 +1,18 @@
 """Needle in a haystack past the model's context: segment caches, bm25 vs model ranker.
 
 Runs `longctx.bench.niah_segments` (the code behind `longctx bench niah` for lengths above the
-context) and writes `<out>/niah_segments_<model>_<device>.json` (every question's cell: needle
-segment, ranking, recall@1/@2, answer, score, timings; the summary per task, ranker and length;
-the environment), `<out>/niah_segments_<model>_<device>.cells.jsonl` (each cell as soon as it is
-scored, so a run cut short still leaves its data) and, where matplotlib is installed, one
-depth x length accuracy heatmap per ranker (a panel per task). See the module's docstring for the
-wall-time estimate on an H200.
+context) and writes `<out>/niah_segments_<machine>[_<label>].json` (machine: cpu, h100, h200;
+every question's cell: needle segment, ranking, recall@1/@2, answer, score, timings; the summary
+per task, ranker and length; the model; the environment), `<out>/niah_segments_<machine>.cells.jsonl`
+(each cell as soon as it is scored, so a run cut short still leaves its data; not committed) and,
+where matplotlib is installed, one depth x length accuracy heatmap per ranker (a panel per task).
+See the module's docstring for the wall-time estimate on an H200.
 
 Usage:
   python benchmarks/niah_segments.py [--model smollm2] [--lengths 16k,32k,64k]
       [--depths 0,25,50,75,100] [--rankers bm25,model] [--tasks literal,paraphrase] [--kv tq4]
       [--budget-s 420] [--out DIR]
-  python benchmarks/niah_segments.py --plot benchmarks/results/niah_segments_<model>_<device>.json
+  python benchmarks/niah_segments.py --plot benchmarks/results/niah_segments_<machine>.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, device_kind, environment, safe_name, split_list  # noqa: E402
+from _common import RESULTS, environment, machine_tag, split_list  # noqa: E402
 
 from longctx.bench import niah, niah_segments  # noqa: E402
 
@@ -62,8 +62,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     from longctx.runtime import models
 
-    model_id = models.resolve(args.model).model_id  # a first GGUF import happens here
-    name = f"niah_segments_{safe_name(model_id)}_{device_kind()}" + (f"_{args.label}" if args.label else "")
+    models.resolve(args.model)  # a first GGUF import happens here
+    name = f"niah_segments_{machine_tag()}" + (f"_{args.label}" if args.label else "")
     cells_file = out / f"{name}.cells.jsonl"
     cells_file.unlink(missing_ok=True)
 

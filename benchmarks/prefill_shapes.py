@@ -1,8 +1,8 @@
 """GPU prefill of random-weight models of real shapes: fp16 cache vs compressed, side by side.
 
-For each shape (benchmarks/shapes.py) and length: `engine.prefill` into the fp16 cache and into
-each compressed preset, tokens/s and MLX peak memory, plus the longest single evaluation (one
-chunk; the Metal watchdog kills command buffers that run too long). `--blocked` also times the
+For each shape (benchmarks/diagnostics/shapes.py) and length: `engine.prefill` into the fp16
+cache and into each compressed preset, tokens/s and MLX peak memory, plus the longest single
+evaluation (one chunk; the Metal watchdog kills command buffers that run too long). `--blocked` also times the
 compressed preset with the dense GPU prefill path switched off (the blocked MLX path: what ran
 before `kvcache.dense_gpu`); `--sync-ab` with no bound on the layers a chunk keeps in flight
 (`prefill_inflight` 0, as before the bound: every layer queued at once) and with a wait at every
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write  # noqa: E402  (imports longctx first)
 
 import mlx.core as mx  # noqa: E402
-from shapes import random_model  # noqa: E402
+from diagnostics.shapes import random_model  # noqa: E402  (the random-weight models of real shapes)
 
 from longctx import engine, kvcache  # noqa: E402
 from longctx import config  # noqa: E402

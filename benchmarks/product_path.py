@@ -1,5 +1,5 @@
 """The product path at long contexts: `longctx ingest` then `longctx ask`, fp16 cache vs tq4, on
-random-weight 4-bit models of real shapes (benchmarks/shapes.py), every step in a fresh process.
+random-weight 4-bit models of real shapes (benchmarks/diagnostics/shapes.py), every step in a fresh process.
 
 For each shape an mlx-lm model directory is written once to `--cache-dir` and reused: random
 weights, bf16 quantized to 4 bits (group 64, as mlx-community's models), SmolLM2's tokenizer (from
@@ -23,7 +23,7 @@ Results merge into the JSON: rows of earlier runs are kept unless re-measured (`
 more files, e.g. the copy gpu.sh keeps in the cache dir), so a sweep can be split over several
 calls. Ratios tq4/fp16 pair rows of one (shape, N); `same_run` says whether both came from one run.
 
-H200 estimates (4-bit 8B prefill ~3k tok/s in-process, answer_gpu.json; fresh processes add
+H200 estimates (4-bit 8B prefill ~3k tok/s in-process, answer_h200.json; fresh processes add
 python, imports and a 4 GB model load, ~10 s each), per `gpu.sh product` call of one shape and
 one length, fp16 + tq4 (Qwen's fp16 cache is 7/16 of Llama's, so its rows are shorter):
   model build, once per machine and shape: ~1-2 min (random bf16 init, 4-bit, 4 GB written)
@@ -106,7 +106,7 @@ def build_model(shape: str, out: str, smoke: bool) -> None:
     """Write the random 4-bit model directory `out` (atomically; longctx.json last, the marker)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from shapes import random_model
+    from diagnostics.shapes import random_model
 
     from longctx.runtime import models
     from longctx.runtime.gguf_import import file_sha256

@@ -524,9 +524,9 @@ _CONSTANTS: dict = {}
 
 # MLX's CUDA allocator serves arrays of <= 8 bytes from a small pool of managed memory advised
 # read-mostly, whose device copy every host write into the pool (any new scalar) invalidates: a
-# kernel's first read of such an array could then wait for a page fault. ncu on the H200 (MLX
-# 0.32.4) found one 8-byte `scales` read stalling the decode step's tensor-core kernel for about
-# half of its 29 us at 8k; a 12-byte `params` array beside it read in a few hundred cycles.
+# kernel's first read of such an array could then wait for a page fault. ncu (MLX 0.32.4) found
+# one 8-byte `scales` read stalling the decode step's tensor-core kernel for a large share of its
+# time, where a 12-byte `params` array beside it read promptly (docs/performance.md).
 MIN_CONSTANT_BYTES = 16
 
 

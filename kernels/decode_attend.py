@@ -48,12 +48,12 @@ registers (MLX writes the signature, so the header redefines `__global__`).
 Limits: P in 32/64/128/256; rows per threadgroup <= min(16, 1024 / max(P, M)) (more rows: more
 row blocks in the same launch); b1 + b2 <= 8, bv <= 8.
 
-Measured (H200, MLX 0.32.4 CUDA, Llama-3.1-8B shapes, 128k, tq4, 138 MB; benchmarks/attend.py,
-ncu in benchmarks/results/attend_h200_ncu.txt): 0.143 ms under ncu (the previous kernel: 0.263),
-96 registers, 5 threadgroups per SM (28% achieved occupancy), one wave of 632 threadgroups, DRAM
-at 21% of peak. ~84M warp instructions (~20 per key-dim pair, K and V: 8 FMAs, two table reads,
-a q read, code extraction) issued at 0.61 per scheduler-cycle; the top stall is now the short
-scoreboard (threadgroup-memory reads, 33%), not global loads: issue- and MIO-bound.
+Where its time goes (CUDA, Llama-3.1-8B shapes, 128k, tq4; ncu, its reports in git history; timings
+from benchmarks/attend.py in attend_h200.json and docs/performance.md): one wave, DRAM far from its
+peak; ~20 warp instructions per key-dim pair (K and V: 8 FMAs, two table reads, a q read, code
+extraction), and the top stall is the short scoreboard (threadgroup-memory reads), not global loads:
+issue- and MIO-bound, not bandwidth-bound (hence `decode_attend_mma`'s tensor cores for the default
+preset on CUDA).
 """
 
 from __future__ import annotations
@@ -465,8 +465,8 @@ _SPEC = KernelSpec(
 # butterfly (k: the key frame, where q_s holds q; v: the value frame of the accumulators), a
 # warp per key scoring it against the rows (lanes split the dims), then the online-softmax
 # update and the values' weighted sum as in the main loop. On the GPU the finish then only
-# merges; attended there, by one threadgroup per KV head, an answer's window cost 20-30 us a
-# layer on the H200 (docs/performance.md). Reference: `decode_finish.exact_into_partials`.
+# merges; attended there, by one threadgroup per KV head, an answer's window was a large part of
+# a layer's step (docs/performance.md). Reference: `decode_finish.exact_into_partials`.
 _EXACT = r"""
   {
     constexpr int XK0 = (NT * R * DPT) / (2 * P + R);  // keys a round stages, up to 32

@@ -50,20 +50,21 @@ and their values turned into the value frame with a lane butterfly, folded into 
 state before it is written; the last threadgroup of each KV head (a count of finished ones)
 merges the head's splits, rotates back and adds the mean. Its split states go to one scratch
 output (`parts`: m, l, then acc) rather than three: MLX builds every output array of a launch at
-each step, each holding the launch's inputs (a replayed step's host time, `plan_call.py`).
-Attended by that last threadgroup alone, the exact tokens had cost 34-53 us per layer of a
-256-token answer (8k-128k); spread over the splits, 2-3 us. The two-launch step (P = 64 / 256, or FUSE_FINISH off) folds them
-into its partials the same way (`decode_attend_mma_partials(..., sink=, window=)`), and
-`decode_finish` then only merges.
+each step, each holding the launch's inputs (a replayed step's host time,
+`benchmarks/diagnostics/plan_call.py`).
+Attended by that last threadgroup alone, the exact tokens had been a large part of an answer's
+step, one threadgroup per head doing what the splits now share (docs/performance.md). The
+two-launch step (P = 64 / 256, or FUSE_FINISH off) folds them into its partials the same way
+(`decode_attend_mma_partials(..., sink=, window=)`), and `decode_finish` then only merges.
 
-Measured (H200, MLX 0.32.4 CUDA, Llama-3.1-8B shapes, 128k, tq4, the one-launch step; ncu in
-benchmarks/results/attend_h200_ncu_step.txt): 68.4 us, 128 registers, 16 warps per SM, DRAM at
-43%, 5.6 cycles between a warp's instructions; the SMs are active 82% of the elapsed cycles
-(the rest: the heads' last threadgroups finishing, and the wave's ramp). The main loop is 453
-SASS instructions per 16-key block (nvcc sm_90), 192 of them the 64 table lookups (byte
-extract, address, shared load); it was 562 while it also carried the word-by-word staging.
-The whole step at 128k: 0.076 ms vs MLX fp16 SDPA 0.142 (benchmarks/attend.py). At 4k a warp
-walks one block and the fixed costs dominate (18 us of kernel).
+Where its time goes (Llama-3.1-8B shapes, 128k, tq4, the one-launch step; ncu, its
+reports in git history; the step against MLX's fp16 SDPA in attend_h200.json / attend_h100.json
+from benchmarks/attend.py; docs/performance.md):
+128 registers, 16 warps per SM, DRAM below its peak; the SMs idle for part of the elapsed cycles
+(the heads' last threadgroups finishing, and the wave's ramp). The main loop is 453 SASS
+instructions per 16-key block (nvcc sm_90), 192 of them the 64 table lookups (byte extract,
+address, shared load); it was 562 while it also carried the word-by-word staging. At 4k a warp
+walks one block and the fixed costs dominate.
 
 CUDA only: `mma.sync` and `cp.async` have no Metal spelling in the prelude (a
 `simdgroup_matrix` port is the Metal counterpart still to write). Metal, and every shape this
@@ -93,8 +94,8 @@ MIN_WARP_BLOCKS = 1  # fewest 16-key blocks each warp of a split walks (more: fe
 # threadgroups per SM the launch is sized for and the register cap fits (0: 16 warps' worth,
 # as shared memory allows; `resident`). E.g. 5 with STAGES 1 (43 KiB): 102 registers a thread.
 # (STAGES 1 fits P <= 128 only: at P = 256 the exact tokens' rounds need two stages' space.)
-# A benchmark knob (benchmarks/attend.py --mma-variants 4,1,1,5): on the H200 at 128k one stage
-# and 5 threadgroups took 0.078 ms against the default's 0.075
+# A benchmark knob (benchmarks/attend.py --mma-variants 4,1,1,5): one stage and 5 threadgroups
+# measured slower than the default at 128k (docs/performance.md)
 RESIDENT = 0
 ENABLED = True  # benchmarks/attend.py turns it off for the portable kernel's rows
 # the whole step in one launch where it applies (`decode_step_mma`; False: the partials, then
@@ -106,41 +107,40 @@ EXACT_IN_SPLITS = True
 # conflict-free shared layouts for the staged rows' copies and P' (template BK; False: the
 # layouts before, for benchmarks/attend.py's A/B rows)
 BANKS = True
-# waves of threadgroups a launch is sized for (`splits`): 1, about one wave (at 128k on the
-# H200, 512 threadgroups for 528 slots); more: shorter splits, more of them to merge (2 at 128k:
-# 0.086 ms against 0.075)
+# waves of threadgroups a launch is sized for (`splits`): 1, about one wave (at 128k on 132 SMs,
+# 512 threadgroups for 528 slots); more: shorter splits, more of them to merge (2 measured
+# slower at 128k: docs/performance.md)
 WAVES = 1
 SMEM_PER_SM = 233472  # bytes of shared memory an H200 SM gives its threadgroups (228 KiB)
 # the whole step's keys handed out while it runs (`_dynamic`): each warp starts on a grant of
 # GRANT_BLOCKS 16-key blocks of its own, then takes the head's next grant from a count in the
 # counter array, so warps on busier SMs walk fewer blocks. False: each split walks a fixed chunk
-# (at 128k on the H200 the slowest threadgroup's main loop took 52 us against a median of 39:
-# benchmarks/results/step_stamps_h200.json)
+# (the threadgroups' main loops then end unevenly, the slowest well after the median:
+# benchmarks/diagnostics/step_stamps.py, its results in git history)
 DYNAMIC = False
-# ... and from this many keys on, whatever DYNAMIC says (0: only with DYNAMIC). On the H200 at
-# 128k the grants (75% static, split-major) took the step from 66.5 to 62.7 us bare and 71.0 to
-# 66.9 answering (step_stamps_h200.json), pipelined 0.0744 -> 0.0710 ms; at 32k 0.0586 -> 0.0541
-# ms; on the H100 68.4 -> 67.1 us at 128k, 27.9 -> 27.6 at 32k, but 16.0 -> 16.5 at 4k, where
-# the grant bookkeeping outweighs the balance (step_stamps_h100.json). Handed-out keys make the
-# step's output vary in its last bits from launch to launch (which warp takes which grant, and so
-# the order of its fp32 sums, varies: ~1e-7 relative; a bf16 output may differ by one rounding
-# step): a greedy answer can change only where two tokens' logits tie that closely
+# ... and from this many keys on, whatever DYNAMIC says (0: only with DYNAMIC). The grants (75%
+# static, split-major) measured faster at 32k and 128k, bare and answering, but slower at 4k,
+# where the grant bookkeeping outweighs the balance (benchmarks/diagnostics/step_stamps.py,
+# docs/performance.md). Handed-out keys make the step's output vary in its last bits from launch
+# to launch (which warp takes which grant, and so the order of its fp32 sums, varies: ~1e-7
+# relative; a bf16 output may differ by one rounding step): a greedy answer can change only where
+# two tokens' logits tie that closely
 DYNAMIC_MIN_KEYS = 32768
 GRANT_BLOCKS = 1
 # with DYNAMIC: the share of the head's keys (percent) its splits walk as the static kernel
 # does (each a chunk of whole 64-key tiles), before their warps take the rest in grants of
-# GRANT_BLOCKS blocks. (The first H100 run, every grant handed out, 4 blocks each, static first
-# grants a warp: slower than static at every length, its last grants of 64 keys ~6 us of a
-# warp's loop at 128k, at 4k most warps idle behind 64-key first grants, and the grant
-# bookkeeping in every block: benchmarks/results/step_stamps_h100.json)
+# GRANT_BLOCKS blocks. (Every grant handed out, 4 blocks each, static first grants a warp, was
+# slower than static at every length: its last 64-key grants a long tail of a warp's loop at
+# 128k, at 4k most warps idle behind 64-key first grants, and the grant bookkeeping in every
+# block: step_stamps_h100.json, in git history)
 STATIC_PERCENT = 75
 # with DYNAMIC: threadgroups numbered split-major (threadgroup i: head i % BH, split i / BH), so
-# each head's splits are spread over the launch's order. SMs take threadgroups in launch order
-# and an SM's first-placed threadgroups issue first: on the H100 at 128k the loop of a
-# threadgroup in warp slots 0-3 took ~45.5 us, in slots 12-15 ~52.3 (step_stamps_h100.json's
-# `per_threadgroup`). Numbered head-major (False), head 0's splits all sat in the oldest slots
-# and the last head's all in the youngest, so a head's grants could not pass from slow
-# threadgroups to fast ones (head loop ends 48 ... 55 us, 75% static).
+# each head's splits are spread over the launch's order. SMs take threadgroups in launch order and
+# an SM's first-placed threadgroups issue first: their loops end sooner than those of the
+# threadgroups placed last (step_stamps_h100.json's `per_threadgroup`, in git history). Numbered
+# head-major (False), head 0's splits all sat in the oldest slots and the last head's all in the
+# youngest, so a head's grants could not pass from slow threadgroups to fast ones (the heads' loops
+# then ended unevenly, 75% static).
 HEADS_INTERLEAVED = True
 
 _HEADER = r"""
@@ -1132,17 +1132,16 @@ def hands_out(length: int) -> bool:
     (`DYNAMIC`, `DYNAMIC_MIN_KEYS`)."""
     return bool(DYNAMIC or (DYNAMIC_MIN_KEYS and length >= DYNAMIC_MIN_KEYS))
 
-# A benchmark's timing variant of the whole step (`STAMPS`, benchmarks/step_stamps.py): every
-# threadgroup writes 24 words to an extra output, `stamps` (thread 0 unless said): 0 the global
-# timer (ns, low 32 bits) at entry; SM clocks (low 32 bits): 1 at entry, 2 after the first
+# A benchmark's timing variant of the whole step (`STAMPS`, benchmarks/diagnostics/step_stamps.py):
+# every threadgroup writes 24 words to an extra output, `stamps` (thread 0 unless said): 0 the
+# global timer (ns, low 32 bits) at entry; SM clocks (low 32 bits): 1 at entry, 2 after the first
 # blocks' copies are issued, 3 after q is staged, 4 after its rotation and fragments, 5 after the
 # pair table, 12 + w when warp w (lane 0, w < 4) left the main loop, 6 after the main loop (every
-# warp), 11 at the exact tokens' start, 7 after the split's state is written, 8 after its
-# arrival at the head's count, 9 at the end (the last threadgroup: after the finish); 10 the
-# global timer at the end; 16 the SM it ran on (%smid), 17 thread 0's warp slot (%warpid); the
-# last threadgroups' finish (`_FINISH_STAMPS`): 21 after its fence, 18 after the splits' maxima,
-# 19 after the weighted acc sums, 20 after the rotation back. The library's launches have no
-# stamps (empty macros).
+# warp), 11 at the exact tokens' start, 7 after the split's state is written, 8 after its arrival at
+# the head's count, 9 at the end (the last threadgroup: after the finish); 10 the global timer at
+# the end; 16 the SM it ran on (%smid), 17 thread 0's warp slot (%warpid); the last threadgroups'
+# finish (`_FINISH_STAMPS`): 21 after its fence, 18 after the splits' maxima, 19 after the weighted
+# acc sums, 20 after the rotation back. The library's launches have no stamps (empty macros).
 _STAMP_HEADER = r"""
 #define LC_STAMP(i) do { if (lc_tid == 0u) stamps[lc_tg * 24u + (i)] = (uint32_t)clock64(); } while (0)
 #define LC_WSTAMP(i) do { if (lc_lane == 0u && (i) < 16) \
@@ -1156,7 +1155,7 @@ _STAMP_HEADER = r"""
   } } while (0)
 """
 STAMP_WORDS = 24
-STAMPS = False  # benchmarks/step_stamps.py: the timing variant (its stamps in `stamped()`)
+STAMPS = False  # benchmarks/diagnostics/step_stamps.py: the timing variant (its stamps in `stamped()`)
 _STAMPED: list = []  # the last timed launch's stamps (a list: no module assignment per call)
 
 
@@ -1168,7 +1167,7 @@ def stamped():
 # The whole step's split states live in one scratch output, `parts`: m (N S R), l (N S R), then
 # acc (N S R P), N = B * H, S = params[2]. One output instead of three: MLX builds a launch's
 # output arrays at every step (each holding the launch's ~17 inputs and its siblings), and a
-# replayed step's host time was mostly that node (benchmarks/plan_call.py).
+# replayed step's host time was mostly that node (benchmarks/diagnostics/plan_call.py).
 _PARTS = r"""
   const int64_t lc_nsr = (int64_t)q_shape[0] * q_shape[1] * params[2] * R;
   float* m_out = parts;

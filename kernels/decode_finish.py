@@ -26,12 +26,12 @@ owns dim d of each of the group's rows (template R: the group's rows, RA: all ro
      computed with the splits spread over the threads, then each thread sums the weighted acc
      of its dim over blocks of P splits, 64 / R splits' loads issued together (consecutive
      reads across threads; the launch is B * H * RA / R threadgroups, so memory latency is
-     its cost: one round trip per split made it 30-35 us on the H200, then 11-13 with all rows
-     in one threadgroup); the first 64 / R splits' acc loads are issued with the m and l loads;
+     its cost: one round trip per split, as it first waited, made it several times slower,
+     docs/performance.md); the first 64 / R splits' acc loads are issued with the m and l loads;
   2. the inverse butterfly over each row: the stages between dims of one warp as lane exchanges
      (`lc_simd_xor`), the others through threadgroup memory (4 barriers at P = 128, was 14);
   3. the exact tokens in tiles of P keys: thread t scores key t against the R rows, walking its
-     row (or, `SCORE_BY_WARP`, measured no faster on the H200: warp w scores keys w, w + P / 32,
+     row (or, `SCORE_BY_WARP`, measured no faster: warp w scores keys w, w + P / 32,
      ... of the tile, its lanes splitting the dims, a warp sum per row), tile max through
      simdgroup max and the warps' partials, weights to threadgroup memory, then thread d adds
      w[key][row] * v[key][d] (consecutive reads across threads);
@@ -55,12 +55,13 @@ DIMS = (32, 64, 128, 256)
 MAX_ROWS = 16
 MAX_ROW_DIMS = 2048  # rows x P: 3 x 2048 floats = 24 KiB of threadgroup memory
 # rows of a KV head each threadgroup finishes (0: all): the launch is B * H * rows / this
-# threadgroups, and memory latency is its cost (8 threadgroups at one token of Llama-3.1-8B:
-# 10.6-12.6 us on the H200 whatever the length)
+# threadgroups, and memory latency is its cost (all rows: 8 threadgroups at one token of
+# Llama-3.1-8B, too few to hide it; one row each measured faster at every length:
+# benchmarks/diagnostics/step_timeline.py, its results in git history)
 ROWS_PER_GROUP = 1
 # the exact tokens' scores a warp per key (whole-row loads, a warp sum per row); False: a thread
 # per key, walking its row
-SCORE_BY_WARP = False  # (measured no faster on the H200: step_timeline's answer rows)
+SCORE_BY_WARP = False  # (measured no faster: docs/performance.md)
 
 # The kernel in three parts: its threadgroup arrays, which rows a threadgroup takes, and the body,
 # which `decode_attend_mma`'s whole-step variant runs as its last threadgroup's tail (arrays

@@ -17,7 +17,8 @@ and the outputs append the chunk to what the cache already holds, so the caller 
 This replaces ~40 launches per layer and chunk of the unfused path (centering casts and
 subtractions, the window's concatenation, copies of slices, the quantize kernel, the rotations
 of the exact rows for SDPA, the tail's growth and writes: `kvcache/turbo.py`, whose prefill
-chunks are bound by the host's ~25 us per launch on an H200, `benchmarks/prefill_timeline.py`).
+chunks are bound by the host's cost per launch: `benchmarks/diagnostics/prefill_timeline.py`,
+docs/performance.md).
 The codes and norms equal `hadamard_quantize`'s of c bit for bit (its row code,
 `hadamard_quant.ENCODE_ROW`, is shared); rot equals the rotation of c up to fp32 rounding before the fp16 cast.
 

@@ -236,10 +236,11 @@ def ask(question: str = typer.Argument(..., help="The question."),
     Each answer is kept as a conversation: `ask -c "..."` asks a follow-up that sees the earlier
     questions and answers, in this or a later process."""
     from longctx import session
+    from longctx import asking
 
     with _boundary():
         answer = session.Answer()
-        for piece in session.ask(question, doc, model, max_tokens, temp, seed, answer=answer,
+        for piece in asking.ask(question, doc, model, max_tokens, temp, seed, answer=answer,
                                  ranker=ranker, segments=segments,
                                  conversation=cid or ("last" if cont else None)):
             if not as_json:
@@ -250,6 +251,7 @@ def ask(question: str = typer.Argument(..., help="The question."),
             out.print_json(json.dumps({"answer": answer.text, "document": name,
                                        "id": (answer.group or answer.entry).id, "sources": answer.sources,
                                        "segment": answer.entry.segment, "ranking": answer.ranking,
+                                       "model_seconds": answer.model_seconds,
                                        "restore_seconds": answer.restore_seconds,
                                        "first_token_seconds": answer.first_token_seconds,
                                        "conversation": getattr(answer.conversation, "cid", None)}))
@@ -271,11 +273,11 @@ def chat(doc: Optional[str] = typer.Option(None, "--doc", "-d", help="Document n
 
     Commands: /reset (a new conversation), /sources (where answers come from), /quit.
     Ctrl-C stops an answer; Ctrl-D or /quit leaves. The conversation is kept: `chat --resume`."""
-    from longctx import session
+    from longctx import asking
     from longctx.conversation import Conversation
 
     with _boundary():
-        conv = session.open_conversation(doc, model, cid or ("last" if resume else None))
+        conv = asking.open_conversation(doc, model, cid or ("last" if resume else None))
         err.print(f"[dim]{escape(conv.entry.name)}: {conv.entry.tokens:,} tokens, room for "
                   f"{conversation_room(conv):,} more; conversation {conv.cid}"
                   f"{f' ({len(conv.turns)} turns)' if conv.turns else ''}. /quit to leave.[/dim]")
@@ -385,6 +387,9 @@ def info(doc: Optional[str] = typer.Argument(None, help="Document name or id (de
     with _boundary():
         e = manage.find_entry(doc)
         data = {**e.to_json(), "bytes_per_token": round(e.bytes_per_token, 1)}
+        room = manage.room(e)
+        if room is not None:
+            data["room_tokens"] = room  # what is left of the context for questions and conversations
         if as_json:
             out.print_json(json.dumps(data))
             return

@@ -15,6 +15,7 @@ are dropped: the fork is rebuilt from the prefix and the remaining turns fed aga
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import tempfile
@@ -24,11 +25,13 @@ from pathlib import Path
 from typing import Iterator
 
 from longctx import engine, kvcache, prompt
-from longctx.errors import ConfigError, ContextLengthError, EntryNotFound
+from longctx.errors import ConfigError, ContextLengthError, EntryNotFound, LongctxError
+from longctx.session import Answer, question_suffix
 from longctx.paths import subdir
 from longctx.runtime import models
 from longctx.store import Entry
 
+_log = logging.getLogger("longctx.conversation")
 MAX_EXACT = 8192  # most conversation tokens kept exact in a fork (and persisted)
 _A, _Q = "\u241eLONGCTX-ANSWER\u241e", "\u241eLONGCTX-FOLLOWUP\u241e"
 
@@ -85,10 +88,8 @@ class Conversation:
         return sum(len(t.tokens) for t in self.turns)
 
     def _prompt(self, question: str, first: bool) -> list[int]:
-        from longctx import session
-
         if first:
-            return session.question_suffix(self.lm, self.entry, question)
+            return question_suffix(self.lm, self.entry, question)
         if self._turn_text is None:
             self._turn_text = turn_text(self.lm.tokenizer)
         after_answer, after_question = self._turn_text
@@ -146,8 +147,6 @@ class Conversation:
             seed: int | None = None, answer=None) -> Iterator[str]:
         """Stream the answer to `question` as the conversation's next turn (`answer`, a
         `session.Answer`, gets the timings, the ids and the text)."""
-        from longctx.session import Answer
-
         answer = answer if answer is not None else Answer(entry=self.entry)
         start = time.perf_counter()
         ids, _ = self.fits(question, max_tokens)
@@ -261,3 +260,28 @@ def saved(entry_id: str | None = None) -> list[dict]:
 def remove(cid: str) -> None:
     for suffix in (".json", ".safetensors"):
         (subdir("conversations") / f"{cid}{suffix}").unlink(missing_ok=True)
+
+
+def answer_from(lm: models.LoadedModel, entry: Entry, cache: list, pending, question: str,
+                max_tokens: int, temperature: float, seed: int | None, answer: Answer,
+                start: float, conversation=None) -> Iterator[str]:
+    """Stream the answer to `question` from a restored cache (shown only once `pending`, the
+    cache file's checksums, has passed), as the next turn of `conversation` (None: a new one,
+    saved afterwards so that `ask --continue` can follow up)."""
+    try:
+        conv = conversation or Conversation(lm, entry, cache)
+        answer.conversation = conv
+        stream = conv.ask(question, max_tokens, temperature, seed, Answer(entry=entry))
+        # shown only once every checksum has passed (None: checked already)
+        for piece in (pending.guard(stream) if pending is not None else stream):
+            if not answer.text:
+                answer.first_token_seconds = time.perf_counter() - start
+            answer.text += piece
+            yield piece
+    finally:
+        if pending is not None:
+            pending.wait()  # an error before the answer starts still reports a damaged cache
+    try:  # kept for `ask --continue`; an answer never fails for it
+        conv.save()
+    except (LongctxError, OSError) as err:
+        _log.debug("conversation not kept: %s", err)

@@ -13,34 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from longctx.chunking import DEFAULT_CHUNK, MIN_CHUNK, chunk_at  # noqa: F401  (engine.chunk_at)
+
 Progress = Callable[[int, int], None]
-DEFAULT_CHUNK = 512
-MIN_CHUNK = 64
-# `LONGCTX_PREFILL_PAIRS` (query-key pairs one chunk may score per head; 0, the default: fixed
-# chunks) makes chunks shrink on long documents (at 5 * 2**22: 256 queries at 64k, 128 at 128k),
-# so that one evaluation's attention work and, where the backend materializes scores (the CPU),
-# its score buffers stay those of a ~40k prefix: a bound for the Metal watchdog, which kills
-# command buffers of a few seconds (mlx-lm #1087). Measured on the CPU (a 4-layer random model,
-# 16k tokens, pairs scaled to 1/8 of that to stand for 128k): the chunk working set 428 -> 202 MiB
-# (fp16) and 401 -> 196 MiB (tq4), the longest evaluation 4.97 -> 1.64 s and 3.16 -> 1.53 s, at
-# -4% (fp16) and -28% (tq4: every chunk reads the whole compressed prefix) prefill tokens/s.
-
-
-def chunk_at(done: int, chunk: int = DEFAULT_CHUNK, pairs: int | None = None) -> int:
-    """Tokens of the next chunk when `done` tokens are already cached: `chunk`, or fewer (down
-    to MIN_CHUNK, in multiples of it) so that chunk x (done + chunk) stays within `pairs`
-    (None: the `prefill_pairs` setting; 0: no bound)."""
-    if pairs is None:
-        from longctx import config
-
-        pairs = config.get("prefill_pairs")
-    if not pairs or chunk <= MIN_CHUNK or chunk * (done + chunk) <= pairs:
-        return chunk
-    n = chunk
-    while n > MIN_CHUNK and n * (done + n) > pairs:
-        n -= MIN_CHUNK
-    return max(n, MIN_CHUNK)
-
 
 @dataclass(frozen=True)
 class PrefillStats:
@@ -134,7 +109,8 @@ def stepwise(tokens: list[int], cache: list) -> bool:
     (`auto`) or anywhere (`1`). On CUDA a kernel compiles the first time its variant is met (then
     it is kept on disk: `runtime.cuda_kernels`), and a batched question's decode-attend kernel and
     split combine take its row count as constants, one variant per question length; single
-    tokens need only the decode step's kernel, met by every question (`benchmarks/first_step.py`)."""
+    tokens need only the decode step's kernel, met by every question
+    (`benchmarks/diagnostics/first_step.py`)."""
     from longctx import config
 
     mode = config.get("question_stepwise")

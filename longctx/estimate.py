@@ -10,12 +10,11 @@ Peak memory is an estimate: weights as they are held (fp32 on the CPU), plus the
 built (the preset's bits per channel, plus the exact window), plus a chunk's working set: on the
 CPU the attention scores (chunk x query heads x tokens, fp32), on a GPU what the layers queued
 ahead of it hold (`peak_bytes`). Against the measured peaks (tests/test_multidoc.py) it is within
-25% on the CPU (benchmarks/results/prefill_cpu.json) and within 10% for 8B shapes on the H200
-(prefill_gpu.json, product_path_h200.json at 128k), never more than 20% under; it over-estimates
-small models there (SmolLM2: up to 2.2x). The layer-major GPU prefill's (`layer_major_transient`)
-against the H200's runs with its in-flight bound: 1.00-1.07x the 8B shape's measured peaks at
-8k / 32k (bf16, three settings each), 1.02-1.13x at 128k (4-bit, the bound at 1-8 GiB),
-1.34-3.28x SmolLM2's (the GPU keeps up with a small model's queued work).
+25% on the CPU (benchmarks/results/prefill_cpu.json); on a GPU it is close for 8B shapes and
+over-estimates small models, whose queued work the GPU keeps up with (prefill_h200.json,
+product_path_h200.json at 128k), and the tests allow it never more than 20% under. The same holds
+for the layer-major GPU prefill's (`layer_major_transient`) with its in-flight bound (the
+comparison row by row: docs/performance.md, "The estimate").
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import warnings
 from dataclasses import dataclass
 
 from longctx import kvcache
+from longctx.chunking import ACTIVATIONS, FUSED_SDPA_DIMS, chunk_at
 from longctx.kvcache.presets import Preset, bits_per_channel
 
 @dataclass(frozen=True)
@@ -78,7 +78,6 @@ def cache_file_bytes(s: Shapes, preset: Preset, tokens: int, metadata: dict[str,
     return fmt.predicted_size(specs, {k: v for k, v in meta.items() if k != "format_version"})
 
 
-FUSED_SDPA_DIMS = (64, 80, 128)  # head dims whose prefill SDPA is fused on the GPUs (no scores)
 
 
 def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: bool,
@@ -91,12 +90,11 @@ def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: 
     - GPU (Metal, CUDA): the fused SDPA keeps no scores at the usual head dims. Instead a
       chunk's graph runs ahead of the GPU, and MLX keeps what each layer's operations read until
       their command buffer completes. For the fp16 cache that is mlx-lm's reallocation of every
-      layer's buffer (measured on the H200: about one more cache). For a compressed cache it is
+      layer's buffer (about one more cache, as measured on a GPU). For a compressed cache it is
       the dequantized rows of the layers in flight, which `prefill_inflight` bounds, plus the
       layer being run; or, filled layer by layer (`layer_major`), `layer_major_transient`.
     """
     from longctx import config
-    from longctx.engine import chunk_at
 
     elem = 4 if cpu else 2  # the CPU computes in fp32
     dims = s.head_dims
@@ -145,13 +143,12 @@ def layer_major_transient(s: Shapes, tokens: int, chunk: int, fp16_token: int,
     plus one (a layer-chunk: one call, a run of chunks with `prefill_layer_call_tokens`). The
     host waits only once `prefill_layer_inflight` bytes are queued, and a group (up to
     `prefill_group_tokens`, or half the bound) is queued before the oldest is waited for: so up
-    to the bound plus a group is in flight, whatever the group size (on the H200 SmolLM2's 32k
-    peak was the same with groups of 2048 and 4096 tokens), at most the whole prompt's
+    to the bound plus a group is in flight, whatever the group size (a measured peak did not
+    change with the group size: docs/performance.md), at most the whole prompt's
     layer-chunks; with no bound, two groups' worth (as measured before the bound). `scores`: a
     chunk's materialized attention scores (head dims the GPUs' SDPA does not fuse), which
     every queued chunk holds."""
     from longctx import config
-    from longctx.prefill_layers import ACTIVATIONS
 
     elem = 2
     hidden = 2 * tokens * s.hidden * elem

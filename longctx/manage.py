@@ -13,7 +13,7 @@ from typing import Iterator
 from longctx import config, kvcache
 from longctx.errors import ConfigError
 from longctx.runtime import models
-from longctx.session import _check_same_model, restore
+from longctx.session import check_same_model, restore
 from longctx.store import Store, budget
 
 
@@ -52,7 +52,7 @@ def export(doc: str | None, out: str | Path, kv: str = "fp16") -> Path:
                 "single mlx-lm prompt cache can hold; export one segment by its id (`longctx "
                 "info` lists them).")
         ref = models.resolve(entry.model_spec)
-        _check_same_model(entry, ref)
+        check_same_model(entry, ref)
         lm = models.load(ref)
         cache = restore(entry, lm, store, answering=False)
         store.record_use(entry.id)
@@ -139,3 +139,21 @@ def remove_entry(doc: str):
         else:
             store.remove(target)
         return target
+
+
+def room(target) -> int | None:
+    """Tokens of its model's context a document leaves for questions and conversations (a
+    segmented document: what its longest segment leaves); None if the model is not at hand."""
+    from mlx_lm.utils import load_config
+
+    from longctx.errors import LongctxError
+    from longctx.runtime import models
+
+    try:
+        cfg = load_config(models.resolve(target.model_spec).path)
+    except (LongctxError, OSError, ValueError):
+        return None
+    context = int(cfg.get("text_config", cfg).get("max_position_embeddings") or 2048)
+    segments = getattr(target, "segments", ()) or ()
+    longest = max((sg["tokens"] for sg in segments), default=target.tokens)
+    return max(0, context - longest)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from longctx import config, engine, estimate, kvcache, model_scores, prompt, retrieval
+from longctx import config, conversation, engine, estimate, kvcache, model_scores, prompt, retrieval, session
 from longctx import segments as seg
 from longctx.documents import TEXT_SUFFIXES, Document, read_document
 from longctx.errors import (ConfigError, ContextLengthError, DocumentError, EntryNotFound,
@@ -92,9 +92,7 @@ def expand(paths: Sequence[str | Path]) -> list[Path]:
 def segment_budget(context: int) -> int:
     """Most prefix tokens of one segment: the context less the question-and-answer reserve,
     or `LONGCTX_SEGMENT_TOKENS` when smaller."""
-    from longctx.session import ANSWER_RESERVE
-
-    budget = context - ANSWER_RESERVE
+    budget = context - session.answer_reserve(context)
     wanted = config.get("segment_tokens")
     return min(budget, wanted) if wanted else budget
 
@@ -106,7 +104,6 @@ def plan(paths: Sequence[str | Path], name: str | None = None, model: str | None
     already read)."""
     from mlx_lm.utils import load_config
 
-    from longctx import session
 
     files = expand(paths)
     if not files:
@@ -134,15 +131,15 @@ def plan(paths: Sequence[str | Path], name: str | None = None, model: str | None
     except ValueError:
         raise ContextLengthError(
             f"'{title}' does not fit this model and cannot be split into segments: the model's "
-            f"context is {context:,} tokens, {session.ANSWER_RESERVE} of them kept for the question "
+            f"context is {context:,} tokens, {session.answer_reserve(context):,} of them kept for the question "
             f"and answer, which leaves {budget:,} per segment, too few for the prompt around any "
             "text; use a longer-context model (--model).") from None
     lay = prompt.layout(tokenizer, title, "")
     gid = groups.group_id([d.sha256 for d in docs], ref.weights_sha256, ref.tokenizer_sha256,
                           kv.name, prompt.layout_sha256(tokenizer), budget, title)
     return SetPlan(docs, title, ref, kv, parts, [prefix(p.title, p.text) for p in parts],
-                   context, budget, gid, session._light_suffix(ref, tokenizer, lay),
-                   session._fp16_bytes_per_token(cfg))
+                   context, budget, gid, session.light_suffix(ref, tokenizer, lay),
+                   session.fp16_bytes_per_token(cfg))
 
 
 def ingest_files(paths: Sequence[str | Path], name: str | None = None, model: str | None = None,
@@ -154,7 +151,6 @@ def ingest_files(paths: Sequence[str | Path], name: str | None = None, model: st
     Returns:
         SetResult whose `target` is an `Entry` (one file that fits) or a `Group`.
     """
-    from longctx import session
 
     files = expand(paths)
     read = None
@@ -236,7 +232,6 @@ def dry_run(paths: Sequence[str | Path], name: str | None = None, model: str | N
             preset: str = kvcache.DEFAULT_PRESET, password: str | None = None) -> dict:
     """What `ingest_files` would do, as a dict for the CLI: documents, tokens, segments, the
     cache size on disk, the ingest's peak memory and whether this machine has it."""
-    from longctx import session
 
     files = expand(paths)
     single = session.plan(files[0], model, preset, password) if len(files) == 1 and not name else None
@@ -315,7 +310,6 @@ def ask_group(group: Group, question: str, model: str | None, max_tokens: int,
               temperature: float, seed: int | None, answer, start: float,
               ranker: str | None = None, segments: int = 1) -> Iterator[str]:
     """Answer from a group's best segment(s); fills `answer.sources` and `answer.ranking`."""
-    from longctx import session
 
     ranker = ranker or config.get("ranker")
     if ranker not in retrieval.RANKERS:
@@ -330,7 +324,7 @@ def ask_group(group: Group, question: str, model: str | None, max_tokens: int,
                                 "it again.")
         texts = [groups.text(store, e.id) for e in entries]
         ref = models.resolve(model or group.model_spec)
-        session._check_same_model(entries[0], ref)
+        session.check_same_model(entries[0], ref)
         lm = None
         restored: dict[int, tuple] = {}
 
@@ -370,7 +364,7 @@ def ask_group(group: Group, question: str, model: str | None, max_tokens: int,
         i = chosen[0]
         answer.entry = entries[i]
         cache, pending = restored[i]
-        yield from session.answer_from(lm, entries[i], cache, pending, question, max_tokens,
+        yield from conversation.answer_from(lm, entries[i], cache, pending, question, max_tokens,
                                        temperature, seed, answer, start)
         answer.sources = [_cite(group, i, texts[i], question + " " + answer.text)]
         return
@@ -378,7 +372,7 @@ def ask_group(group: Group, question: str, model: str | None, max_tokens: int,
     for i in chosen:
         cache, pending = restored[i]
         trial = session.Answer(entry=entries[i])
-        text = "".join(session.answer_from(lm, entries[i], cache, pending, question, max_tokens,
+        text = "".join(conversation.answer_from(lm, entries[i], cache, pending, question, max_tokens,
                                            temperature, seed, trial, start))
         suffix = session.question_suffix(lm, entries[i], question)
         ids = list(lm.tokenizer.encode(text, add_special_tokens=False)) if text else []

@@ -3,8 +3,8 @@ keys and values exactly, which are then compressed into that layer's cache.
 
 `engine.prefill`'s token-major loop runs each chunk through every layer, so every layer-chunk
 attends the compressed prefix: on a GPU it dequantizes the whole prefix to fp16 rows first
-(`kvcache.dense_gpu`), work that grows with the prefix and that an fp16 cache never does (at 32k
-tokens it held the compressed prefill at 0.53-0.71x fp16's rate on the H200). Here layer j's
+(`kvcache.dense_gpu`), work that grows with the prefix and that an fp16 cache never does (on a
+CPU it decodes the prefix for every chunk: far slower than fp16 at length). Here layer j's
 chunks attend an uncompressed staging cache (mlx-lm's `KVCache`, the fp16 path's own attention,
 SDPA over the model's dtype), and once every chunk of layer j has run, its keys and values go
 into layer j's compressed cache chunk by chunk, as the token-major loop would have appended them
@@ -33,8 +33,8 @@ through every stand-in, which records what the model passed its layer besides th
 passes call each layer directly with its recorded arguments, the pass's staging cache in place
 of the first's (`_direct`). That saves the model's call (embedding, masks, the stand-ins before
 the layer) for all but one layer: the loop's host time at 8k tokens of SmolLM2's shape went from
-79 to 65 ms (median of 7; CPU, kernels stood in: `benchmarks/prefill_loop_host.py`). A model
-whose layers do not take the hidden states first and pass them on as they came (keywords,
+79 to 65 ms (median of 7; CPU, kernels stood in: `benchmarks/diagnostics/prefill_loop_host.py`).
+A model whose layers do not take the hidden states first and pass them on as they came (keywords,
 tuples, work between layers), or that hands them a large array (an explicit mask: kept per
 chunk, it would hold GiBs at 128k tokens; `RECORD_MAX_BYTES`), stops the recording: its later
 passes go through its call as before. What it assumes: a layer's other arguments do not depend
@@ -42,9 +42,10 @@ on the hidden states (a model computing one from them inside its loop would have
 first pass's; none of the families in tests/families.py does, each stores the oracle's arrays
 bit for bit).
 
-Where: `applies` (the `prefill_order` setting: `auto` takes this path on a GPU for an empty
-cache whose layers are all compressed; the CPU keeps the token-major loop, already faster than
-its fp16 cache there).
+Where: `applies` (the `prefill_order` setting, `layer` by default: an empty cache whose layers
+are all compressed, on every backend. On the CPU the token-major loop is faster for a small
+model (SmolLM2-135M) but several times slower for the default 1.5B model, docs/performance.md;
+`auto` keeps the token-major loop on the CPU.)
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ from __future__ import annotations
 import logging
 import time
 from typing import Callable
+
+from longctx.chunking import ACTIVATIONS, FUSED_SDPA_DIMS
 
 Progress = Callable[[int, int], None]
 _log = logging.getLogger("longctx.prefill")
@@ -62,7 +65,7 @@ class _Stop(Exception):
 
 
 _STAGE = object()  # in a recorded call, where the model passed the staging cache
-RECORD = True  # False: every pass goes through the model's call (benchmarks/prefill_loop_host.py)
+RECORD = True  # False: every pass goes through the model's call (benchmarks/diagnostics/prefill_loop_host.py)
 # the largest array a recorded call may hold (a chunk's explicit mask is (T, offset + T): at 128k
 # tokens kept for every chunk until the last layer's pass, GiBs; such a model is called per layer)
 RECORD_MAX_BYTES = 2**20
@@ -139,8 +142,7 @@ def call_spans(bounds: list[tuple[int, int]], most: int, pairs: int = 0) -> list
     queries x keys (the run's length x its end) stay within `pairs` (0: CALL_PAIRS) and
     CALL_PAIRS, at least one chunk each; `most` 0: one call per chunk (`bounds` as they are).
 
-    Fewer calls cost less host time (the loop is host-bound at small shapes: ~0.5 ms a
-    layer-call on the H200's host) and each queued call holds one copy of the staging keys and
+    Fewer calls cost less host time (the loop is host-bound at small shapes) and each queued call holds one copy of the staging keys and
     values (`chunk_bytes`) where its chunks held one each. The keys and values then come from
     calls of other lengths than the fp16 prefill's chunks (the same math; the last bits may
     differ where a kernel's result depends on the call's length)."""
@@ -176,7 +178,6 @@ def absorb_spans(bounds: list[tuple[int, int]], most: int | None = None) -> list
     return _runs(bounds, lambda lo, hi: hi - lo <= most, first_alone=True)
 
 
-ACTIVATIONS = 12  # a chunk's transients in flight, in multiples of its output (see chunk_bytes)
 
 
 def chunk_bytes(stage, out) -> int:
@@ -188,7 +189,6 @@ def chunk_bytes(stage, out) -> int:
     as the output's width over the head dim)."""
     from mlx.utils import tree_flatten
 
-    from longctx.estimate import FUSED_SDPA_DIMS
 
     arrays = [a for _, a in tree_flatten(out) if hasattr(a, "nbytes")]
     total = stage.keys.nbytes + stage.values.nbytes + ACTIVATIONS * sum(a.nbytes for a in arrays)

@@ -208,7 +208,7 @@ class Engine:
         def load():
             store = Store(cleanup=False)
             try:
-                session._check_same_model(entry, self.ref)
+                session.check_same_model(entry, self.ref)
                 return session.restore(entry, self.lm, store)
             finally:
                 store.close()
@@ -239,7 +239,7 @@ class Engine:
     def answer(self, req: Request, emit, cancelled: threading.Event) -> dict:
         """Answer `req` on the worker thread: `emit(kind, value)` with "ready" (prefill done),
         "text" pieces; returns the final facts (finish reason, usage, sources)."""
-        from longctx import multidoc, session
+        from longctx import asking, multidoc, session
 
         target = self.find(req.model)
         sources = []
@@ -249,7 +249,7 @@ class Engine:
                                "at a time (send only the last user message).", param="messages")
             answer = session.Answer()
             count = 0
-            for piece in session.ask(req.question, target.id, self.ref.spec, req.max_tokens,
+            for piece in asking.ask(req.question, target.id, self.ref.spec, req.max_tokens,
                                      req.temperature, req.seed, answer=answer):
                 if cancelled.is_set():
                     break

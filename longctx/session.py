@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 from longctx import engine, kvcache, prompt
 from longctx.documents import Document, read_document
 from longctx.kvcache.presets import bits_per_channel
 from longctx.errors import (CacheCorrupt, CacheMismatch, ConfigError, ContextLengthError,
-                            EntryNotFound, LongctxError, StoreError)
+                            StoreError)
 from longctx.runtime import models
 from longctx.store import Entry, Store, budget, entry_id, layout, rebuild_hint
 from longctx.store.failpoints import failpoint
@@ -28,7 +27,15 @@ if TYPE_CHECKING:
 _log = logging.getLogger("longctx.session")
 
 Progress = Callable[[int, int], None]
-ANSWER_RESERVE = 256  # tokens kept free after the prefix for a question and its answer
+ANSWER_RESERVE = 256  # the fewest tokens kept free after the prefix for a question and its answer
+CHAT_RESERVE = 4096  # kept free for a conversation where the context allows (an eighth of it at most)
+
+
+def answer_reserve(context: int) -> int:
+    """Tokens an ingest keeps free after a document for questions, answers and follow-ups:
+    CHAT_RESERVE where the model's context is 32k or more, an eighth of smaller contexts, at
+    least ANSWER_RESERVE."""
+    return max(ANSWER_RESERVE, min(CHAT_RESERVE, context // 8))
 
 
 @dataclass
@@ -46,9 +53,13 @@ class Plan:
     question_suffix: str = ""  # the template after the question, when `ask` may skip transformers
 
     @property
+    def reserve(self) -> int:
+        return answer_reserve(self.context_length)
+
+    @property
     def fits(self) -> bool:
-        """Whether the prefix leaves `ANSWER_RESERVE` tokens of the context for questions."""
-        return len(self.tokens) + ANSWER_RESERVE <= self.context_length
+        """Whether the prefix leaves `answer_reserve` tokens of the context for conversations."""
+        return len(self.tokens) + self.reserve <= self.context_length
 
 
 @dataclass
@@ -66,6 +77,7 @@ class Answer:
     """Filled in while `ask` streams; complete once the iterator is exhausted."""
 
     entry: Entry | None = None
+    model_seconds: float = 0.0  # from the call to the model loaded (restore_seconds includes it)
     restore_seconds: float = 0.0
     first_token_seconds: float = 0.0
     tokens: list[int] = field(default_factory=list)
@@ -76,7 +88,7 @@ class Answer:
     conversation: object = None  # the `conversation.Conversation` this answer is a turn of
 
 
-def _fp16_bytes_per_token(config: dict) -> int:
+def fp16_bytes_per_token(config: dict) -> int:
     cfg = config.get("text_config", config)
     n_kv = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -87,7 +99,7 @@ def _check_fits(p: Plan) -> None:
     if not p.fits:
         raise ContextLengthError(
             f"'{p.document.name}' is {len(p.tokens):,} tokens but the model's context is "
-            f"{p.context_length:,} (with {ANSWER_RESERVE} kept for the question and answer); use a "
+            f"{p.context_length:,} (with {p.reserve:,} kept for questions and answers); use a "
             "longer-context model (--model) or split the document.")
 
 
@@ -108,10 +120,10 @@ def plan(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAU
     eid = entry_id(doc.sha256, ref.weights_sha256, ref.tokenizer_sha256, kv.name,
                    prompt.layout_sha256(tokenizer))
     return Plan(doc, ref, kv, prompt.estimate_tokens(doc.text), tokens, context,
-                _fp16_bytes_per_token(config), eid, _light_suffix(ref, tokenizer, lay))
+                fp16_bytes_per_token(config), eid, light_suffix(ref, tokenizer, lay))
 
 
-def _light_suffix(ref: models.ModelRef, tokenizer, lay: prompt.Layout) -> str:
+def light_suffix(ref: models.ModelRef, tokenizer, lay: prompt.Layout) -> str:
     """The layout's question suffix if the `tokenizers`-only tokenizer encodes questions exactly as
     the model's tokenizer does (then `ask` needs no transformers); "" otherwise."""
     from longctx.runtime.light import PROBES, TextTokenizer
@@ -237,7 +249,7 @@ def warm_answer_path(lm: models.LoadedModel, preset: kvcache.Preset, arrays: dic
         return False
 
 
-def _check_same_model(entry: Entry, ref: models.ModelRef) -> None:
+def check_same_model(entry: Entry, ref: models.ModelRef) -> None:
     if entry.weights_sha256 != ref.weights_sha256:
         raise CacheMismatch(
             f"'{entry.name}' was ingested with model {entry.model_id} "
@@ -257,7 +269,7 @@ def _check_same_model(entry: Entry, ref: models.ModelRef) -> None:
 def _check_cache_fits(entry: Entry, meta: dict, lm: models.LoadedModel,
                       preset: kvcache.Preset) -> None:
     """Refuse a (checksum-verified) cache file built for another model, tokenizer or preset."""
-    _check_same_model(Entry(**{**entry.to_json(), "model_id": meta["model_id"],
+    check_same_model(Entry(**{**entry.to_json(), "model_id": meta["model_id"],
                                "weights_sha256": meta["weights_sha256"],
                                "tokenizer_sha256": meta["tokenizer_sha256"]}), lm.ref)
     try:
@@ -334,118 +346,6 @@ def restore_verifying(entry: Entry, lm: models.LoadedModel, store: Store,
     return cache, pending
 
 
-def ask(question: str, doc: str | None = None, model: str | None = None, max_tokens: int = 256,
-        temperature: float = 0.0, seed: int | None = None,
-        answer: Answer | None = None, ranker: str | None = None,
-        segments: int = 1, conversation: str | None = None) -> Iterator[str]:
-    """Answer `question` from a stored document's cache; yields the answer text as it streams.
-
-    Args:
-        question: the question.
-        doc: document name or entry id (None: the most recently ingested).
-        model: `--model`; must be the model the cache was built with (None: that model).
-        max_tokens: the most answer tokens.
-        temperature: 0 for greedy.
-        seed: sampler seed when temperature > 0.
-        answer: filled with timings, token ids and the full text while streaming.
-        ranker: for a segmented document or collection, how segments are chosen ("bm25" or
-            "model"; None: the `LONGCTX_RANKER` setting).
-        segments: how many of the best-ranked segments to answer from (the answer the model
-            scores highest is kept).
-        conversation: continue a saved conversation: its id, or "last" (the latest one, of
-            `doc` if given); the answer is its next turn and it is saved again.
-    """
-    from longctx import multidoc
-
-    answer = answer if answer is not None else Answer()
-    start = time.perf_counter()
-    store = Store(cleanup=False)  # read-only: crashed writers' leftovers go at the next ingest/list
-    try:
-        if conversation:
-            store.close()
-            yield from _continue(conversation, doc, question, model, max_tokens, temperature,
-                                 seed, answer, start)
-            return
-        target = multidoc.find(store, doc)
-        if isinstance(target, multidoc.Group):
-            answer.group = target
-            store.close()
-            yield from multidoc.ask_group(target, question, model, max_tokens, temperature, seed,
-                                          answer, start, ranker=ranker, segments=segments)
-            return
-        entry = target
-        answer.entry = entry
-        ref = models.resolve(model or entry.model_spec)
-        _check_same_model(entry, ref)
-        # Caches whose question suffix was checked at ingest answer without transformers.
-        lm = (models.load_light(ref) if entry.question_suffix else None) or models.load(ref)
-        # The checksums are computed while the question runs; checked before the first token.
-        cache, pending = restore_verifying(entry, lm, store)
-        store.record_use(entry.id)
-    finally:
-        store.close()
-    answer.restore_seconds = time.perf_counter() - start
-    yield from answer_from(lm, entry, cache, pending, question, max_tokens, temperature, seed,
-                           answer, start)
-
-
-def open_conversation(doc: str | None = None, model: str | None = None,
-                      cid: str | None = None):
-    """A conversation over a stored document, ready for questions (`Conversation.ask`).
-
-    Args:
-        doc: document name or entry id (None: the latest ingested, or the conversation's).
-        model: must be the cache's model (None: that model).
-        cid: continue this saved conversation, or "last" (the latest, of `doc` if given);
-            None: a new conversation.
-    """
-    from longctx import conversation as talk
-    from longctx import multidoc
-
-    store = Store(cleanup=False)
-    try:
-        meta = None
-        if cid == "last":
-            entry_id = multidoc.find(store, doc).id if doc is not None else None
-            found = talk.saved(entry_id)
-            if not found:
-                raise EntryNotFound("There is no earlier conversation to continue: ask a question first.")
-            meta = found[0]
-        elif cid:
-            meta = talk.read(cid)
-        if meta is not None:
-            entry = store.get(meta["entry"])
-            if entry is None:
-                raise EntryNotFound(f"The document of conversation {meta['id']} ('{meta['name']}') "
-                                    "is no longer in the store; ingest it again.")
-        else:
-            entry = multidoc.find(store, doc)
-            if isinstance(entry, multidoc.Group):
-                raise ConfigError(f"'{entry.name}' is split into {len(entry.segment_ids)} segments: a "
-                                  "conversation needs a document that fits the model's context; ask it "
-                                  "one question at a time with `longctx ask`.")
-        ref = models.resolve(model or entry.model_spec)
-        _check_same_model(entry, ref)
-        lm = models.load(ref)
-        cache = restore(entry, lm, store)
-        store.record_use(entry.id)
-    finally:
-        store.close()
-    if meta is not None:
-        return talk.Conversation.load(lm, entry, cache, meta["id"])
-    return talk.Conversation(lm, entry, cache)
-
-
-def _continue(cid: str, doc: str | None, question: str, model: str | None, max_tokens: int,
-              temperature: float, seed: int | None, answer: Answer, start: float) -> Iterator[str]:
-    """`ask` as the next turn of a saved conversation."""
-    conv = open_conversation(doc, model, cid)
-    answer.entry = conv.entry
-    answer.restore_seconds = time.perf_counter() - start
-    yield from answer_from(conv.lm, conv.entry, conv.prefix, None, question,
-                           max_tokens, temperature, seed, answer, start, conversation=conv)
-
-
 def question_suffix(lm: models.LoadedModel, entry: Entry, question: str) -> list[int]:
     """The tokens appended to `entry`'s cached prefix for `question` (ContextLengthError if the
     question does not fit after the prefix)."""
@@ -461,30 +361,3 @@ def question_suffix(lm: models.LoadedModel, entry: Entry, question: str) -> list
             f"{lm.context_length:,}-token context are left after '{entry.name}'; shorten the "
             "question.")
     return suffix
-
-
-def answer_from(lm: models.LoadedModel, entry: Entry, cache: list, pending, question: str,
-                max_tokens: int, temperature: float, seed: int | None, answer: Answer,
-                start: float, conversation=None) -> Iterator[str]:
-    """Stream the answer to `question` from a restored cache (shown only once `pending`, the
-    cache file's checksums, has passed), as the next turn of `conversation` (None: a new one,
-    saved afterwards so that `ask --continue` can follow up)."""
-    from longctx.conversation import Conversation
-
-    try:
-        conv = conversation or Conversation(lm, entry, cache)
-        answer.conversation = conv
-        stream = conv.ask(question, max_tokens, temperature, seed, Answer(entry=entry))
-        # shown only once every checksum has passed (None: checked already)
-        for piece in (pending.guard(stream) if pending is not None else stream):
-            if not answer.text:
-                answer.first_token_seconds = time.perf_counter() - start
-            answer.text += piece
-            yield piece
-    finally:
-        if pending is not None:
-            pending.wait()  # an error before the answer starts still reports a damaged cache
-    try:  # kept for `ask --continue`; an answer never fails for it
-        conv.save()
-    except (LongctxError, OSError) as err:
-        _log.debug("conversation not kept: %s", err)

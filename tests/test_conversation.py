@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import make_tiny_model
+from longctx import asking
 from longctx import conversation, kvcache, session
 from longctx.errors import ConfigError, EntryNotFound
 
@@ -30,14 +31,14 @@ def doc(tmp_path, tiny, monkeypatch):
 
 
 def test_turns_follow_on_one_fork_and_persist(doc):
-    conv = session.open_conversation()
+    conv = asking.open_conversation()
     a1 = "".join(conv.ask("Who keeps the lighthouse?", max_tokens=8))
     a2 = "".join(conv.ask("How many sheep?", max_tokens=8))
     assert [t.answer for t in conv.turns] == [a1, a2]
     assert conv.cache[0].offset == conv.entry.tokens + conv.tokens  # exactly the turns' tokens
     assert conv.prefix[0].offset == conv.entry.tokens  # the document's prefix never changes
     conv.save()
-    again = session.open_conversation(cid=conv.cid)  # restored: appended, nothing prefilled
+    again = asking.open_conversation(cid=conv.cid)  # restored: appended, nothing prefilled
     assert [t.answer for t in again.turns] == [a1, a2] and again.tokens == conv.tokens
     keys = kvcache.new_tokens(again.cache, again.entry.tokens)
     live = kvcache.new_tokens(conv.cache, conv.entry.tokens)
@@ -48,7 +49,7 @@ def test_turns_follow_on_one_fork_and_persist(doc):
 
 
 def test_a_follow_up_differs_from_a_first_question(doc):
-    conv = session.open_conversation()
+    conv = asking.open_conversation()
     "".join(conv.ask("Who keeps the lighthouse?", max_tokens=6))
     second = conv.turns and conv._prompt("How many sheep?", first=False)
     first = conv._prompt("How many sheep?", first=True)
@@ -59,7 +60,7 @@ def test_a_follow_up_differs_from_a_first_question(doc):
 
 def test_the_oldest_turns_go_when_the_room_runs_out(doc, monkeypatch):
     monkeypatch.setattr(conversation, "MAX_EXACT", 140)
-    conv = session.open_conversation()
+    conv = asking.open_conversation()
     for i in range(6):
         "".join(conv.ask(f"Question number {i} about the sheep?", max_tokens=10))
         assert conv.tokens <= 140
@@ -68,16 +69,16 @@ def test_the_oldest_turns_go_when_the_room_runs_out(doc, monkeypatch):
 
 
 def test_a_question_beyond_the_room_is_one_line(doc):
-    conv = session.open_conversation()
+    conv = asking.open_conversation()
     with pytest.raises(Exception, match="shorten the question"):
         "".join(conv.ask("word " * 3000))
 
 
 def test_continue_without_a_conversation_and_unknown_ids(doc):
     with pytest.raises(EntryNotFound, match="no earlier conversation"):
-        session.open_conversation(cid="last")
+        asking.open_conversation(cid="last")
     with pytest.raises(EntryNotFound, match="No conversation 'nope'"):
-        session.open_conversation(cid="nope")
+        asking.open_conversation(cid="nope")
 
 
 def test_ask_continue_across_processes_and_chat(doc, tiny, tmp_path):
@@ -111,4 +112,17 @@ def test_segmented_documents_refuse_a_conversation(tmp_path, tiny, monkeypatch):
 
     multidoc.ingest_files([str(big)], None, None, "tq4")
     with pytest.raises(ConfigError, match="segments"):
-        session.open_conversation("big.txt")
+        asking.open_conversation("big.txt")
+
+
+def test_info_says_how_much_room_an_entry_has_and_ingest_keeps_a_chat_reserve(doc, tiny):
+    from typer.testing import CliRunner
+
+    from longctx.cli import app
+
+    res = CliRunner().invoke(app, ["info", "facts.txt", "--json"])
+    data = json.loads(res.stdout)
+    assert data["room_tokens"] == 2048 - data["tokens"]
+    assert session.answer_reserve(2048) == 256 and session.answer_reserve(8192) == 1024
+    assert session.answer_reserve(32768) == session.CHAT_RESERVE == 4096
+    assert session.answer_reserve(131072) == 4096

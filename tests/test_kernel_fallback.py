@@ -14,6 +14,8 @@ import pytest
 from kernel_cases import preset_bits, random_segment
 
 from longctx import session
+
+from longctx import asking
 from longctx.kernels import _prelude
 from longctx.kernels import decode_attend as da
 from longctx.kernels import pack as kp
@@ -95,11 +97,11 @@ def test_ask_answers_like_the_reference_path_when_kernels_fail(tiny_model, text_
     session.ingest(text_doc, model=str(tiny_model))
     question = "Who keeps the lighthouse?"
     with _prelude.force_backend("cpu"):  # every kernel's reference: the oracle
-        want = "".join(session.ask(question, max_tokens=12))
+        want = "".join(asking.ask(question, max_tokens=12))
     broken = Broken()
     with _prelude.executor(broken, as_backend="metal"):
         with fallbacks() as fell:
-            got = "".join(session.ask(question, max_tokens=12))
+            got = "".join(asking.ask(question, max_tokens=12))
     assert "lc_decode_attend" in fell.names
     assert broken.calls >= 1  # the fused path was taken and its kernel failed
     assert got == want and len(got) > 0

@@ -613,9 +613,9 @@ def test_gpu_decode_step_mma_whole(shape, qdt, monkeypatch):
 
 
 def test_decode_step_timing_variant_is_benchmark_only(monkeypatch):
-    """The step's timing variant (benchmarks/step_stamps.py) is its own launch spec with one
-    more output, `stamps`, and the stamp macros defined; the library's spec defines none (its
-    LC_STAMP calls expand to nothing)."""
+    """The step's timing variant (benchmarks/diagnostics/step_stamps.py) is its own launch spec
+    with one more output, `stamps`, and the stamp macros defined; the library's spec defines none
+    (its LC_STAMP calls expand to nothing)."""
     plain = dm._step_spec(128)
     assert "stamps" not in plain.outputs and "clock64" not in plain.header
     assert "LC_STAMP(9)" in plain.source and "#define LC_STAMP(i)\n" in plain.header

@@ -13,6 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from longctx import asking
+
 from longctx import engine, kvcache, session
 from longctx.runtime import light, models
 
@@ -49,7 +51,7 @@ def test_ask_process_answers_without_importing_transformers(tiny_model, text_doc
         "main()\n", env={"LONGCTX_HOME": str(longctx_home)})
     assert out.returncode == 0, out.stderr
     assert "TRANSFORMERS False" in out.stderr
-    expected = "".join(session.ask("Who keeps the lighthouse?", max_tokens=6))
+    expected = "".join(asking.ask("Who keeps the lighthouse?", max_tokens=6))
     assert out.stdout == expected + "\n" and expected
 
 
@@ -109,15 +111,15 @@ def test_unverified_tokenizer_falls_back_to_transformers(tiny_model, text_doc, m
     assert entry.question_suffix == ""
     calls = []
     monkeypatch.setattr(models, "load_light", lambda ref: calls.append(ref))
-    text = "".join(session.ask("Who keeps the lighthouse?", max_tokens=6))
+    text = "".join(asking.ask("Who keeps the lighthouse?", max_tokens=6))
     assert text and not calls
 
 
 def test_light_and_transformers_paths_answer_alike(tiny_model, text_doc, monkeypatch):
     session.ingest(text_doc, model=str(tiny_model))
-    lite = "".join(session.ask("How many sheep?", max_tokens=10))
+    lite = "".join(asking.ask("How many sheep?", max_tokens=10))
     monkeypatch.setattr(models, "load_light", lambda ref: None)
-    full = "".join(session.ask("How many sheep?", max_tokens=10))
+    full = "".join(asking.ask("How many sheep?", max_tokens=10))
     assert lite == full and lite
 
 

@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import make_tiny_model
+from longctx import asking
 from longctx import config, estimate, model_scores, multidoc, session
 from longctx.cli import app
 from longctx.errors import ConfigError, ResourceError
@@ -49,7 +50,7 @@ def test_a_long_document_becomes_segments_answered_from_the_needles_segment(shor
     group = result.target
     assert isinstance(group, groups.Group) and group.kind == "segments"
     assert len(group.segments) >= 3 and result.built == len(group.segments)
-    assert all(s["tokens"] <= 1024 - session.ANSWER_RESERVE for s in group.segments)
+    assert all(s["tokens"] <= 1024 - session.answer_reserve(1024) for s in group.segments)
     store = Store()
     try:
         texts = [groups.text(store, sid) for sid in group.segment_ids]
@@ -118,7 +119,7 @@ def test_a_collection_names_the_file_it_answered_from(short_model, tmp_path):
     assert group.kind == "collection" and len(group.segments) == 1  # they fit together
     assert [f["name"] for f in group.files] == ["contract.txt", "a.md", "b.md"]
     answer = session.Answer()
-    "".join(session.ask("What is the penalty for late delivery?", doc="contract", max_tokens=3,
+    "".join(asking.ask("What is the penalty for late delivery?", doc="contract", max_tokens=3,
                         answer=answer))
     assert answer.sources == ["b.md lines 1"]
     res = _invoke("export", "contract", "-o", tmp_path / "x.safetensors")
@@ -201,7 +202,7 @@ def test_peak_estimate_is_within_a_quarter_of_the_measured_cpu_peaks():
 def test_unknown_ranker_is_a_config_error(short_model, tmp_path):
     multidoc.ingest_files([_long_md(tmp_path / "long.md")], model=str(short_model))
     with pytest.raises(ConfigError, match="ranker"):
-        "".join(session.ask("q?", ranker="tfidf"))
+        "".join(asking.ask("q?", ranker="tfidf"))
 
 
 def test_the_attention_ranker_reads_every_compressed_layer_and_reranks_bm25s_best(
@@ -220,7 +221,7 @@ def test_the_attention_ranker_reads_every_compressed_layer_and_reranks_bm25s_bes
 
     monkeypatch.setattr(model_scores, "body_mass", counting)
     answer = session.Answer()
-    "".join(session.ask("What is the secret launch code?", max_tokens=2, answer=answer,
+    "".join(asking.ask("What is the secret launch code?", max_tokens=2, answer=answer,
                         ranker="attention"))
     n = len(group.segments)
     assert sorted(answer.ranking) == list(range(n))
@@ -241,7 +242,7 @@ def test_answering_from_two_segments_keeps_the_answer_the_model_is_surest_of(sho
 
     monkeypatch.setattr(model_scores, "answer_likelihood", spy)
     answer = session.Answer()
-    text = "".join(session.ask("What is the secret launch code?", max_tokens=3, answer=answer,
+    text = "".join(asking.ask("What is the secret launch code?", max_tokens=3, answer=answer,
                                segments=2))
     assert len(scored) == 2 and text == answer.text
     best = answer.ranking[:2][scored.index(max(scored))]
@@ -250,8 +251,8 @@ def test_answering_from_two_segments_keeps_the_answer_the_model_is_surest_of(sho
 
 def test_gpu_peak_estimate_follows_the_measured_gpu_peaks():
     """The GPU branch of the estimate against the measured prefill peaks: on the H200,
-    prefill_gpu.json (bf16 SmolLM2-135M and Llama-3.1-8B shapes, 8k and 32k, and its A/B
-    rows), prefill_gpu_128k.json (the 4-bit 8B shape, with the bound at 1-8 GiB) and the
+    prefill_h200.json (bf16 SmolLM2-135M and Llama-3.1-8B shapes, 8k and 32k, and its A/B
+    rows), prefill_h200_128k.json (the 4-bit 8B shape, with the bound at 1-8 GiB) and the
     product path's 128k ingests (4-bit Llama-3.1-8B and Qwen2.5-7B shapes). Within 15% over on
     the 8B shapes (fp16 at 128k: 1.12x, mlx-lm's buffer reallocations; tq4 with a 4 GiB bound:
     1.13x, the bound plus a group counted in flight); never more than 20% under (an ingest told
@@ -265,7 +266,7 @@ def test_gpu_peak_estimate_follows_the_measured_gpu_peaks():
     from longctx.kvcache import get_preset
 
     root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "benchmarks"))
+    sys.path.insert(0, str(root / "benchmarks" / "diagnostics"))
     from shapes import SHAPES
 
     results = root / "benchmarks" / "results"
@@ -273,7 +274,7 @@ def test_gpu_peak_estimate_follows_the_measured_gpu_peaks():
     cases = []
     # files written before prefill_shapes recorded its defaults ran under these
     before = {"prefill_layer_call_tokens": 0, "prefill_inflight": 2**30}
-    for name in ("prefill_gpu.json", "prefill_gpu_128k.json",  # the 128k rows: 4-bit weights
+    for name in ("prefill_h200.json", "prefill_h200_128k.json",  # the 128k rows: 4-bit weights
                  "prefill_h100.json"):
         data = json.loads((results / name).read_text())
         for r in data["rows"]:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from longctx import asking
+
 from longctx import manage, session
 from longctx.runtime import models
 from longctx.store import Store
@@ -109,7 +111,7 @@ def test_sigkill_at_any_point_leaves_a_consistent_store(warm_home, tiny_model, t
 
         again = session.ingest(text_doc, model=str(tiny_model))  # the document ingests again
         assert again.reused == (point in INDEXED), point
-        assert "".join(session.ask("Who keeps the lighthouse?", max_tokens=3)) is not None
+        assert "".join(asking.ask("Who keeps the lighthouse?", max_tokens=3)) is not None
 
 
 def test_four_concurrent_ingests_build_one_entry(warm_home, tiny_model, text_doc, tmp_path):
@@ -143,7 +145,7 @@ def test_ask_while_another_document_is_mid_write(warm_home, tiny_model, text_doc
         assert len(temps) == 1
 
         answer = session.Answer()
-        text = "".join(session.ask("Who keeps the lighthouse?", doc=first.id, max_tokens=4,
+        text = "".join(asking.ask("Who keeps the lighthouse?", doc=first.id, max_tokens=4,
                                    answer=answer))
         assert answer.entry.id == first.id and text is not None
         # Neither that ask's store nor an explicit cleanup touched the live writer's temp file.

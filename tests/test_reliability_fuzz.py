@@ -3,20 +3,15 @@
 Every case writes a mutated copy of a tiny model's cache file in place and restores it. Only
 `CacheCorrupt` / `CacheMismatch` may come out (0 crashes), and a restore that succeeds must have
 read exactly the original (0 accepted corrupt files). The mutations and the oracle live in
-`benchmarks/fuzz_cache.py`, whose longer seeded run is recorded in benchmarks/results/.
+`tests/test_fuzz_cache.py`, which also runs a seeded random campaign over them.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+import test_fuzz_cache as fuzz_cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import fuzz_cache  # noqa: E402
 
 CASES = 2500  # ~1-3 ms each on a 2-core CPU: a few seconds
 

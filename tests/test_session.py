@@ -6,6 +6,8 @@ import hashlib
 
 import pytest
 
+from longctx import asking
+
 from longctx import engine, kvcache, manage, prompt, session
 from longctx.errors import CacheMismatch, ContextLengthError, EntryNotFound
 from longctx.runtime import models
@@ -31,8 +33,8 @@ def test_ask_is_repeatable_and_never_changes_the_file(tiny_model, text_doc):
     cache_file = Store().caches / entry.file
     before = _sha(cache_file)
     a1, a2 = session.Answer(), session.Answer()
-    text1 = "".join(session.ask("Who keeps the lighthouse?", max_tokens=12, answer=a1))
-    text2 = "".join(session.ask("Who keeps the lighthouse?", max_tokens=12, answer=a2))
+    text1 = "".join(asking.ask("Who keeps the lighthouse?", max_tokens=12, answer=a1))
+    text2 = "".join(asking.ask("Who keeps the lighthouse?", max_tokens=12, answer=a2))
     assert text1 == text2 and len(text1) > 0
     assert _sha(cache_file) == before
     assert a1.entry.id == entry.id and a1.first_token_seconds >= a1.restore_seconds > 0
@@ -61,7 +63,7 @@ def test_restored_cache_answers_like_a_fresh_full_prompt(tiny_model, text_doc):
 def test_model_mismatch_is_refused(tiny_model, tiny_model_other, text_doc):
     session.ingest(text_doc, model=str(tiny_model))
     with pytest.raises(CacheMismatch, match="ingested with model"):
-        list(session.ask("q", model=str(tiny_model_other)))
+        list(asking.ask("q", model=str(tiny_model_other)))
 
 
 def test_document_longer_than_context_is_refused(tmp_path, text_doc):
@@ -79,7 +81,7 @@ def test_question_longer_than_remaining_context(tmp_path, text_doc):
     small = make_tiny_model(tmp_path / "small", context=1000)
     session.ingest(text_doc, model=str(small))
     with pytest.raises(ContextLengthError, match="shorten the question"):
-        list(session.ask("why " * 400))
+        list(asking.ask("why " * 400))
 
 
 def test_unknown_document(tiny_model, text_doc):

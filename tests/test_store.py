@@ -19,6 +19,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from longctx import asking
+
 from longctx import kvcache, manage, session
 from longctx.errors import (CacheCorrupt, CacheFormatUnsupported, CacheMismatch, EntryNotFound,
                             StoreError)
@@ -158,14 +160,14 @@ def test_ask_shows_nothing_from_a_cache_that_fails_its_checksums(tiny_model, tex
     """`ask` starts the question while the checksums run, but a damaged cache yields no text:
     the first token waits for every checksum."""
     entry = _ingest(text_doc, tiny_model)
-    assert "".join(session.ask("Who keeps the lighthouse?", max_tokens=4))  # intact: text comes
+    assert "".join(asking.ask("Who keeps the lighthouse?", max_tokens=4))  # intact: text comes
     path = Store().cache_path(entry.id)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x08
     path.write_bytes(bytes(data))
     shown = []
     with pytest.raises(CacheCorrupt, match="fails its checksum"):
-        for piece in session.ask("Who keeps the lighthouse?", max_tokens=4):
+        for piece in asking.ask("Who keeps the lighthouse?", max_tokens=4):
             shown.append(piece)
     assert shown == []
 
@@ -391,10 +393,10 @@ def test_ingest_rebuilds_a_corrupt_cache_without_force(tiny_model, text_doc):
     data[-10] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(CacheCorrupt, match="fails its checksum"):
-        list(session.ask("q", max_tokens=2))
+        list(asking.ask("q", max_tokens=2))
     again = session.ingest(text_doc, model=str(tiny_model))
     assert not again.reused
-    assert "".join(session.ask("q", max_tokens=2)) is not None
+    assert "".join(asking.ask("q", max_tokens=2)) is not None
 
 
 # -- mismatches: model, tokenizer, preset -------------------------------------------------------
@@ -416,7 +418,7 @@ def test_other_tokenizer_is_refused_naming_both(tiny_model, text_doc, tmp_path):
     cfg = json.loads((twin / "tokenizer_config.json").read_text())
     (twin / "tokenizer_config.json").write_text(json.dumps({**cfg, "model_max_length": 77}))
     with pytest.raises(CacheMismatch, match="tokenizer") as err:
-        list(session.ask("q", model=str(twin)))
+        list(asking.ask("q", model=str(twin)))
     ref = models.resolve(str(twin))
     message = str(err.value)
     assert entry.tokenizer_sha256[:12] in message and ref.tokenizer_sha256[:12] in message

@@ -18,6 +18,8 @@ import mlx.core as mx
 import pytest
 from typer.testing import CliRunner
 
+from longctx import asking
+
 from longctx import config, manage, session
 from longctx.cli import app
 from longctx.cli_render import ago, entries_table
@@ -203,7 +205,7 @@ def test_ingest_evicts_after_saving_and_ask_counts_as_use(tiny_model, tmp_path, 
     store = Store(cleanup=False)
     before = store.last_used()
     assert session.ingest(docs[1], model=str(tiny_model)).reused  # a reuse is a use
-    assert "".join(session.ask("Who?", doc=a.id, max_tokens=2)) is not None  # a: used after b
+    assert "".join(asking.ask("Who?", doc=a.id, max_tokens=2)) is not None  # a: used after b
     after = store.last_used()
     assert before[b.id] < after[b.id] < after[a.id]
     store.close()

@@ -15,7 +15,7 @@ Every cell is one haystack (RULER's one needle group per haystack; a shared hays
 with every depth's needle, asked one question each, is the faster `shared=True` mode, at the cost
 of turning the task into retrieval among distractors). For each (length, depth, sample) the
 document is built once and written as a text file; for each KV preset it is `session.ingest`ed
-(prefilled once, persisted) and its questions are asked with `session.ask`, which restores the
+(prefilled once, persisted) and its questions are asked with `asking.ask`, which restores the
 cache from disk. The same documents serve every preset, so presets differ only in the cache.
 """
 
@@ -28,6 +28,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from longctx import asking
 
 from longctx import kvcache, manage, prompt, session
 from longctx.bench import haystack as hay
@@ -262,7 +264,7 @@ def cut_answer(text: str) -> str:
 def _ask(probe: Probe, entry_id: str, model: str, max_tokens: int) -> tuple[str, session.Answer, float]:
     answer = session.Answer()
     start = time.perf_counter()
-    for _ in session.ask(probe.question, doc=entry_id, model=model, max_tokens=max_tokens, answer=answer):
+    for _ in asking.ask(probe.question, doc=entry_id, model=model, max_tokens=max_tokens, answer=answer):
         if any(m in answer.text for m in STOPS):
             break
     return cut_answer(answer.text), answer, time.perf_counter() - start
@@ -273,7 +275,7 @@ def run(model: str | None = None, task: str = "single", lengths=DEFAULT_LENGTHS,
         workdir: str | Path = "niah-work", shared: bool = False, keep: bool = False,
         progress: Progress | None = None, on_cell: Callable[[Cell], None] | None = None,
         corpus: str | Path | None = None, budget_seconds: float | None = None) -> Results:
-    """Run the NIAH grid through `session.ingest` / `session.ask`.
+    """Run the NIAH grid through `session.ingest` / `asking.ask`.
 
     Args:
         model: `--model` spec (None: the default model).
@@ -331,7 +333,7 @@ def run(model: str | None = None, task: str = "single", lengths=DEFAULT_LENGTHS,
             for n, s, group in jobs:
                 if budget_seconds is not None and time.perf_counter() - start > budget_seconds:
                     break  # whole cases only: every preset answers the same documents
-                budget = min(n - _MAX_TOKENS[task] - 48, ctx - session.ANSWER_RESERVE)
+                budget = min(n - _MAX_TOKENS[task] - 48, ctx - session.answer_reserve(ctx))
                 case = make_case(task, n, group, s, seed, lm.tokenizer, essays, budget, piece_tokens)
                 doc = work / f"{task}-{n}-{s}-{'all' if shared else group[0]}" / DOC_NAME
                 doc.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ A haystack document longer than the context (same prose and sentence-boundary pl
 `haystack.build`) holds one needle, "The special magic number for the {key} is: {value}.", at
 the cell's depth. It is ingested through `multidoc.ingest_files`, which splits it into segment
 caches under a group record; each question is then asked with each ranker through
-`session.ask(..., doc=<group id>, ranker=r)`, which ranks the segments, restores the chosen one
+`asking.ask(..., doc=<group id>, ranker=r)`, which ranks the segments, restores the chosen one
 and answers from it. Two tasks ask of the same document (one ingest serves both):
 - `literal`: RULER's wording, "What is the special magic number for the {key} mentioned in the
   provided text?" (the key's words are in the needle);
@@ -22,13 +22,13 @@ accuracy (RULER `string_match_all` on the cut answer, as `niah` scores), and tim
 which includes the ranking, and first token). The haystack has no instruction preamble: it would
 sit in the first segment only.
 
-Wall time on an H200 with the default SmolLM2-135M-Instruct (8k context, tq4; a segment holds
-~7.9k tokens, so 16k/32k/64k are 3/5/9 segments): ingest runs at ~3-7k tok/s (prefill ~7k tok/s
-plus quantizing and saving; measured 2-4 s per 8k entry), so 5 depths x (16k+32k+64k) = 560k
-tokens take ~80-180 s; each document is asked 4 questions (2 tasks x 2 rankers): bm25 restores
-one segment (~1 s with its answer), model restores up to 4 and scores the question on each
-(~2-3 s), ~7 s per document, ~105 s for 15; with the model load, ~4-5 min in all (the gpu.sh
-phase `niahseg` stops starting documents after 420 s).
+Where the wall time goes, with the default SmolLM2-135M-Instruct (8k context, tq4; a segment
+holds ~7.9k tokens, so 16k/32k/64k are 3/5/9 segments): the ingest of every entry (prefill plus
+quantizing and saving, 5 depths x (16k+32k+64k) = 560k tokens); each document's 4 questions (2
+tasks x 2 rankers: bm25 restores one segment, model restores up to 4 and scores the question on
+each, so its questions cost more); the model load. Each cell of the results file holds its
+measured timings; the gpu.sh phase `niahseg` stops starting documents after 420 s
+(`budget_seconds`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from longctx import asking
 
 from longctx import kvcache, manage, multidoc, retrieval, session
 from longctx.bench import haystack as hay
@@ -243,7 +245,7 @@ def make_case(length: int, depth: float, seed: int, tokenizer, essays: list,
 def _ask(question: str, group_id: str, model: str, ranker: str) -> tuple[str, session.Answer, float]:
     answer = session.Answer()
     start = time.perf_counter()
-    for _ in session.ask(question, doc=group_id, model=model, max_tokens=MAX_TOKENS, answer=answer,
+    for _ in asking.ask(question, doc=group_id, model=model, max_tokens=MAX_TOKENS, answer=answer,
                          ranker=ranker):
         if any(m in answer.text for m in niah.STOPS) or _VALUE.search(answer.text):
             break

@@ -54,6 +54,14 @@ def compressed(model, exact: list, preset: str, chunk: int = engine.DEFAULT_CHUN
             dst.update_and_fetch(keys, values)
             mx.eval(dst.state)
     kvcache.seal(cache)
+    # what a restore from the entry's file yields (the arrays), prepared for answers as
+    # `session.restore` prepares it (on the CPU: the prefix decoded once)
+    preset_ = kvcache.get_preset(preset)
+    dtype = next(c for c in exact if hasattr(c, "keys")).keys.dtype
+    cache = kvcache.from_arrays(kvcache.to_arrays(cache, preset_), model, preset_, dtype)
+    mx.eval([c.state for c in cache])
+    if mx.default_device().type == mx.DeviceType.cpu:
+        kvcache.decode_once(cache)
     return cache
 
 

@@ -8,8 +8,8 @@ Array names in a cache file, per layer i:
   layer are stacked into one array each, `turbo.k.<name>` / `turbo.v.<name>` (n_layers * B, H_kv,
   ...: concatenated along the batch axis, B = 1), the compressed layers in order, when all of
   them share H_kv and D (else they stay per layer): a reader allocates and fills ~6 arrays
-  instead of ~180 for 30 layers (on the H200, `mx.load` of an 8k-token file's layout 13.2 ->
-  8.8 ms, its first GPU use 2.2 -> 0.8 ms: benchmarks/mxload_layouts.py).
+  instead of ~180 for 30 layers (fewer arrays to allocate and fill: faster to load and to
+  first use, benchmarks/diagnostics/mxload_layouts.py).
 
 Sliding-window layers (mlx-lm's `RotatingKVCache`, e.g. Gemma-3's local layers) stay uncompressed
 whatever the preset: `{i}.k`, `{i}.v` (B, H_kv, min(T, window), D) float16, the newest tokens in

@@ -3,12 +3,12 @@
 Compressed segments go to `longctx.kernels.decode_attend`, which reads the packed cache directly
 (`attend_blocked.attend` with `fused`). One layer's attention is then ~50 small MLX operations
 around the kernel (rotations, the split merge, the exact block, the softmax merge), each its own
-launch; compiled they cost about what the kernel does (H200, 8k tokens, 16 query tokens: 1.78 ->
-0.74 ms per layer; benchmarks/restore_profile.py). The compiled function takes every per-layer
-array as an input (rotation signs, QJL projection, centroid tables, segments, sink, window, value
-mean) and is keyed by sizes, specs and positions only, so all layers of a forward pass share one
-trace. An answer's window lives in preallocated buffers with a valid-slot mask, so decode steps
-do not change the trace's input shapes.
+launch; compiled they cost about what the kernel does, well under their eager cost
+(benchmarks/diagnostics/restore_profile.py, docs/performance.md). The compiled
+function takes every per-layer array as an input (rotation signs, QJL projection, centroid
+tables, segments, sink, window, value mean) and is keyed by sizes, specs and positions only, so
+all layers of a forward pass share one trace. An answer's window lives in preallocated buffers
+with a valid-slot mask, so decode steps do not change the trace's input shapes.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ the exact block as separate launches:
 The decode-attend kernel's splits also take the exact tokens (the sink and the window, a share
 each), so the finish only merges (`decode_attend_mma.EXACT_IN_SPLITS` for the tensor-core kernel
 on CUDA at 4-bit keys and values, `decode_attend.EXACT_IN_SPLITS` for the portable kernel, the
-one Metal runs): attended by the finish alone they cost 30-40 us per layer of an answer.
+one Metal runs): attended by the finish alone, one threadgroup per KV head, they were a large
+part of an answer's step (docs/performance.md).
 
 Per layer that replaces ~14 launches (the compiled fused path) by 2, and the Python around them
 is a few attribute reads: below 32k cached tokens a step was bound by issuing launches, not by
@@ -46,9 +47,9 @@ _CODECS: dict = {}  # (id(kc), id(vc), rows) -> _Codecs (see `_codecs`)
 
 class _Codecs:
     """What a step needs to know of its codecs, worked out once per pair and row count (a decode
-    step asks at every layer and token: ~30 attribute reads and calls, ~10 us of host time on the
-    H200's VM, against its ~30 us budget): whether the two-launch path and the tensor-core kernel
-    take them (on this backend, with `decode_attend_mma.ENABLED` as it was), and their tables."""
+    step asks at every layer and token: ~30 attribute reads and calls, a sizable share of the
+    host time a step has per layer): whether the two-launch path and the tensor-core kernel take
+    them (on this backend, with `decode_attend_mma.ENABLED` as it was), and their tables."""
 
     __slots__ = ("kc", "vc", "backend", "mma_enabled", "fits", "mma", "k_arrays", "v_arrays",
                  "spec")
@@ -141,7 +142,7 @@ def _env() -> tuple:
     failed so far, the settings that choose the path (their overrides' generation and their
     variables as the environment holds them), and the generation of the executor, the forced
     backend and the kernels' and `compiling`'s tunables (`_prelude.watch`): a few reads, where
-    the settings and tunables themselves were ~5 us of a step's host time on the H200's VM."""
+    reading the settings and tunables themselves took a sizable share of a step's host time."""
     return (_prelude.backend(), _prelude.GENERATION[0], len(_prelude._FAILED),
             config.GENERATION[0], config.raw("compile"), config.raw("fused_step"),
             config.raw("fused_max_lq"))
@@ -155,7 +156,7 @@ class _Plan:
     mean and window buffers (MLX writes a decode step's token into the window's buffer objects in
     place), or no window, and `_env()` is unchanged. It skips the path choice, the checks and the
     trace key: ~10-15 us of Python a layer and token on a 2-core x86 host
-    (`benchmarks/decode_host.py`).
+    (`benchmarks/diagnostics/decode_host.py`).
     """
 
     __slots__ = ("fn", "tape", "shape", "dtype", "scale", "seg", "sink", "wbuf", "args", "mean",
@@ -240,16 +241,16 @@ def _keep_plan(kv: CompressedKV, fn, queries, scale, args, heads: int, tape=None
 def attention(queries, kv: CompressedKV, scale: float):
     """(B, H_q, 1, D) attention of one query token over `kv`, in the queries' dtype.
 
-    Both launches run under `mx.compile`: an eager custom-kernel call costs ~0.1 ms of host time
-    on the H200's VM (MLX assembles the kernel's source at every call), a compiled replay a
-    fraction. The compiled step takes every per-layer array as an input and the window as its
-    whole buffers plus a count, so all layers and all steps until the buffers grow share one
-    trace; before the first trace of a key, one eager call checks the kernels' variants
-    (`kernels._prelude.run`), as `attend_fused` does. The step's inputs are then kept with the
-    layer's cache (`_Plan`), so that its next steps replay it directly. With the native helper
-    (`longctx.native`, `LONGCTX_NATIVE`), a layer's plan is a tape of its step's graph instead
-    (`_taped`): MLX's compiled call of the step took 8-19 us of host time per layer and token on
-    the H200 machine's hosts, the tape's replay 5-7 (`benchmarks/plan_call.py`).
+    Both launches run under `mx.compile`: an eager custom-kernel call costs many times a compiled
+    replay's host time (MLX assembles the kernel's source at every call). The compiled step takes
+    every per-layer array as an input and the window as its whole buffers plus a count, so all
+    layers and all steps until the buffers grow share one trace; before the first trace of a
+    key, one eager call checks the kernels' variants (`kernels._prelude.run`), as `attend_fused`
+    does. The step's inputs are then kept with the layer's cache (`_Plan`), so that its next steps
+    replay it directly. With the native helper (`longctx.native`, `LONGCTX_NATIVE`), a layer's
+    plan is a tape of its step's graph instead (`_taped`): its replay skips the per-call work of
+    MLX's compiled call (the tree walk, the cache lookup), so it takes less host time per layer
+    and token (`benchmarks/diagnostics/plan_call.py`, docs/performance.md).
     """
     shape = queries.shape
     H = kv.value_mean.shape[1]

@@ -61,8 +61,8 @@ def sync(arrays: tuple, nbytes: int, budget: int, every: int = 1) -> None:
     dequantized prefix (`dense_gpu`, fp16 keys and values: 0.5 GiB per layer at 128k tokens of
     an 8B model), so a chunk's working set grows to the size of an fp16 cache. A layer's incoming
     keys are made by the previous layers' attention: waiting for an older layer's keys frees the
-    rows of the layers before it. Waiting costs the overlap of graph building and GPU work (at
-    8k tokens on an H200, one wait per layer halved the prefill rate), so the bound is in bytes:
+    rows of the layers before it. Waiting costs the overlap of graph building and GPU work (one
+    wait per layer cost much of the prefill rate: docs/performance.md), so the bound is in bytes:
     short prefixes, whose rows are small, keep every layer in flight.
 
     Args:
@@ -70,12 +70,12 @@ def sync(arrays: tuple, nbytes: int, budget: int, every: int = 1) -> None:
         nbytes: the fp16 rows this layer's attention will dequantize (an estimate: one
             segment's keys and values; several segments or QJL corrections hold more).
         budget: most bytes in flight (`prefill_inflight`).
-        every: queue only every this many calls (`prefill_queue_every`). On the H200 each
-            `mx.async_eval` took ~0.5 ms of host time in a SmolLM2 8k prefill (cProfile: 0.25 s
-            of the 0.55 s the host spent on 16 chunks, where the fp16 cache's whole prefill
-            took 0.13 s). A wait still evaluates the layers before it, queued or not. The
-            default, 4, beat 1 in 7 of 8 rows of two H200 runs (`prefill_gpu.json`'s queue4
-            rows: e.g. Llama-3.1-8B shape at 8k 0.85x fp16 vs 0.77x); 30 lost at 32k.
+        every: queue only every this many calls (`prefill_queue_every`). Each `mx.async_eval`
+            costs host time: in a small model's GPU prefill those calls were a large share of
+            the host's work (cProfile, docs/performance.md; the profile in git history). A
+            wait still evaluates the layers before it, queued or not. The default, 4, measured
+            faster than 1 in most rows (docs/performance.md; the queue4 rows in git history);
+            30 lost at 32k.
     """
     if not _PENDING:
         _INFLIGHT[0] = 0
@@ -270,8 +270,8 @@ class TurboQuantCache:
         if needed <= cap:
             return
         # A fresh buffer per growth: MLX writes into it in place (nothing else references it).
-        # Preallocating the whole prefill's tail once was 2x slower on the H200 (8B shape, 8k):
-        # every later write then copied the whole buffer, which the view slices keep referenced.
+        # Preallocating the whole prefill's tail once was slower (docs/performance.md): every
+        # later write then copied the whole buffer, which the view slices keep referenced.
         new_cap = (needed + self.step - 1) // self.step * self.step
 
         def grown(old: dict | None, like: dict) -> dict:

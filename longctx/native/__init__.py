@@ -1,8 +1,9 @@
 """An optional native helper: `Tape`, a captured MLX graph replayed on new inputs (replay.cpp).
 
 The decode step replays its kept plan through it instead of `mx.compile`'s call where it is built
-(`attend_step`): the same primitives over the same inputs, ~10 us less host time per layer and
-token on the H200 machine's host. Without it everything works as before, through `mx.compile`.
+(`attend_step`): the same primitives over the same inputs, in less host time per layer and token
+(`benchmarks/diagnostics/plan_call.py`, docs/performance.md). Without it everything works
+as before, through `mx.compile`.
 
 It is built once, by `scripts/setup.sh` (`python -m longctx.native build`), against the installed
 MLX and the `nanobind` whose ABI MLX's Python module was built with (nanobind's internals must

@@ -1,12 +1,12 @@
 """Compiled CUDA kernels kept on disk between processes, where MLX looks for them.
 
 MLX compiles each `mx.fast.cuda_kernel` with NVRTC on its first launch in a process, 1-3 s per
-kernel source (`benchmarks/nvrtc_compile.py`): a fresh `longctx ask` on CUDA paid ~5 s before its
-first token (`benchmarks/first_step.py`). MLX keeps the compiled code of its own kernels in a
-cache directory (`MLX_PTX_CACHE_DIR`, by default `<temp>/mlx/<version>/ptx`) but not that of
-custom kernels: `CustomKernel::eval_gpu` asks for the module with its disk cache off, which turns
-off the WRITING only. Every module, custom ones included, is first looked up in that directory
-(mlx 0.32 `JitModule::JitModule`: `read_cached_ptx` before the builder), under the name
+kernel source (`benchmarks/diagnostics/nvrtc_compile.py`): a fresh `longctx ask` on CUDA paid ~5 s
+before its first token (`benchmarks/diagnostics/first_step.py`). MLX keeps the compiled code of its
+own kernels in a cache directory (`MLX_PTX_CACHE_DIR`, by default `<temp>/mlx/<version>/ptx`) but
+not that of custom kernels: `CustomKernel::eval_gpu` asks for the module with its disk cache off,
+which turns off the WRITING only. Every module, custom ones included, is first looked up in that
+directory (mlx 0.32 `JitModule::JitModule`: `read_cached_ptx` before the builder), under the name
 `custom_kernel_<name><template hash>_<std::hash of the generated source, hex>`.
 
 So before the first launch of each variant in a process, `prepare` builds the exact source MLX
@@ -170,7 +170,7 @@ def _loaded_library(stem: str) -> str | None:
 
 class _Nvrtc:
     """NVRTC through ctypes: the library MLX loaded (or `path`), MLX's include paths (or
-    `includes`: `benchmarks/nvrtc_compile.py` compiles on a machine without a GPU)."""
+    `includes`: `benchmarks/diagnostics/nvrtc_compile.py` compiles on a machine without a GPU)."""
 
     def __init__(self, path: str | None = None, includes: list[str] | None = None):
         path = path or _loaded_library("libnvrtc") or ctypes.util.find_library("nvrtc")

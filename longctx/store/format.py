@@ -64,8 +64,9 @@ TEMP_PREFIX = ".tmp-"
 _ZERO_SHA = "0" * 64
 # When `arrays_verifying` starts the checksum threads: "overlap" (before MLX reads the arrays,
 # the checks running alongside; any value but "after" means this) or "after" (once the arrays are
-# in: the checks then run while the caller computes, not against the reader; on the H200 no
-# steadier; benchmarks/restore.py --checks): the setting `checks` (LONGCTX_CHECKS).
+# in: the checks then run while the caller computes, not against the reader; measured no
+# steadier on a GPU: benchmarks/restore.py --checks, its results in git history):
+# the setting `checks` (LONGCTX_CHECKS).
 
 # safetensors dtype -> (bytes per element, numpy dtype used to carry the bytes into MLX)
 DTYPES = {"BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"), "U16": (2, "uint16"),
@@ -430,8 +431,8 @@ class Reader:
         if not os.path.exists(fd_path):
             # no /dev/fd: read each array into numpy, then copy it into MLX, one at a time (reading
             # on 8 threads first was slower on the CPU and, holding every buffer at once, took
-            # twice the memory; on the H200 that route took 0.170 s to a first token at 8k where
-            # MLX's reader took 0.068 s: benchmarks/restore.py --readers)
+            # twice the memory; on a GPU that route was slower to a first token than MLX's
+            # reader: docs/performance.md; the probe, restore.py --readers, in git history)
             out = {}
             for t in tensors.values():
                 arr = mx.array(self._read(t).view(np.dtype(DTYPES[t.dtype][1])).reshape(t.shape))
