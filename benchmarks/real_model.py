@@ -7,7 +7,7 @@ GPL-2, ...) cut to about `--tokens` tokens, with `--facts` invented facts plante
 rate and peak (the CLI's JSON), its per-chunk timeline (where the time goes as the prefix grows,
 from a second, in-process prefill of the first `--profile-tokens` tokens), and per question: the
 answer, whether it holds the fact, and the `ask` process's timings: start to the first byte of
-the answer (measured outside), model load, restore, first token (its JSON).
+the answer (measured outside), restore and first token as the process reports them.
 
 Results: benchmarks/results/real_model_<machine>.json.
 
@@ -58,28 +58,23 @@ def cli(env: dict, *args: str, timeout: int = 14400) -> subprocess.CompletedProc
 
 
 def ask(env: dict, question: str, doc: str) -> dict:
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "longctx", "ask", question, "--doc", doc, "--json",
-                             "--max-tokens", "48"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=1800)
-    total = time.perf_counter() - start
-    if proc.returncode:
-        raise SystemExit(f"ask failed: {err}")
-    data = json.loads(out)
-    return {"answer": data["answer"], "process_seconds": total, "model_seconds": data["model_seconds"],
-            "restore_seconds": data["restore_seconds"], "first_token_seconds": data["first_token_seconds"]}
+    """One `longctx ask` process: its start to the answer's first byte on stdout (a user's wait,
+    measured here), the answer, and the process's own phases (its stderr line)."""
+    import re
 
-
-def first_byte(env: dict, question: str, doc: str) -> float:
-    """Process start to the first byte of the answer on stdout (a user's wait)."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "longctx", "ask", question, "--doc", doc, "--max-tokens", "48"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    proc.stdout.read(1)
-    t = time.perf_counter() - start
-    proc.stdout.read()
-    proc.wait(timeout=1800)
-    return t
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    first = proc.stdout.read(1)  # unbuffered: communicate() below reads the pipes' descriptors
+    first_byte = time.perf_counter() - start
+    rest, err = proc.communicate(timeout=1800)
+    total = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(f"ask failed: {err.decode()}")
+    m = re.search(r"restored in ([0-9.]+) s, first token after ([0-9.]+) s", err.decode())
+    return {"answer": (first + rest).decode().strip(), "first_byte_seconds": first_byte, "process_seconds": total,
+            "restore_seconds": float(m.group(1)) if m else None,
+            "first_token_seconds": float(m.group(2)) if m else None}
 
 
 def profile(lm, ids: list[int], preset: str) -> dict:
@@ -99,6 +94,7 @@ def main() -> None:
     ap.add_argument("--kv", nargs="+", default=["tq4"])
     ap.add_argument("--model", default=None)
     ap.add_argument("--profile-tokens", type=int, default=0, help="also profile an in-process prefill")
+    ap.add_argument("--name", default=None, help="results file name (default real_model_<machine>)")
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="longctx-real-"))
     env = {**os.environ, "LONGCTX_HOME": str(home), "PYTHONUNBUFFERED": "1"}
@@ -114,7 +110,7 @@ def main() -> None:
     path.write_text(text)
     result = {"environment": environment(), "model": ref.model_id, "document": "Debian common-licenses + planted facts",
               "facts": [f for f, _, _ in FACTS[: args.facts]], "runs": []}
-    out = RESULTS / f"real_model_{machine_tag()}.json"
+    out = RESULTS / f"{args.name or 'real_model_' + machine_tag()}.json"
     for kv in args.kv:
         start = time.perf_counter()
         res = cli(env, "ingest", str(path), "--kv", kv, "--name", f"licenses-{kv}", "--json")
@@ -127,7 +123,6 @@ def main() -> None:
                "cache_bytes": info["bytes"], "questions": []}
         for _, question, want in FACTS[: args.facts]:
             q = ask(env, question, f"licenses-{kv}")
-            q["first_byte_seconds"] = first_byte(env, question, f"licenses-{kv}")
             q.update(question=question, expected=want, correct=want.lower() in q["answer"].lower())
             run["questions"].append(q)
             print(f"[{kv}] {question} -> {q['answer']!r} ({'ok' if q['correct'] else 'MISS'}; first byte "

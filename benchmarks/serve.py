@@ -85,7 +85,7 @@ def main() -> None:
                        capture_output=True, timeout=600)
         start = time.perf_counter()  # process start to the first byte of the answer on stdout
         proc = subprocess.Popen([*cli, "ask", "-c", FOLLOW, "--doc", names[0], "--max-tokens", "48"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
         proc.stdout.read(1)
         fresh.append(time.perf_counter() - start)
         proc.stdout.read()

@@ -125,6 +125,8 @@ def _bar(description: str, unit: str):
 
     def update(done: int, total: int):
         nonlocal task
+        if _state.get("follower"):
+            return
         if task is None:
             bar.start()
             task = bar.add_task(description, total=total, rate="")
@@ -359,6 +361,29 @@ def _duration(text: str) -> float:
         raise ConfigError(f"Cannot read the duration '{text}'; write e.g. 30s, 5m or 1h.") from None
 
 
+@app.command()
+def merge(doc: str = typer.Argument(..., help="Document name or id.")):
+    """Join a document's tensor-parallel shards (ingested under mlx.launch) into an ordinary entry
+    that one process can answer from."""
+    from longctx import manage
+
+    with _boundary():
+        e = manage.merge(doc)
+        err.print(f"[green]merged[/green] {escape(e.name)} into {e.id} ({human_bytes(e.bytes)})")
+
+
+@app.command()
+def reshard(doc: str = typer.Argument(..., help="Document name or id."),
+            ranks: int = typer.Option(..., "--ranks", min=2, help="Ranks to split the cache for.")):
+    """Split a document's cache into shards for `ranks` tensor-parallel processes (mlx.launch -n RANKS)."""
+    from longctx import manage
+
+    with _boundary():
+        made = manage.reshard(doc, ranks)
+        err.print(f"[green]resharded[/green] {escape(made[0].name)} for {ranks} ranks: "
+                  + ", ".join(e.id for e in made))
+
+
 @app.command("list")
 def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     """List ingested documents, newest first."""
@@ -564,6 +589,16 @@ def _niah_table(res) -> None:
                   highlight=False)
 
 
+def _quiet_followers() -> None:
+    """Under mlx.launch only rank 0 prints answers and progress (every rank still prints its
+    own errors)."""
+    from longctx.runtime import distributed
+
+    if distributed.launched() and os.environ.get("MLX_RANK", "0") != "0":
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+        _state["follower"] = True
+
+
 def main() -> None:
     """The `longctx` process entry: answering starts without importing transformers."""
     from longctx.runtime.blas import tune_malloc
@@ -571,6 +606,7 @@ def main() -> None:
 
     tune_malloc()
     defer_mlx_lm_init()
+    _quiet_followers()
     try:
         app(prog_name="longctx")
     except SystemExit as done:

@@ -30,7 +30,7 @@ def entries_table(entries, width: int, last_used: dict[str, float] | None = None
         "id": ([e.id for e in entries], "left"),
         "name": ([e.name for e in entries], "left"),
         "tokens": ([f"{e.tokens:,}" for e in entries], "right"),
-        "kv": ([e.kv_preset for e in entries], "left"),
+        "kv": ([e.kv_preset + (f" [{e.topology}]" if getattr(e, "topology", "") else "") for e in entries], "left"),
         "on disk": ([human_bytes(e.bytes) for e in entries], "right"),
         "last used": ([ago(seen.get(e.id, e.created)) for e in entries], "right"),
         "model": ([e.model_id for e in entries], "left"),

@@ -167,6 +167,8 @@ SETTINGS: dict[str, Setting] = {
                          "most bytes the store keeps (20GB, 500MiB, bytes; 0 or none: no limit); "
                          "ingest then evicts the least recently asked entries (default: 25% of "
                          "its disk, at most the store plus half the free space)"),
+    "peer_timeout": Setting("LONGCTX_PEER_TIMEOUT", _count, 60,
+                            "seconds a rank started by mlx.launch waits for the other ranks to connect"),
     "failpoint": Setting("LONGCTX_FAILPOINT", str, None,
                          "tests only: a named crash point, <point>[:kill, :stop or :enospc]"),
 }

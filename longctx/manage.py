@@ -157,3 +157,98 @@ def room(target) -> int | None:
     segments = getattr(target, "segments", ()) or ()
     longest = max((sg["tokens"] for sg in segments), default=target.tokens)
     return max(0, context - longest)
+
+
+def _gather(store: Store, doc: str):
+    """(an entry of `doc`, its whole arrays, its file's metadata): a single-process entry as it
+    is, or every rank's share of a tensor-parallel one joined along the head axis."""
+    import json
+
+    import mlx.core as mx
+
+    from longctx.errors import EntryNotFound
+    from longctx.runtime import distributed
+
+    mine = [e for e in store.entries() if not e.group and (e.name == doc or e.id == doc)]
+    if not mine:
+        raise EntryNotFound(f"No ingested document '{doc}' (of any topology); `longctx list` shows them.")
+    whole = [e for e in mine if not e.topology]
+    if whole:
+        e = max(whole, key=lambda x: x.created)
+        arrays, meta = store.load(e)
+        return e, arrays, meta
+    newest = max(mine, key=lambda x: x.created)
+    t = distributed.parse_tag(newest.topology)
+    shards = {}
+    for e in mine:
+        s = distributed.parse_tag(e.topology)
+        if s is not None and s.ranks == t.ranks and e.document_sha256 == newest.document_sha256 \
+                and e.kv_preset == newest.kv_preset:
+            shards.setdefault(s.rank, e)
+    missing = [r for r in range(t.ranks) if r not in shards]
+    if missing:
+        raise EntryNotFound(f"'{doc}' was ingested across {t.ranks} ranks but the shards of rank(s) "
+                            f"{', '.join(map(str, missing))} are not in this store; copy them here first.")
+    loaded = [store.load(shards[r]) for r in range(t.ranks)]
+    arrays = {k: (mx.concatenate([a[k] for a, _ in loaded], axis=1) if v.ndim >= 2 else v)
+              for k, v in loaded[0][0].items()}
+    meta = dict(loaded[0][1])
+    kv = json.loads(meta["kv_config"])
+    kv["kv_heads"] = [h * t.ranks if h else h for h in kv.get("kv_heads", [])]
+    meta["kv_config"] = json.dumps(kv)
+    return shards[0], arrays, meta
+
+
+def _save_as(store: Store, base, arrays: dict, meta: dict, topology: str):
+    """Save `arrays` as an entry like `base` for `topology`, under the content address an ingest
+    with that topology would give it."""
+    import dataclasses
+
+    from longctx import prompt
+    from longctx.store import entry_id
+
+    ref = models.resolve(base.model_spec)
+    at = f"@{topology}" if topology else ""
+    eid = entry_id(base.document_sha256, base.weights_sha256, base.tokenizer_sha256, base.kv_preset + at,
+                   prompt.layout_sha256(models.tokenizer(ref)))
+    entry = dataclasses.replace(base, id=eid, topology=topology)
+    with store.lock(eid):
+        return store.save(entry, arrays, meta)
+
+
+def merge(doc: str):
+    """Join a tensor-parallel document's shards into an ordinary entry (one process can then
+    answer it alone); returns the new entry."""
+    with _opened() as store:
+        base, arrays, meta = _gather(store, doc)
+        if not base.topology:
+            raise ConfigError(f"'{doc}' is an ordinary entry already; nothing to merge.")
+        return _save_as(store, base, arrays, meta, "")
+
+
+def reshard(doc: str, ranks: int) -> list:
+    """Split a document's cache into `ranks` tensor-parallel shards (from an ordinary entry, or
+    from another topology's shards); returns the new entries."""
+    import json
+
+    import mlx.core as mx
+
+    from longctx.runtime import distributed
+
+    if ranks < 2:
+        raise ConfigError("--ranks must be at least 2 (`longctx merge` makes one ordinary entry).")
+    with _opened() as store:
+        base, arrays, meta = _gather(store, doc)
+        kv = json.loads(meta["kv_config"])
+        heads = [h for h in kv.get("kv_heads", []) if h]
+        if any(h % ranks for h in heads):
+            valid = [n for n in range(2, max(heads) + 1) if all(h % n == 0 for h in heads)]
+            raise ConfigError(f"{ranks} ranks do not divide the cache's {max(heads)} KV heads; "
+                              f"reshard it for {' or '.join(map(str, valid)) or 'no other number of'} ranks.")
+        out = []
+        for r in range(ranks):
+            part = {k: (mx.split(v, ranks, axis=1)[r] if v.ndim >= 2 else v) for k, v in arrays.items()}
+            m = dict(meta)
+            m["kv_config"] = json.dumps({**kv, "kv_heads": [h // ranks if h else h for h in kv.get("kv_heads", [])]})
+            out.append(_save_as(store, base, part, m, distributed.Topology(ranks, r).tag))
+        return out

@@ -280,9 +280,18 @@ def _intact(store: Store, group: Group) -> bool:
 def find(store: Store, ref: str | None) -> Entry | Group:
     """The group or entry named `ref` (name, id or id prefix), or the latest if None. Segment
     entries are reached through their group only."""
+    from longctx.runtime import distributed
+
+    here = distributed.tag()
     found = groups.groups(store)
     stored = store.entries()
+    elsewhere = [e for e in stored if e.topology != here]
+    stored = [e for e in stored if e.topology == here]  # shards of other topologies are not ours
     entries = [e for e in stored if not e.group]
+    if ref is not None and elsewhere and not any(t.name == ref or t.id.startswith(ref.strip()) for t in [*found, *entries]):
+        other = next((e for e in elsewhere if e.name == ref or e.id.startswith(ref.strip())), None)
+        if other is not None:
+            raise EntryNotFound(_topology_hint(other, here))
     if not found and not entries:
         raise EntryNotFound("No documents ingested yet; run `longctx ingest FILE` first.")
     if ref is None:
@@ -396,3 +405,15 @@ def _cite(group: Group, i: int, text: str, query: str) -> str:
             if s.file == where and not s.pdf:
                 return s.label()
     return where
+
+
+def _topology_hint(entry: Entry, here: str) -> str:
+    """One line saying how to ask a document stored for another topology."""
+    from longctx.runtime import distributed
+
+    t = distributed.parse_tag(entry.topology)
+    if t is None:
+        return (f"'{entry.name}' was ingested in one process; ask it without mlx.launch, or split it for "
+                f"these ranks with `longctx reshard {entry.name} --ranks N`.")
+    return (f"'{entry.name}' was ingested across {t.ranks} ranks ({t.parallel} parallel): ask it under "
+            f"`mlx.launch -n {t.ranks}`, or join its shards with `longctx merge {entry.name}` to ask it in one process.")

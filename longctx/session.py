@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 from longctx import engine, kvcache, prompt
 from longctx.documents import Document, read_document
 from longctx.kvcache.presets import bits_per_channel
-from longctx.errors import (CacheCorrupt, CacheMismatch, ConfigError, ContextLengthError,
+from longctx.errors import (CacheCorrupt, CacheMismatch, ConfigError, ContextLengthError, ResourceError,
                             StoreError)
 from longctx.runtime import models
 from longctx.store import Entry, Store, budget, entry_id, layout, rebuild_hint
@@ -117,10 +117,18 @@ def plan(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAU
     tokens = prompt.prefix_tokens(tokenizer, lay)
     cfg = config.get("text_config", config)
     context = int(cfg.get("max_position_embeddings") or 2048)
-    eid = entry_id(doc.sha256, ref.weights_sha256, ref.tokenizer_sha256, kv.name,
+    eid = entry_id(doc.sha256, ref.weights_sha256, ref.tokenizer_sha256, kv.name + _at(),
                    prompt.layout_sha256(tokenizer))
     return Plan(doc, ref, kv, prompt.estimate_tokens(doc.text), tokens, context,
                 fp16_bytes_per_token(config), eid, light_suffix(ref, tokenizer, lay))
+
+
+def _at() -> str:
+    """The topology part of a content address ("" in a single process: addresses unchanged)."""
+    from longctx.runtime import distributed
+
+    tag = distributed.tag()
+    return f"@{tag}" if tag else ""
 
 
 def light_suffix(ref: models.ModelRef, tokenizer, lay: prompt.Layout) -> str:
@@ -165,6 +173,7 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
             if existing and not force and store.verify(existing):
                 store.touch_latest(existing)
                 store.record_use(existing.id)
+                _agree_reused()
                 return IngestResult(existing, reused=True, empty_pages=empty)
             failpoint("ingest:locked")
             lm = models.load(p.model)
@@ -175,6 +184,7 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
                 pages=p.document.pages, question_suffix=p.question_suffix,
                 progress=progress, chunk=chunk)
             result = IngestResult(entry, reused=False, stats=stats, empty_pages=empty)
+        _all_ranks_kept(store, entry)  # outside the lock: a failed group's share is removed
         try:  # the new entry is saved whatever happens here
             result.eviction = budget.evict(store, keep=(result.entry.id,))
         except StoreError as err:
@@ -208,7 +218,7 @@ def build_entry(store: Store, lm: models.LoadedModel, preset: kvcache.Preset, to
         weights_sha256=lm.ref.weights_sha256, tokenizer_sha256=lm.ref.tokenizer_sha256,
         kv_preset=preset.name, file=f"{eid}.safetensors", bytes=0, created=0.0,
         prefill_seconds=stats.seconds, bits_per_channel=round(bpc, 4),
-        question_suffix=question_suffix, group=group, segment=segment,
+        question_suffix=question_suffix, group=group, segment=segment, topology=_at()[1:],
     )
     metadata = {
         "model_id": lm.ref.model_id, "weights_sha256": lm.ref.weights_sha256,
@@ -361,3 +371,25 @@ def question_suffix(lm: models.LoadedModel, entry: Entry, question: str) -> list
             f"{lm.context_length:,}-token context are left after '{entry.name}'; shorten the "
             "question.")
     return suffix
+
+
+def _all_ranks_kept(store: Store, entry: Entry) -> None:
+    """Under mlx.launch: keep this rank's share only if every rank saved its own (none left
+    behind by a failed peer)."""
+    from longctx.runtime import distributed
+
+    cleanup = ("from pathlib import Path\nfrom longctx.store import Store\n"
+               f"s = Store(Path({str(store.root)!r}), cleanup=False); e = s.get({entry.id!r})\n"
+               "e is not None and s.remove(e); s.close()")
+    if not distributed.agree(True, cleanup, f" while ingesting '{entry.name}'"):
+        store.remove(entry)
+        raise ResourceError(f"Another rank failed while ingesting '{entry.name}'; this rank's share was "
+                            "removed, so nothing of it is kept. Ingest it again.")
+
+
+def _agree_reused() -> None:
+    """Under mlx.launch: meet the other ranks' check (`_all_ranks_kept`) when this rank's share
+    was there already."""
+    from longctx.runtime import distributed
+
+    distributed.agree(True)

@@ -315,6 +315,10 @@ def _loaded(ref: ModelRef, model, tokenizer, config: dict, cpu: bool) -> LoadedM
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    from longctx.runtime import distributed
+
+    distributed.shard(model, config)  # under mlx.launch: this rank's share of the heads
+
     dtypes = {p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)}
     dtype = "float32" if cpu else ("bfloat16" if mx.bfloat16 in dtypes else "float16")
     text_cfg = config.get("text_config", config)

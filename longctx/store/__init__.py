@@ -72,6 +72,8 @@ class Entry:
     question_suffix: str = ""
     group: str = ""  # the id of the group (segmented document, collection) it belongs to
     segment: int = -1  # its index in that group
+    # "" for a single process; "tensor:N:r" for rank r's share of N (runtime.distributed)
+    topology: str = ""
 
     @property
     def bytes_per_token(self) -> float:
