@@ -271,13 +271,15 @@ def answer_from(lm: models.LoadedModel, entry: Entry, cache: list, pending, ques
     try:
         conv = conversation or Conversation(lm, entry, cache)
         answer.conversation = conv
-        stream = conv.ask(question, max_tokens, temperature, seed, Answer(entry=entry))
+        turn = Answer(entry=entry)
+        stream = conv.ask(question, max_tokens, temperature, seed, turn)
         # shown only once every checksum has passed (None: checked already)
         for piece in (pending.guard(stream) if pending is not None else stream):
             if not answer.text:
                 answer.first_token_seconds = time.perf_counter() - start
             answer.text += piece
             yield piece
+        answer.tokens = turn.tokens
     finally:
         if pending is not None:
             pending.wait()  # an error before the answer starts still reports a damaged cache

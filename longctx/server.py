@@ -33,6 +33,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from longctx import __version__
 from longctx.errors import ContextLengthError, EntryNotFound, LongctxError
 from longctx.runtime import models
 
@@ -331,7 +332,7 @@ class StopFilter:
 
 def create_app(engine: Engine, api_key: str | None = None, allowed_origins: list[str] | None = None):
     """The FastAPI application serving `engine`."""
-    app = FastAPI(title="longctx", version=__import__("longctx").__version__)
+    app = FastAPI(title="longctx", version=__version__)
     if allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 

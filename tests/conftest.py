@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
+import os
+
 import longctx  # noqa: F401  (loads OpenBLAS before mlx)
+
+# The 135M demo for every test and the processes they start (module-scoped fixtures included):
+# the default model (1.5B) is for the product and its benchmarks, not CI.
+os.environ["LONGCTX_MODEL"] = "smollm2"
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "

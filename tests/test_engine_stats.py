@@ -155,7 +155,8 @@ def test_the_inflight_bound_waits_for_older_layers_and_changes_nothing(tiny_mode
         queued.clear()
         waited.clear()
         cache = kvcache.make(lm.model, kvcache.get_preset("tq4"))
-        with config.override(prefill_inflight=budget, fused_max_lq=64, prefill_queue_every=1):
+        with config.override(prefill_inflight=budget, fused_max_lq=64, prefill_queue_every=1,
+                             prefill_order="token"):  # the chunk-by-chunk loop's bound
             engine.prefill(lm.model, ids, cache, chunk=128)
         caches.append(cache)
         assert not turbo._PENDING  # drained after every chunk

@@ -165,6 +165,7 @@ def test_cli_bench_niah_parses_options_and_writes_results(tmp_path, monkeypatch)
         return _fake_results()
 
     monkeypatch.setattr(niah, "run", fake_run)
+    monkeypatch.delenv("LONGCTX_MODEL")  # no --model and no setting: the default reaches the run as None
     out = tmp_path / "res"
     run = CliRunner().invoke(app, ["bench", "niah", "--lengths", "1k,2k", "--depths", "0,100",
                                    "--kv", "tq4", "--kv", "tq3", "--samples", "2", "--out", str(out),
