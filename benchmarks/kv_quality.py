@@ -116,11 +116,16 @@ def main() -> None:
     data = {"model": lm.ref.model_id, "dtype": lm.dtype, "text": "Debian common-licenses: " + ", ".join(TEXTS),
             "method": "one exact prefill per length; each preset's cache = the compression ingest stores",
             "runs": []}
+    if out.exists():  # a run of other lengths adds to the file (one file per machine)
+        old = json.loads(out.read_text())
+        if old.get("model") == data["model"]:
+            data["runs"] = [r for r in old["runs"] if not any(abs(r["tokens"] - n) < 64 for n in args.lengths)]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         essays = license_corpus(Path(folder))
         for n in args.lengths:
             data["runs"].append(run_length(lm, n, presets, args.needles, args.answer, essays, args.seed))
+            data["runs"].sort(key=lambda r: r["tokens"])
             data["seconds"] = round(time.perf_counter() - start, 1)
             out.write_text(json.dumps({"environment": environment(), **data}, indent=1))
             mx.clear_cache()

@@ -73,7 +73,8 @@ def main() -> None:
     if args.model:
         env["LONGCTX_MODEL"] = args.model
     cli = [sys.executable, "-m", "longctx"]
-    docs = [SAMPLES / "report.pdf", SAMPLES / "notes.md", *sorted((SAMPLES / "haystack").glob("*.md"))][: args.docs]
+    essays = sorted(p for p in (SAMPLES / "haystack").glob("*.md") if p.name != "README.md")
+    docs = [SAMPLES / "report.pdf", SAMPLES / "notes.md", *essays][: args.docs]
     for d in docs:
         subprocess.run([*cli, "ingest", str(d)], env=env, check=True, capture_output=True, timeout=3600)
     names = [d.name for d in docs]
