@@ -16,7 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-FILES = {"speed": ["README.md", "docs/performance.md"], "quality": ["README.md", "docs/presets.md"]}
+FILES = {"speed": ["README.md", "docs/performance.md"], "quality": ["docs/presets.md"],
+         "quality_summary": ["README.md"]}
 
 
 def _load(name: str) -> dict | None:
@@ -108,6 +109,32 @@ def quality() -> str:
     return "\n".join(out) + "\n"
 
 
+def quality_summary() -> str:
+    """One row per preset: KL, perplexity change and needles found at every length measured."""
+    d = _load("kv_quality_cpu.json")
+    if not d:
+        return "(no results yet: `python benchmarks/kv_quality.py`)\n"
+    runs = d["runs"]
+    names = sorted(runs[0]["presets"], key=lambda p: -runs[0]["presets"][p]["bits_per_channel"])
+    lengths = " / ".join(f"{r['tokens'] / 1024:.0f}k" for r in runs)
+    out = [f"{d['model']} on the CPU, license texts with 5 needles, at {lengths} tokens "
+           "([docs/presets.md](docs/presets.md) has every cell):\n",
+           "| preset | bits/ch | answer KL vs fp16 | perplexity vs fp16 | needles found (fp16: "
+           + " / ".join(f"{sum(r['presets']['fp16']['niah']):g}" for r in runs) + ") |", "|---|---|---|---|---|"]
+    for name in names:
+        if name == "fp16":
+            continue
+        cells = [r["presets"].get(name) for r in runs]
+
+        def row(fmt) -> str:
+            return " / ".join(fmt(c) if c else "—" for c in cells)
+
+        bits = next(c for c in reversed(cells) if c)["bits_per_channel"]
+        out.append(f"| `{name}` | {bits:.2f} | " + row(lambda c: f"{c['answer_kl']:.4f}") + " | "
+                   + row(lambda c: f"{c['ppl_delta_pct']:+.1f}%") + " | " + row(lambda c: f"{sum(c['niah']):g}") + " |")
+    return "\n".join(out) + "\n"
+
+
 def render(text: str, name: str, body: str) -> str:
     pattern = re.compile(rf"(<!-- table:{name} -->\n)(.*?)(<!-- /table:{name} -->)", re.S)
     return pattern.sub(lambda m: m.group(1) + body + m.group(3), text)
@@ -116,7 +143,7 @@ def render(text: str, name: str, body: str) -> str:
 def main() -> int:
     check = "--check" in sys.argv
     stale = []
-    makers = {"speed": speed, "quality": quality}
+    makers = {"speed": speed, "quality": quality, "quality_summary": quality_summary}
     for name, files in FILES.items():
         body = makers[name]()
         for f in files:
