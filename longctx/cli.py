@@ -281,7 +281,7 @@ def chat(doc: Optional[str] = typer.Option(None, "--doc", "-d", help="Document n
     with _boundary():
         conv = asking.open_conversation(doc, model, cid or ("last" if resume else None))
         err.print(f"[dim]{escape(conv.entry.name)}: {conv.entry.tokens:,} tokens, room for "
-                  f"{conversation_room(conv):,} more; conversation {conv.cid}"
+                  f"{conv.room_left:,} more; conversation {conv.cid}"
                   f"{f' ({len(conv.turns)} turns)' if conv.turns else ''}. /quit to leave.[/dim]")
         while True:
             try:
@@ -318,11 +318,6 @@ def chat(doc: Optional[str] = typer.Option(None, "--doc", "-d", help="Document n
                           "to make room in the context")
             conv.save()
 
-
-def conversation_room(conv) -> int:
-    from longctx.conversation import room
-
-    return room(conv.lm, conv.entry) - conv.tokens
 
 
 @app.command()

@@ -87,6 +87,11 @@ class Conversation:
         """Tokens of the conversation held after the document."""
         return sum(len(t.tokens) for t in self.turns)
 
+    @property
+    def room_left(self) -> int:
+        """Tokens the conversation may still add after the document and its turns."""
+        return room(self.lm, self.entry) - self.tokens
+
     def _prompt(self, question: str, first: bool) -> list[int]:
         if first:
             return question_suffix(self.lm, self.entry, question)
@@ -152,7 +157,7 @@ class Conversation:
         ids, _ = self.fits(question, max_tokens)
         base = self.cache[0].offset
         turn = Turn(question)
-        max_tokens = max(1, min(max_tokens, room(self.lm, self.entry) - self.tokens - len(ids)))
+        max_tokens = max(1, min(max_tokens, self.room_left - len(ids)))
         if seed is not None:
             import mlx.core as mx
 

@@ -268,7 +268,7 @@ class Engine:
         conv, reused = self.conversation(entry, req.history)
         ids, _ = conv.fits(req.question, min(req.max_tokens, 1))
         before = conv.tokens
-        max_tokens = min(req.max_tokens, conversation_room(conv) - len(ids))
+        max_tokens = min(req.max_tokens, conv.room_left - len(ids))
         if max_tokens < 1:
             raise ApiError(400, f"The conversation fills the {self.lm.context_length:,}-token context after "
                            f"'{entry.name}'; start a new one.", code="context_length_exceeded", param="messages")
@@ -299,11 +299,6 @@ class Engine:
                 "cached_tokens": entry.tokens + reused, "completion_tokens": len(turn.answer_ids),
                 "sources": sources}
 
-
-def conversation_room(conv) -> int:
-    from longctx.conversation import room
-
-    return room(conv.lm, conv.entry) - conv.tokens
 
 
 class StopFilter:
