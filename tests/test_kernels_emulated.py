@@ -759,7 +759,10 @@ def test_layer_major_prefill_through_the_fused_encode(tmp_path):
         return {k: np.array(v.astype(mx.float32))
                 for k, v in kvcache.to_arrays(cache, preset).items()}
 
-    with _prelude.executor(kernel_emu.emulator()), config.override(compile="0"):
+    # each layer called chunk by chunk (not on runs of chunks), so that its keys and values are
+    # the fp16 prefill's bit for bit: the comparison is of the encode alone
+    with (_prelude.executor(kernel_emu.emulator()),
+          config.override(compile="0", prefill_layer_call_tokens=0)):
         layered = kvcache.make(model, preset)
         engine.prefill(model, tokens, layered, chunk=chunk)
         assert layered[0]._rot_window is not None  # the fused path's window
