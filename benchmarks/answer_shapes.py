@@ -10,13 +10,14 @@ second, warm question) and decode tokens/s over the answer: the median of three 
 (all three are in the JSON).
 
 Usage: python benchmarks/answer_shapes.py [--shape llama-3.1-8b] [--tokens 32768 131072]
-       [--bits 0 4] [--variants tq4:two_launch] [--variants-at 32768 131072] [--host-profile]
+       [--bits 0 4] [--variants tq4:portable] [--variants-at 32768 131072] [--host-profile]
        [--name answer_gpu]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
@@ -60,18 +61,24 @@ def host_profile(model, cache, question, label, n) -> None:
 
 
 def run(model, ids, label, rng, profile=False):
-    """One row; `label` is a preset, or `tq4:nocompile` / `tq4:blocked` / `tq4:two_launch` (the
+    """One row; `label` is a preset, or `tq4:nocompile` / `tq4:blocked` / `tq4:portable` (the
     fused decode path without mx.compile / the blocked MLX path instead of the fused kernel / the
-    tensor-core kernel then the finish kernel instead of the one-launch step: where time goes)."""
-    from attend import tunables
-    from longctx import config
+    portable decode-attend kernel, the one Metal runs, instead of the tensor-core one: where time
+    goes)."""
+    import functools
+    from unittest import mock
+
+    from longctx.kvcache import attend_step, compiling, turbo
 
     preset_name, _, variant = label.partition(":")
-    settings = {"nocompile": {"compile": "0"}, "blocked": {"fused_max_lq": 0}}.get(variant, {})
-    # kernel tunables are set for the whole row, not per call (a kept step retires on each)
-    knobs = {"two_launch": {"FUSE_FINISH": False},
-             "portable": {"ENABLED": False}}.get(variant, {})  # the kernel Metal runs
-    with config.override(**settings), tunables(knobs):
+    # the attention's switches (module constants, read at every call) for the whole row
+    switch = {"nocompile": (compiling, "COMPILE", "0"),
+              "blocked": (turbo, "FUSED_MAX_LQ", 0)}.get(variant)
+    # the portable kernel: the model's attention reaches the step with no arguments of ours
+    if variant == "portable":
+        switch = (attend_step, "attention",
+                  functools.partial(attend_step.attention, tensor_cores=False))
+    with mock.patch.object(*switch) if switch else contextlib.nullcontext():
         return _run(model, ids, preset_name, rng, profile) | {"kv": label}
 
 
@@ -125,7 +132,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, nargs="+", default=[0, 4])
     ap.add_argument("--kv", nargs="+", default=["fp16", "tq4"])
     ap.add_argument("--variants", nargs="*", default=[],
-                    help="extra tq4 rows: tq4:nocompile tq4:blocked tq4:two_launch")
+                    help="extra tq4 rows: tq4:nocompile tq4:blocked tq4:portable")
     ap.add_argument("--variants-at", type=int, nargs="*", default=None,
                     help="the lengths the --variants rows run at (default: the shortest)")
     ap.add_argument("--host-profile", action="store_true",

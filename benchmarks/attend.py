@@ -10,25 +10,22 @@ at S = 4k, 8k, 32k, 128k cached tokens. Methods, all measured in one run:
 - fused_tq4/tq3/...: `compressed_attention` on the GPU, the whole step: for scalar presets two
   launches (`attend_step`: the decode-attend kernel rotating q itself, then `decode_finish`:
   split merge, rotation back, exact tokens, value mean); the others the compiled fused path;
-- fused_tq4_two_launch: the tensor-core kernel then the finish kernel, two launches (on CUDA
-  fused_tq4 is one: `decode_attend_mma.decode_step_mma`, the last threadgroup per KV head
-  finishing the step);
-- fused_tq4_dynamic / answer_tq4_dynamic: the one-launch step with its keys handed out to its
-  warps while it runs at every length (`decode_attend_mma.DYNAMIC`, grants from a count per head;
-  the default from DYNAMIC_MIN_KEYS keys on); `_static`: at no length; `_hm`: its
-  threadgroups numbered head-major (`HEADS_INTERLEAVED` off);
-- fused_tq4_portable: the two-launch step with the portable decode-attend kernel instead of
-  the tensor-core one (`decode_attend_mma`, CUDA, 4-bit keys and values, <= 8 rows);
+  (on CUDA fused_tq4 is one launch: `decode_step_mma.decode_step_mma`, the last threadgroup per
+  KV head finishing the step);
+- fused_tq4_portable / answer_tq4_portable: the two-launch step with the portable
+  decode-attend kernel (the one Metal runs) instead of the tensor-core one
+  (`attend_step.attention(..., tensor_cores=False)`);
+- answer_tq4: the tq4 step while answering (a sink and a 256-token window as well);
 - compiled_tq4: the compiled fused path for tq4 (rotate q, kernel, split merge, rotate back, add
-  the value mean as separate launches under mx.compile; LONGCTX_FUSED_STEP=0);
+  the value mean as separate launches under mx.compile; `fused_step=False`);
 - kernel_tq4/tq3: the two kernels alone (decode_attend + split_combine) on a rotated query.
 
 Timing: `sync` is the median wall time of a step followed by mx.eval (what the anchors in
 shared/ANCHORS.md report; ~0.1 ms is the floor there); `pipelined` is the time per step of 30
 steps issued back to back with mx.async_eval and one final eval (a decode loop's steady state).
 GB/s counts the bytes of the cache representation the method reads (fp16 K/V, packed words +
-norms, affine words + scales + biases), not what a method writes in between. A knob sweep
-(prefetch, register cap, threadgroups per launch) runs at 128k for tq4.
+norms, affine words + scales + biases), not what a method writes in between. (The kernels'
+variant sweeps, module globals set around timings, are gone: their rows are in git history.)
 
 Other shapes: `--heads 28 4` (Qwen2.5-7B: 7 query rows per KV head; results under another
 `--name`, e.g. attend_h200_qwen2.5-7b).
@@ -39,7 +36,6 @@ Usage: python benchmarks/attend.py [--lengths 4096 8192 32768 131072] [--heads 3
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -50,10 +46,11 @@ from _common import write  # noqa: E402  (imports longctx first: OpenBLAS before
 
 import mlx.core as mx  # noqa: E402
 
-from longctx import config  # noqa: E402
 from longctx.kernels import _prelude  # noqa: E402
 from longctx.kernels import decode_attend as da  # noqa: E402
 from longctx.kernels import decode_attend_mma as dm  # noqa: E402
+from longctx.kernels import decode_step_mma as ds  # noqa: E402
+from longctx.kvcache import attend_step  # noqa: E402
 from longctx.kvcache.attention import compressed_attention, kernel_table  # noqa: E402
 from longctx.kvcache.presets import get_preset  # noqa: E402
 from longctx.kvcache.turbo import CompressedKV, codecs_for  # noqa: E402
@@ -144,7 +141,7 @@ def head_to_head(env, rounds: int = 9) -> dict:
         # of that, the kept plan's compiled call alone (its count chained as a step chains it)
         call, p = [], view.plan[0]
         if p is not None:
-            counts = dm.counter(p.heads)
+            counts = ds.counter(p.heads)
             for _ in range(5):
                 outs = []
                 t = time.perf_counter()
@@ -153,7 +150,7 @@ def head_to_head(env, rounds: int = 9) -> dict:
                     outs.append(out)
                 call.append((time.perf_counter() - t) / 30)
                 mx.eval(outs, counts)
-            dm.keep_counter(p.heads, counts)
+            ds.keep_counter(p.heads, counts)
     finally:
         attend_step.replay = replay
     med = {name: statistics.median(ts) for name, ts in times.items()}
@@ -280,11 +277,9 @@ def methods(env: dict, s: int) -> dict:
         cache_bytes = nbytes(seg_k.values()) + nbytes(seg_v.values())
         out[f"fused_{name}"] = (lambda view=view: compressed_attention(q, view, scale),
                                 cache_bytes)
-        if name == "tq4":  # the compiled fused path the two-launch step replaced, side by side
-            # (the kernels `KNOBS` sets around their timings)
-            for variant in ("fused_tq4_portable", "fused_tq4_two_launch", "fused_tq4_dynamic",
-                            "fused_tq4_dynamic_hm", "fused_tq4_static"):
-                out[variant] = out["fused_tq4"]
+        if name == "tq4":  # the portable kernel, and the compiled fused path the two-launch
+            # step replaced, side by side
+            out["fused_tq4_portable"] = (lambda view=view: _portable(q, view, scale), cache_bytes)
             out["compiled_tq4"] = (lambda view=view: _compiled(q, view, scale), cache_bytes)
         if name in ("tq4", "tq3"):
             out[f"dequant_sdpa_{name}"] = (lambda view=view: _dequant_sdpa(q, view, scale),
@@ -293,74 +288,19 @@ def methods(env: dict, s: int) -> dict:
     if "answer_tq4" in env:  # a step while answering: the sink and a 256-token window as well
         view = env["answer_tq4"]
         cache_bytes = nbytes(view.segments[0][0].values()) + nbytes(view.segments[0][1].values())
-        for variant in ANSWER_VARIANTS:
-            out[variant] = (lambda view=view: compressed_attention(q, view, scale), cache_bytes)
+        out["answer_tq4"] = (lambda view=view: compressed_attention(q, view, scale), cache_bytes)
+        out["answer_tq4_portable"] = (lambda view=view: _portable(q, view, scale), cache_bytes)
     return out
 
 
-# the answering step's rows (`answer_view`): the default step (tensor-core kernel, exact tokens in
-# its splits), the portable kernel (what Metal runs) with the exact tokens in its splits, and the
-# portable kernel with the finish attending them (before this round, on Metal)
-ANSWER_VARIANTS = ("answer_tq4", "answer_tq4_portable", "answer_tq4_portable_finish_exact",
-                   "answer_tq4_dynamic", "answer_tq4_dynamic_hm", "answer_tq4_static")
-
-
 def _compiled(q, view, scale):
-    with config.override(fused_step=False):
-        return compressed_attention(q, view, scale)
+    return compressed_attention(q, view, scale, fused_step=False)
 
 
-# Tunables set around a method's timings, not per call: a kept decode step retires when any
-# kernel tunable is assigned (`attend_step._env`), so toggling one per call would time the full
-# path choice instead of the replay
-KNOBS = {"fused_tq4_portable": {"ENABLED": False},  # the portable kernel, then the finish
-         # the whole step with its keys handed out while it runs (`decode_attend_mma.DYNAMIC`)
-         "fused_tq4_dynamic": {"DYNAMIC": True},
-         "answer_tq4_dynamic": {"DYNAMIC": True},
-         "fused_tq4_dynamic_hm": {"DYNAMIC": True, "HEADS_INTERLEAVED": False},
-         "answer_tq4_dynamic_hm": {"DYNAMIC": True, "HEADS_INTERLEAVED": False},
-         "fused_tq4_static": {"DYNAMIC_MIN_KEYS": 0},
-         "answer_tq4_static": {"DYNAMIC_MIN_KEYS": 0},
-         "fused_tq4_two_launch": {"FUSE_FINISH": False},  # the tensor-core kernel, the finish
-         # (step_timeline's answer rows) the whole step with the exact tokens in its last
-         # threadgroups' tail, not spread over the splits; in two launches (the exact tokens
-         # in the partials' splits); in two launches with the exact tokens in the finish,
-         # scored a thread per key (its default) or a warp per key
-         "answer_tq4_tail_exact": {"EXACT_IN_SPLITS": False},
-         "answer_tq4_two_launch": {"FUSE_FINISH": False},
-         "answer_tq4_two_launch_finish_exact": {"FUSE_FINISH": False, "EXACT_IN_SPLITS": False},
-         "answer_tq4_two_launch_warp_keys": {"FUSE_FINISH": False, "EXACT_IN_SPLITS": False,
-                                             "decode_finish.SCORE_BY_WARP": True},
-         # (attend.py's answering rows) the portable kernel, the exact tokens in its splits or
-         # in the finish
-         "answer_tq4_portable": {"ENABLED": False},
-         "answer_tq4_portable_finish_exact": {"ENABLED": False,
-                                              "decode_attend.EXACT_IN_SPLITS": False}}
-
-
-@contextlib.contextmanager
-def tunables(values: dict):
-    """`decode_attend_mma`'s tunables (or another kernel module's, "module.NAME") set to
-    `values` (name -> value) for the block."""
-    from longctx import kernels
-
-    def where(name):
-        mod, _, attr = name.rpartition(".")
-        return (getattr(kernels, mod) if mod else dm), attr
-
-    saved = {k: getattr(*where(k)) for k in values}
-    for k, v in values.items():
-        setattr(*where(k), v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(*where(k), v)
-
-
-def knobs(method: str):
-    """`tunables` as `KNOBS[method]` sets them (none for the other methods)."""
-    return tunables(KNOBS.get(method, {}))
+def _portable(q, view, scale):
+    """The step with the portable decode-attend kernel (the one Metal runs): its kept plan
+    replayed as `compressed_attention` replays the default one."""
+    return attend_step.attention(q, view, scale, tensor_cores=False)
 
 
 def _dequant_sdpa(q, view, scale):
@@ -392,54 +332,11 @@ def check(env) -> float:
     return float(mx.abs(a - b).max() / mx.abs(b).max())
 
 
-def split_rows(env, s: int, scale=D ** -0.5) -> list:
-    """The whole tq4 step with fewer, longer splits (decode_attend.MIN_SPLIT_TILES: fewest tiles
-    per split; 1 is the default launch), side by side with the rows above."""
-    rows = []
-    seg_k, seg_v, _ = env["tq4"].segments[0]
-    cache_bytes = nbytes(seg_k.values()) + nbytes(seg_v.values())
-    saved = da.MIN_SPLIT_TILES
-    try:
-        for tiles in (2, 4, 8):
-            da.MIN_SPLIT_TILES = tiles
-            fn = (lambda view=env["tq4"]: compressed_attention(env["q"], view, scale))
-            t_sync, t_pipe = sync_ms(fn), pipelined_ms(fn)
-            rows.append({"S": s, "method": f"fused_tq4_split{tiles}", "sync_ms": t_sync,
-                         "pipelined_ms": t_pipe, "cache_bytes": cache_bytes,
-                         "gbs_sync": cache_bytes / t_sync / 1e6,
-                         "gbs_pipelined": cache_bytes / t_pipe / 1e6, "min_split_tiles": tiles})
-            print(f"S={s:>6} {rows[-1]['method']:<20} sync {rows[-1]['sync_ms']:7.3f} ms  "
-                  f"pipelined {rows[-1]['pipelined_ms']:7.3f} ms", flush=True)
-    finally:
-        da.MIN_SPLIT_TILES = saved
-    return rows
-
-
-def sweep(env, scale=D ** -0.5) -> list:
-    """Kernel-only time at this length for a few launch shapes (tq4): prefetch on/off, register
-    cap (threadgroups per SM, CUDA), threadgroups per launch."""
-    rows = []
-    fn = _kernel_only(env["q"], env["tq4"], scale)
-    saved = da.TARGET_GROUPS, da.PREFETCH, da.MIN_BLOCKS
-    try:
-        for pf in (True, False):
-            for mb in (0, 3, 5):
-                for groups in (0, 528, 1056):
-                    da.TARGET_GROUPS, da.PREFETCH, da.MIN_BLOCKS = groups, pf, mb
-                    rows.append({"prefetch": pf, "min_blocks": mb, "target_groups": groups,
-                                 "pipelined_ms": pipelined_ms(fn, steps=20, reps=5)})
-                    print("sweep", rows[-1], flush=True)
-    finally:
-        da.TARGET_GROUPS, da.PREFETCH, da.MIN_BLOCKS = saved
-    return rows
-
-
 def main() -> None:
     global HQ, HKV
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 32768, 131072])
     ap.add_argument("--name", default=None, help="results file name (default attend_<backend>)")
-    ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--chained-layers", type=int, default=8, metavar="L",
                     help="per length, also fp16 SDPA vs the tq4 step over L chained layers with "
                          "caches of their own, one evaluation per token (`chained`; 0: none)")
@@ -450,13 +347,6 @@ def main() -> None:
                     help="query and KV heads (default Llama-3.1-8B's 32 8; Qwen2.5-7B: 28 4)")
     ap.add_argument("--profile", action="store_true",
                     help="only run the tq4 kernels at the largest length (for ncu), no output")
-    ap.add_argument("--mma-variants", nargs="+",
-                    metavar="WARPS,STAGES[,FUSE[,RESIDENT[,BANKS[,WAVES]]]]",
-                    help="only the tq4 step and fp16 SDPA, for these tensor-core kernel shapes "
-                         "(e.g. 4,2 8,3; 4,2,0: two launches, the finish its own; 4,1,1,5: one "
-                         "stage, registers capped for 5 threadgroups per SM; 4,2,1,0,0: the "
-                         "shared layouts before the bank-conflict fixes; 4,2,1,0,1,2: splits for "
-                         "two waves), merged as `mma_variants` into the results file")
     args = ap.parse_args()
     HQ, HKV = args.heads
     if HQ % HKV:
@@ -465,15 +355,11 @@ def main() -> None:
     if args.profile:  # the whole tq4 step, tensor-core kernel then portable (8 steps each)
         env = setup(max(args.lengths), presets=("tq4",), affine=False)
         view, q = env["tq4"], env["q"]
-        for method in ("fused_tq4", "fused_tq4_portable"):
-            with knobs(method):
-                for _ in range(8):
-                    mx.eval(compressed_attention(q, view, D ** -0.5))
+        for step in (compressed_attention, _portable):
+            for _ in range(8):
+                mx.eval(step(q, view, D ** -0.5))
         return
-    if args.mma_variants:
-        mma_variants(args)
-        return
-    rows, sweeps, checks, duels, chains = [], {}, {}, {}, {}
+    rows, checks, duels, chains = [], {}, {}, {}
     for s in args.lengths:
         env = setup(s)
         if backend != "cpu":
@@ -496,8 +382,7 @@ def main() -> None:
         for name, (fn, cache_bytes) in methods(env, s).items():
             if args.methods and name not in args.methods:
                 continue
-            with knobs(name):
-                t_sync, t_pipe = sync_ms(fn), pipelined_ms(fn)
+            t_sync, t_pipe = sync_ms(fn), pipelined_ms(fn)
             rows.append({"S": s, "method": name, "sync_ms": t_sync, "pipelined_ms": t_pipe,
                          "cache_bytes": cache_bytes,
                          "gbs_sync": cache_bytes / t_sync / 1e6,
@@ -507,101 +392,41 @@ def main() -> None:
             print(f"S={s:>6} {name:<20} sync {t_sync:7.3f} ms  pipelined {t_pipe:7.3f} ms  "
                   f"{r['gbs_pipelined']:7.0f} GB/s ({100 * r['gbs_pipelined'] / PEAK_GBS:4.1f}% "
                   f"of {PEAK_GBS:.0f})", flush=True)
-        if backend != "cpu" and not args.methods:
-            rows += split_rows(env, s)
         if backend == "cuda":
             rows += torch_rows(s)
-        if s == max(args.lengths) and not args.no_sweep and backend != "cpu":
-            sweeps[s] = sweep(env)
         del env
     if args.methods:
-        kept, old_sweep = _carried(args.name or f"attend_{backend}", rows)
-        rows += kept
-        sweeps = sweeps or old_sweep
+        rows += _carried(args.name or f"attend_{backend}", rows)
     ratios = _ratios([r for r in rows if "carried_over" not in r])
     _table(rows, ratios)
     path = write(args.name or f"attend_{backend}", {
         "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "batch": B, "query_tokens": 1},
         "kernel_backend": backend, "peak_gbs": PEAK_GBS, "rows": rows, "ratios": ratios,
-        "fused_vs_mlx_path_max_rel_diff": checks, "sweep": sweeps,
+        "fused_vs_mlx_path_max_rel_diff": checks,
         "head_to_head": duels or None, "chained": chains or None,
         "knobs": {"TARGET_GROUPS": da.TARGET_GROUPS or "auto", "SM_COUNT": da.SM_COUNT,
                   "NT": da.NT, "PREFETCH": da.PREFETCH, "MIN_SPLIT_TILES": da.MIN_SPLIT_TILES,
                   "MIN_BLOCKS": da.MIN_BLOCKS, "STAGE_WORDS": da.STAGE_WORDS,
-                  "MMA_ENABLED": dm.ENABLED, "MMA_WARPS": dm.WARPS, "MMA_STAGES": dm.STAGES}})
+                  "MMA_WARPS": dm.WARPS, "MMA_STAGES": dm.STAGES}})
     print(f"wrote {path}")
 
 
-def _carried(name: str, rows: list) -> tuple[list, dict]:
-    """From the results file `name`: its rows whose (S, method) this run did not time, and its
-    knob sweep, each marked `carried_over` with the date of the run that measured it (their
-    ratios are not recomputed)."""
+def _carried(name: str, rows: list) -> list:
+    """From the results file `name`: its rows whose (S, method) this run did not time, each
+    marked `carried_over` with the date of the run that measured it (their ratios are not
+    recomputed)."""
     import json
 
     from _common import RESULTS
 
     path = RESULTS / f"{name}.json"
     if not path.exists():
-        return [], {}
+        return []
     old = json.loads(path.read_text())
     done = {(r["S"], r["method"]) for r in rows}
     date = old.get("environment", {}).get("date", "unknown")
-    kept = [{**r, "carried_over": r.get("carried_over", date)} for r in old.get("rows", [])
+    return [{**r, "carried_over": r.get("carried_over", date)} for r in old.get("rows", [])
             if (r["S"], r["method"]) not in done]
-    sweep = old.get("sweep") or {}
-    return kept, ({**sweep, "carried_over": sweep.get("carried_over", date)} if sweep else {})
-
-
-def mma_variants(args) -> None:
-    """The whole tq4 step with the tensor-core kernel at other threadgroup shapes (warps per
-    threadgroup, row stages per warp), fp16 SDPA beside it, each length one environment; the
-    rows replace `mma_variants` in the results file, the rest of the file is kept."""
-    import json
-
-    from _common import RESULTS, environment
-
-    rows = []
-    saved = dm.WARPS, dm.STAGES, dm.FUSE_FINISH, dm.RESIDENT, dm.BANKS, dm.WAVES
-    try:
-        for s in args.lengths:
-            env = setup(s, presets=("tq4",), affine=False)
-            q, k, v, view, scale = env["q"], env["k"], env["v"], env["tq4"], D ** -0.5
-            fp16 = lambda: mx.fast.scaled_dot_product_attention(  # noqa: E731
-                q, k, v, scale=scale)
-            # WARPS,STAGES[,FUSE[,RESIDENT[,BANKS[,WAVES]]]]: FUSE 0 is the two-launch step
-            # (the finish its own launch); RESIDENT the threadgroups per SM the register cap
-            # fits (0: the default); BANKS 0 the shared layouts before the bank-conflict fixes;
-            # WAVES the waves of threadgroups the splits are sized for
-            given = [tuple(int(x) for x in v.split(",")) for v in args.mma_variants]
-            # left out: FUSE 1, RESIDENT 0, BANKS 1, WAVES 1
-            variants = [g + (1, 0, 1, 1)[len(g) - 2:] for g in given]
-            for label, fn, knobs in ([("fp16_sdpa", fp16, None)]
-                                     + [(f"fused_tq4_w{w}s{st}" + (f"r{r}" if r else "")
-                                         + ("" if bk else "_b0") + (f"_v{v}" if v > 1 else "")
-                                         + ("" if f else "_two_launch"), None,
-                                         (w, st, bool(f), r, bool(bk), v))
-                                        for w, st, f, r, bk, v in variants]):
-                if knobs:
-                    (dm.WARPS, dm.STAGES, dm.FUSE_FINISH, dm.RESIDENT, dm.BANKS,
-                     dm.WAVES) = knobs
-                    fn = lambda: compressed_attention(q, view, scale)  # noqa: E731
-                rows.append({"S": s, "method": label, "warps": knobs and knobs[0],
-                             "stages": knobs and knobs[1], "one_launch": knobs and knobs[2],
-                             "resident": knobs and dm.resident(D),
-                             "banks": knobs and knobs[4], "waves": knobs and knobs[5],
-                             "splits": knobs and dm.splits(s, B * HKV, D)[1],
-                             "sync_ms": sync_ms(fn), "pipelined_ms": pipelined_ms(fn),
-                             # a variant that failed to build times its fallback: say so
-                             "failed": sorted(n for n in (dm.NAME, dm.STEP_NAME) if dm.failed(n))})
-                print(rows[-1], flush=True)
-            del env
-    finally:
-        dm.WARPS, dm.STAGES, dm.FUSE_FINISH, dm.RESIDENT, dm.BANKS, dm.WAVES = saved
-    path = RESULTS / f"{args.name or 'attend_' + _prelude.backend()}.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data["mma_variants"] = {"environment": environment(), "rows": rows}
-    path.write_text(json.dumps(data, indent=1))
-    print(f"merged mma_variants into {path}")
 
 
 def torch_rows(s: int, steps: int = 30, reps: int = 7) -> list:

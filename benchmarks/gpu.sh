@@ -25,8 +25,6 @@
 #             (PTIMELINE_ARGS)
 #   atimeline answer_timeline.py: answer tokens' GPU timeline after a long prefix, fp16 vs tq4
 #             (ATIMELINE_ARGS)
-#   stamps    step_stamps.py: the whole decode step's phases from clock stamps in its kernel
-#             (prologue, main loop, write, arrival, finish; ramp and tail), 4k-128k
 #   ncu       Nsight Compute profile of the decode step's tensor-core kernel at 128k
 #   ncusass   Nsight Compute's per-instruction stall samples of the one-launch decode step at
 #             128k (NCU_LENGTH): ncu_sass.txt (ncu_sass.py's summary) and the SASS as CSV
@@ -72,10 +70,8 @@ for phase in "${phases[@]}"; do
     attend)
       # ATTEND_ARGS="--heads 28 4 --name attend_qwen2.5-7b": another shape, its own file;
       # ATTEND_ARGS="--methods fp16_sdpa fused_tq4 ...": those rows only (and torch's anchors),
-      # the file's other rows kept and marked carried_over;
-      # ATTEND_ARGS="--mma-variants 4,2 8,3 8,2 4,3 --lengths 32768 131072": the tensor-core
-      # kernel's threadgroup shapes (warps, row stages), merged into attend_<card>.json
-      run attend 300 python3 benchmarks/attend.py --no-sweep --name attend_$card ${ATTEND_ARGS:-}
+      # the file's other rows kept and marked carried_over
+      run attend 300 python3 benchmarks/attend.py --name attend_$card ${ATTEND_ARGS:-}
       keep benchmarks/results/attend_*.json ;;
     timeline)
       run timeline 300 python3 benchmarks/diagnostics/step_timeline.py ${TIMELINE_ARGS:-}
@@ -86,9 +82,6 @@ for phase in "${phases[@]}"; do
     atimeline)
       run atimeline 400 python3 benchmarks/diagnostics/answer_timeline.py ${ATIMELINE_ARGS:-}
       keep benchmarks/results/answer_timeline_h200.json ;;
-    stamps)
-      run stamps 400 python3 benchmarks/diagnostics/step_stamps.py ${STAMPS_ARGS:-}
-      keep benchmarks/results/step_stamps_*.json ;;
     ncu)
       # the tensor-core kernel's 4th launch (NCU_KERNEL=regex:lc_decode_attend_[0-9a-f]: the
       # portable one's)

@@ -31,8 +31,8 @@ from _common import write  # noqa: E402  (imports longctx first)
 import mlx.core as mx  # noqa: E402
 from diagnostics.shapes import random_model  # noqa: E402  (the random-weight models of real shapes)
 
-from longctx import engine, kvcache  # noqa: E402
-from longctx import config  # noqa: E402
+from longctx import chunking, engine, kvcache  # noqa: E402
+from longctx.kvcache import turbo  # noqa: E402
 
 
 class _Timed:
@@ -53,14 +53,22 @@ class _Timed:
             self.seconds += time.perf_counter() - t
 
 
-def prefill_once(model, ids, preset, chunk):
+def prefill_once(model, ids, preset, chunk, settings: dict | None = None):
     """(seconds, peak bytes, longest evaluation s, host s inside the model calls) of one
-    `engine.prefill` (which fills an empty compressed cache layer by layer on a GPU,
-    `prefill_order`)."""
+    `engine.prefill` (which fills an empty compressed cache layer by layer on a GPU, its
+    `order`), under a row's `settings` (`prefill_<name>`: `engine.prefill`'s argument <name>;
+    `dense_gpu`: `kvcache.turbo.DENSE_GPU`)."""
+    settings = dict(settings or {})
+    dense = settings.pop("dense_gpu", turbo.DENSE_GPU)
+    args = {k.removeprefix("prefill_"): v for k, v in settings.items()}
     cache = kvcache.make(model, preset)
     timed = _Timed(model)
     mx.synchronize()
-    stats = engine.prefill(timed, ids, cache, chunk=chunk, pairs=0)
+    turbo.DENSE_GPU, saved = dense, turbo.DENSE_GPU
+    try:
+        stats = engine.prefill(timed, ids, cache, chunk=chunk, **{"pairs": 0, **args})
+    finally:
+        turbo.DENSE_GPU = saved
     del cache
     gc.collect()
     mx.clear_cache()
@@ -69,7 +77,7 @@ def prefill_once(model, ids, preset, chunk):
 
 def split_chunk(settings: dict, default: int) -> tuple[int, dict]:
     """A row's prefill chunk (its `chunk`, not a setting: `engine.prefill`'s argument; else
-    `default`) and its settings without it."""
+    `default`) and its other settings (`prefill_once`)."""
     return (settings.get("chunk", default),
             {k: v for k, v in settings.items() if k != "chunk"})
 
@@ -79,11 +87,10 @@ def host_profile(model, ids, preset, chunk, label, settings) -> None:
     import cProfile
     import pstats
 
-    with config.override(**settings):
-        prof = cProfile.Profile()
-        prof.enable()
-        prefill_once(model, ids, preset, chunk)
-        prof.disable()
+    prof = cProfile.Profile()
+    prof.enable()
+    prefill_once(model, ids, preset, chunk, settings)
+    prof.disable()
     print(f"--- host profile: {label}, {len(ids)} tokens")
     pstats.Stats(prof).sort_stats("tottime").print_stats(35)
 
@@ -179,8 +186,7 @@ def main() -> None:
             presets = {label: kvcache.get_preset(label.split(":")[0]) for label, _ in variants}
             def once(label, settings):
                 chunk, settings = split_chunk(settings, args.chunk)
-                with config.override(**settings):
-                    return prefill_once(model, ids, presets[label], chunk)  # noqa: F821 (the loop's model, deleted after it)
+                return prefill_once(model, ids, presets[label], chunk, settings)  # noqa: F821 (the loop's model, deleted after it)
 
             for label, settings in variants:
                 first[label] = once(label, settings)
@@ -226,10 +232,11 @@ def main() -> None:
         print(f"{k:>40}: {v['speed_vs_fp16']:.2f}x speed (first run "
               f"{v['first_run_speed_vs_fp16']:.2f}x), {v['peak_vs_fp16']:.2f}x peak")
     # the prefill settings the default rows ran under (a row's `settings` override them)
-    defaults = {k: config.get(k) for k in ("prefill_order", "prefill_inflight",
-                                           "prefill_layer_inflight",
-                                           "prefill_group_tokens", "prefill_layer_call_tokens",
-                                           "prefill_queue_every", "prefill_pairs")}
+    defaults = {"prefill_order": chunking.ORDER, "prefill_inflight": chunking.INFLIGHT,
+                "prefill_layer_inflight": chunking.LAYER_INFLIGHT,
+                "prefill_group_tokens": chunking.GROUP_TOKENS,
+                "prefill_layer_call_tokens": chunking.LAYER_CALL_TOKENS,
+                "prefill_queue_every": chunking.QUEUE_EVERY, "prefill_pairs": 0}
     out = write(args.name, {"chunk": args.chunk, "weights_bits": args.bits or 16,
                             "repeat": args.repeat, "defaults": defaults, "rows": rows,
                             "ratios": ratios})

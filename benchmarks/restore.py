@@ -42,7 +42,7 @@ import mlx.core as mx  # noqa: E402
 from longctx import engine, kvcache, session  # noqa: E402
 from longctx.runtime import models  # noqa: E402
 from longctx.store import Store  # noqa: E402
-from longctx import config  # noqa: E402
+from longctx.store.format import CHECKS  # noqa: E402
 
 QUESTION = "What does the document say about the chief engineer?"
 
@@ -146,18 +146,16 @@ def main() -> None:
         for name in args.presets:
             entry = session.ingest(doc, model=args.model, preset=name).entry
 
-            def run_c(entry=entry, checks=None):
-                if checks is not None:
-                    config._OVERRIDES["checks"] = checks  # this run's variant, kept for the next
+            def run_c(entry=entry, checks=CHECKS):  # when the checksum threads start
                 start = time.perf_counter()
                 store = Store(cleanup=False)  # as `ask` opens it
-                cache, pending = session.restore_verifying(entry, lm, store)  # as `ask` does
+                cache, pending = session.restore_verifying(entry, lm, store, checks=checks)  # as `ask` does
                 store.close()
                 first_token_after(lm, kvcache.fork(cache), question)
                 pending.wait()  # checksums overlap the question; the token waits for them
                 return time.perf_counter() - start
 
-            checks = args.checks or [None]
+            checks = args.checks or [CHECKS]
             runs[f"c_{name}_s"] = functools.partial(run_c, checks=checks[0])
             for when in checks[1:]:
                 runs[f"c_{name}@{when}_s"] = functools.partial(run_c, checks=when)

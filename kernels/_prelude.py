@@ -53,8 +53,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import sys
-import types
 import warnings
 from dataclasses import dataclass, field
 
@@ -268,25 +266,9 @@ CUDA_HEADER, CUDA_IDS, METAL_HEADER, METAL_IDS, COMMON = map(
 PRELUDES = {"cuda": (CUDA_HEADER, CUDA_IDS), "metal": (METAL_HEADER, METAL_IDS)}
 
 
-# Bumped by every assignment to a watched module's attribute (`watch`: the kernels' tunables,
-# which benchmarks and tests set) and by `executor` / `force_backend`: a decode step's kept
-# launch compares this one number instead of reading ~15 settings per layer and token.
+# Bumped by `executor` / `force_backend`: a decode step's kept launch compares this one number
+# instead of asking which executor and backend serve at every layer and token.
 GENERATION = [0]
-
-
-class _Watched(types.ModuleType):
-    def __setattr__(self, name, value):
-        GENERATION[0] += 1
-        super().__setattr__(name, value)
-
-    def __delattr__(self, name):
-        GENERATION[0] += 1
-        super().__delattr__(name)
-
-
-def watch(module_name: str) -> None:
-    """Count every later assignment to the module's attributes in `GENERATION`."""
-    sys.modules[module_name].__class__ = _Watched
 
 
 _GPU_KIND: list = []
@@ -402,6 +384,16 @@ def _prepare_cuda(spec: KernelSpec, launch: Launch, variant: tuple) -> None:
 def failed(name: str) -> bool:
     """Whether kernel `name` failed earlier in this process (its reference serves instead)."""
     return name in _FAILED
+
+
+def failure_count() -> int:
+    """How many kernels failed in this process (a plan kept across calls is stale once it moves)."""
+    return len(_FAILED)
+
+
+def executor_installed() -> bool:
+    """Whether a test or emulation executor runs the kernels (`executor`)."""
+    return _EXECUTOR is not None
 
 
 def _variant(spec: KernelSpec, which: str, launch: Launch) -> tuple:

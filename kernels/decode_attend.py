@@ -63,7 +63,7 @@ import math
 
 import mlx.core as mx
 
-from ._prelude import KernelSpec, Launch, backend, constant, groups, run, watch
+from ._prelude import KernelSpec, Launch, backend, constant, groups, run
 from .decode_finish import count, exact_inputs, exact_into_partials
 from .pack import unpack_reference
 from .split_combine import split_combine
@@ -924,7 +924,3 @@ def _launch(q, qp, signs, scales, keys, values, key_table, value_table, key_bits
                       [(B * H, splits, R), (B * H, splits, R), (B * H, splits, R, P)],
                       [mx.float32] * 3),
                reference=lambda: reference(splits))
-
-
-# a decode step's kept launch depends on this module's tunables (`attend_step._env`)
-watch(__name__)

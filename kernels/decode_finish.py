@@ -37,7 +37,7 @@ owns dim d of each of the group's rows (template R: the group's rows, RA: all ro
      w[key][row] * v[key][d] (consecutive reads across threads);
   4. the two states merged, normalized, the mean added, written.
 
-`decode_attend_mma.decode_step_mma` runs steps 1, 2 and 4 (`MERGE`, `END`) as its last
+`decode_step_mma.decode_step_mma` runs steps 1, 2 and 4 (`MERGE`, `END`) as its last
 threadgroup's tail; its splits have folded the exact tokens into their states already.
 """
 
@@ -47,7 +47,7 @@ import math
 
 import mlx.core as mx
 
-from ._prelude import KernelSpec, Launch, backend, constant, run, watch
+from ._prelude import KernelSpec, Launch, backend, constant, run
 from .split_combine import split_combine_reference
 
 LOG2E = 1.4426950408889634
@@ -64,7 +64,7 @@ ROWS_PER_GROUP = 1
 SCORE_BY_WARP = False  # (measured no faster: docs/performance.md)
 
 # The kernel in three parts: its threadgroup arrays, which rows a threadgroup takes, and the body,
-# which `decode_attend_mma`'s whole-step variant runs as its last threadgroup's tail (arrays
+# which `decode_step_mma`'s whole step runs as its last threadgroup's tail (arrays
 # there in its dynamic shared memory, the partials its own outputs)
 _DECLS = r"""
   constexpr int NW = P / 32;
@@ -86,7 +86,7 @@ _ROWS = r"""
 """
 
 # the parts of the body: 1-2, the split merge and the rotation back; 3, the exact tokens; 4, the
-# states merged and written (`decode_attend_mma`'s whole step folds the exact tokens into its
+# states merged and written (`decode_step_mma`'s whole step folds the exact tokens into its
 # splits and runs 1-2 and 4 only, after `NO_EXACT`)
 MERGE = r"""
   const int H = q_shape[1];
@@ -525,7 +525,3 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
                 ("QT", q.dtype), ("SW", int(SCORE_BY_WARP))]
     return run(_SPEC, Launch(inputs, template, (B * H * (R // rt) * P, 1, 1), (P, 1, 1),
                              [(B, H, R, P)], [out_dtype]), reference=reference)[0]
-
-
-# a decode step's kept launch depends on this module's tunables (`attend_step._env`)
-watch(__name__)

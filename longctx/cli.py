@@ -40,6 +40,7 @@ ModelOpt = typer.Option(None, "--model", "-m", envvar="LONGCTX_MODEL",
 
 
 RopeScaleOpt = typer.Option(None, "--rope-scale", help="Scale RoPE by this factor to run past the model's trained context (a model of its own: ask needs no option).")
+ParallelOpt = typer.Option("tensor", "--parallel", help="Under mlx.launch: how the ranks split the work: tensor (each rank a share of every layer's heads), pipeline (each rank a run of whole layers) or, for ingest, data (each rank whole, ingesting its own segments of a long document). docs/distributed.md.")
 RopeTypeOpt = typer.Option("ntk-by-parts", "--rope-type", help="RoPE scaling with --rope-scale: ntk-by-parts (YaRN's frequencies), yarn (plus its attention temperature) or linear.")
 
 
@@ -159,15 +160,17 @@ def ingest(files: list[str] = typer.Argument(..., help="PDF, text or markdown fi
            password: Optional[str] = typer.Option(None, "--password", help="Password of an encrypted PDF."),
            rope_scale: Optional[float] = RopeScaleOpt,
            rope_type: str = RopeTypeOpt,
+           parallel: str = ParallelOpt,
            as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout.")):
     """Read documents, prefill them once through the model and persist their KV cache.
 
     A document longer than the model's context is split into segments (one cache each); `ask`
     then answers from the segments that match the question."""
     from longctx import multidoc
-    from longctx.runtime import models
+    from longctx.runtime import distributed, models
 
     with _boundary():
+        distributed.use(parallel)
         model = _rope_model(model, rope_scale, rope_type)
         with _bar("preparing the model (once)", "tensors") as update:  # a first-time GGUF import
             models.resolve(model, progress=update)
@@ -232,6 +235,7 @@ def ask(question: str = typer.Argument(..., help="The question."),
         segments: int = typer.Option(1, "--segments", min=1, help="Segmented documents: answer from this many best segments, keep the surest answer."),
         cont: bool = typer.Option(False, "--continue", "-c", help="Continue the last conversation (of --doc if given): a follow-up question."),
         cid: Optional[str] = typer.Option(None, "--cid", help="Continue the conversation with this id."),
+        parallel: str = ParallelOpt,
         as_json: bool = typer.Option(False, "--json", help="Print answer and timings as JSON.")):
     """Answer a question from a stored document's cache, streaming to stdout.
 
@@ -239,8 +243,14 @@ def ask(question: str = typer.Argument(..., help="The question."),
     questions and answers, in this or a later process."""
     from longctx import session
     from longctx import asking
+    from longctx.errors import ConfigError
+    from longctx.runtime import distributed
 
     with _boundary():
+        if parallel == "data":
+            raise ConfigError("--parallel data spreads an ingest's segments over the ranks; ask the "
+                              "document in one process, or with --parallel tensor or pipeline.")
+        distributed.use(parallel)
         answer = session.Answer()
         for piece in asking.ask(question, doc, model, max_tokens, temp, seed, answer=answer,
                                  ranker=ranker, segments=segments,
@@ -358,7 +368,7 @@ def _duration(text: str) -> float:
 
 @app.command()
 def merge(doc: str = typer.Argument(..., help="Document name or id.")):
-    """Join a document's tensor-parallel shards (ingested under mlx.launch) into an ordinary entry
+    """Join a document's tensor- or pipeline-parallel shards (ingested under mlx.launch) into an ordinary entry
     that one process can answer from."""
     from longctx import manage
 
@@ -369,12 +379,17 @@ def merge(doc: str = typer.Argument(..., help="Document name or id.")):
 
 @app.command()
 def reshard(doc: str = typer.Argument(..., help="Document name or id."),
-            ranks: int = typer.Option(..., "--ranks", min=2, help="Ranks to split the cache for.")):
-    """Split a document's cache into shards for `ranks` tensor-parallel processes (mlx.launch -n RANKS)."""
+            ranks: int = typer.Option(..., "--ranks", min=2, help="Ranks to split the cache for."),
+            parallel: str = typer.Option("tensor", "--parallel", help="tensor (each rank its KV heads) or pipeline (each rank a run of layers).")):
+    """Split a document's cache into shards for `ranks` processes (mlx.launch -n RANKS, with the same --parallel)."""
     from longctx import manage
 
     with _boundary():
-        made = manage.reshard(doc, ranks)
+        if parallel not in ("tensor", "pipeline"):
+            from longctx.errors import ConfigError
+
+            raise ConfigError(f"Unknown parallelism '{parallel}' for reshard; choose tensor or pipeline.")
+        made = manage.reshard(doc, ranks, parallel)
         err.print(f"[green]resharded[/green] {escape(made[0].name)} for {ranks} ranks: "
                   + ", ".join(e.id for e in made))
 

@@ -13,7 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from longctx.chunking import DEFAULT_CHUNK, MIN_CHUNK, chunk_at  # noqa: F401  (engine.chunk_at)
+from longctx.chunking import (  # noqa: F401  (engine.chunk_at)
+    DEFAULT_CHUNK, GROUP_TOKENS, INFLIGHT, LAYER_CALL_TOKENS, LAYER_INFLIGHT, MIN_CHUNK, ORDER,
+    QUEUE_EVERY, chunk_at)
 
 Progress = Callable[[int, int], None]
 
@@ -45,7 +47,10 @@ def _cache_arrays(cache: list) -> list:
 
 
 def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
-            progress: Progress | None = None, pairs: int | None = None) -> PrefillStats:
+            progress: Progress | None = None, pairs: int = 0, order: str = ORDER,
+            inflight: int = INFLIGHT, queue_every: int = QUEUE_EVERY,
+            layer_inflight: int = LAYER_INFLIGHT, group_tokens: int = GROUP_TOKENS,
+            layer_call_tokens: int = LAYER_CALL_TOKENS) -> PrefillStats:
     """Run `tokens` through `model`, filling `cache` (mlx-lm cache protocol), chunk by chunk.
 
     Args:
@@ -55,7 +60,16 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
         chunk: tokens per forward pass; bounds the attention scores' memory (chunk × length).
         progress: `progress(done, total)` after every chunk.
         pairs: past this many query-key pairs per chunk and head, chunks shrink (`chunk_at`;
-            None: the `prefill_pairs` setting; 0: always `chunk`).
+            0: always `chunk`).
+        order: a compressed prefill of an empty cache layer by layer ("layer", where
+            `prefill_layers.applies`), chunk by chunk through every layer ("token"), or layer
+            by layer on a GPU only ("auto"). Every default here is `longctx.chunking`'s.
+        inflight, queue_every: the chunk-by-chunk loop's bound on a GPU: most bytes of
+            dequantized cache rows queued (0: no bound), and layers between two queueings
+            (`kvcache.turbo.sync`).
+        layer_inflight, group_tokens, layer_call_tokens: the layer-by-layer loop's bound on
+            queued bytes (0: none), tokens per queued group and tokens per layer call
+            (`prefill_layers.prefill`).
 
     Returns:
         PrefillStats with the time and MLX peak memory of the prefill.
@@ -70,10 +84,6 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
     mx.reset_peak_memory()
     start = time.perf_counter()
     total = len(tokens)
-    if pairs is None:
-        from longctx import config
-
-        pairs = config.get("prefill_pairs")
     start_offset = getattr(cache[0], "offset", 0) if cache else 0  # a prefix already cached
     bounds = []
     lo = 0
@@ -81,9 +91,14 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
         hi = min(total, lo + chunk_at(start_offset + lo, chunk, pairs))
         bounds.append((lo, hi))
         lo = hi
+    for c in cache:  # the compressed layers bound what a chunk keeps queued (`turbo.sync`)
+        if isinstance(c, turbo.TurboQuantCache):
+            c.inflight, c.queue_every = inflight, queue_every
     times = None  # on a GPU, an empty compressed cache fills layer by layer (`prefill_layers`)
-    if total and prefill_layers.applies(model, cache):
-        times = prefill_layers.prefill(model, tokens, cache, bounds, progress, pairs)
+    if total and prefill_layers.applies(model, cache, order):
+        times = prefill_layers.prefill(model, tokens, cache, bounds, progress, pairs,
+                                       layer_inflight=layer_inflight, group_tokens=group_tokens,
+                                       layer_call_tokens=layer_call_tokens)
     if times is None:
         times = []
         for lo, hi in bounds:
@@ -103,17 +118,16 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
 STEPWISE_MAX = 64  # the longest prompt `question_stepwise` feeds one token at a time
 
 
-def stepwise(tokens: list[int], cache: list) -> bool:
-    """Whether `token_stream` feeds `tokens` through `cache` one at a time (`question_stepwise`):
-    a prompt of 2 to STEPWISE_MAX tokens over a compressed cache that holds tokens, on CUDA
-    (`auto`) or anywhere (`1`). On CUDA a kernel compiles the first time its variant is met (then
+def stepwise(tokens: list[int], cache: list, mode: str = "auto") -> bool:
+    """Whether `token_stream` feeds `tokens` through `cache` one at a time (its
+    `question_stepwise`): a prompt of 2 to STEPWISE_MAX tokens over a compressed cache that holds
+    tokens, on CUDA (`auto`), anywhere (`1`) or never (`0`). On CUDA a kernel compiles the first time its variant is met (then
     it is kept on disk: `runtime.cuda_kernels`), and a batched question's decode-attend kernel and
     split combine take its row count as constants, one variant per question length; single
     tokens need only the decode step's kernel, met by every question
     (`benchmarks/diagnostics/first_step.py`)."""
-    from longctx import config
-
-    mode = config.get("question_stepwise")
+    if mode not in ("0", "auto", "1"):
+        raise ValueError(f"question_stepwise is one of 0, auto, 1, got {mode!r}")
     if mode == "0" or not 1 < len(tokens) <= STEPWISE_MAX:
         return False
     if mode == "auto":
@@ -127,23 +141,27 @@ def stepwise(tokens: list[int], cache: list) -> bool:
 
 
 def token_stream(model, tokens: list[int], cache: list, max_tokens: int, temperature: float = 0.0,
-                 stop: frozenset | set = frozenset()) -> Iterator[int]:
+                 stop: frozenset | set = frozenset(),
+                 question_stepwise: str = "auto") -> Iterator[int]:
     """Token ids decoded after `tokens` (appended to `cache`), greedy or sampled, up to a stop id.
 
     Each step's successor is queued (`mx.async_eval`) before the step's token is read, so on a
     GPU the next forward pass runs while the caller handles the current token (as mlx-lm's
     generate_step does). A stop id ends the stream without being yielded. A long prompt is
     prefilled in chunks; a short one over a compressed cache may go one token at a time
-    (`stepwise`).
+    (`stepwise`, in its mode `question_stepwise`; never on a pipeline stage, where each token's
+    send must be evaluated with its logits).
     """
     import mlx.core as mx
+
+    from longctx.runtime.distributed import pipelined
 
     if not tokens:
         raise ValueError("token_stream needs at least one prompt token")
     if len(tokens) > DEFAULT_CHUNK:  # long prompts: chunked like any prefill, last token below
         prefill(model, tokens[:-1], cache)
         tokens = tokens[-1:]
-    elif stepwise(tokens, cache):  # one token at a time, as decoding runs (their logits unused)
+    elif stepwise(tokens, cache, question_stepwise) and not pipelined(model):  # one token at a time, as decoding runs (their logits unused)
         for t in tokens[:-1]:
             model(mx.array([[t]], dtype=mx.int32), cache=cache)
         tokens = tokens[-1:]
@@ -201,6 +219,7 @@ def generate(model, tokenizer, tokens: list[int], cache: list, max_tokens: int =
         yield text[len(shown):]
 
 
-def greedy_tokens(model, tokens: list[int], cache: list, n: int) -> list[int]:
+def greedy_tokens(model, tokens: list[int], cache: list, n: int,
+                  question_stepwise: str = "auto") -> list[int]:
     """The first `n` greedy token ids after `tokens` (used to compare cached and fresh runs)."""
-    return list(token_stream(model, tokens, cache, n))
+    return list(token_stream(model, tokens, cache, n, question_stepwise=question_stepwise))

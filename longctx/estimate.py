@@ -25,7 +25,8 @@ import warnings
 from dataclasses import dataclass
 
 from longctx import kvcache
-from longctx.chunking import ACTIVATIONS, FUSED_SDPA_DIMS, chunk_at
+from longctx.chunking import (ACTIVATIONS, FUSED_SDPA_DIMS, GROUP_TOKENS, INFLIGHT, LAYER_CALL_TOKENS,
+                              LAYER_INFLIGHT, ORDER, chunk_at)
 from longctx.kvcache.presets import Preset, bits_per_channel
 
 @dataclass(frozen=True)
@@ -81,8 +82,11 @@ def cache_file_bytes(s: Shapes, preset: Preset, tokens: int, metadata: dict[str,
 
 
 def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: bool,
-               chunk: int) -> int:
-    """Estimated peak memory of prefilling `tokens` tokens with `chunk`-token passes.
+               chunk: int, *, pairs: int = 0, order: str = ORDER, inflight: int = INFLIGHT,
+               layer_inflight: int = LAYER_INFLIGHT, group_tokens: int = GROUP_TOKENS,
+               layer_call_tokens: int = LAYER_CALL_TOKENS) -> int:
+    """Estimated peak memory of prefilling `tokens` tokens with `chunk`-token passes (the keyword
+    arguments: `engine.prefill`'s, with which the prefill runs).
 
     Weights, the cache being built and one chunk's working set. The working set depends on the
     backend:
@@ -91,11 +95,9 @@ def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: 
       chunk's graph runs ahead of the GPU, and MLX keeps what each layer's operations read until
       their command buffer completes. For the fp16 cache that is mlx-lm's reallocation of every
       layer's buffer (about one more cache, as measured on a GPU). For a compressed cache it is
-      the dequantized rows of the layers in flight, which `prefill_inflight` bounds, plus the
+      the dequantized rows of the layers in flight, which `inflight` bounds, plus the
       layer being run; or, filled layer by layer (`layer_major`), `layer_major_transient`.
     """
-    from longctx import config
-
     elem = 4 if cpu else 2  # the CPU computes in fp32
     dims = s.head_dims
     fp16_token = sum(2 * h * d for h, d in zip(s.kv_heads, dims)) * elem
@@ -107,58 +109,57 @@ def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: 
         cache = full * tokens * bits_per_channel(preset, dims[0], tokens) / (8 * elem)
         cache += window_token * min(tokens, max(s.windows or [0]))
         cache += full * (preset.window + chunk) if preset.kind == "turbo" else 0
-    last = min(chunk_at(max(0, tokens - chunk), chunk), tokens)  # the chunks shrink at length
+    last = min(chunk_at(max(0, tokens - chunk), chunk, pairs), tokens)  # the chunks shrink at length
     activations = last * (8 * s.hidden + 4 * s.intermediate) * 4
     scores = s.q_heads * last * tokens * 4
     if cpu:
         return int(weights_bytes + cache + scores + activations)
-    if layer_major(s, preset):
+    if layer_major(s, preset, order):
         unfused = any(d not in FUSED_SDPA_DIMS for d in dims)
         transient = layer_major_transient(s, tokens, chunk, fp16_token,
-                                          scores if unfused else 0)
+                                          scores if unfused else 0, layer_inflight=layer_inflight,
+                                          group_tokens=group_tokens,
+                                          layer_call_tokens=layer_call_tokens)
     elif any(d not in FUSED_SDPA_DIMS for d in dims):
         transient = scores
     elif preset.kind == "fp16":
         transient = fp16_token * tokens
     else:  # the dequantized fp16 rows of every layer are fp16_token x tokens in all
         rows = fp16_token * tokens
-        transient = min(config.get("prefill_inflight") or rows, rows) + rows / max(1, len(dims))
+        transient = min(inflight or rows, rows) + rows / max(1, len(dims))
     return int(weights_bytes + cache + transient + activations)
 
 
-def layer_major(s: Shapes, preset: Preset) -> bool:
+def layer_major(s: Shapes, preset: Preset, order: str = ORDER) -> bool:
     """Whether a GPU prefill of an empty cache runs layer by layer (`prefill_layers.applies`:
-    every layer compressed, i.e. none sliding, and the `prefill_order` setting)."""
-    from longctx import config
-
-    return (preset.kind == "turbo" and not any(s.windows)
-            and config.get("prefill_order") != "token")
+    every layer compressed, i.e. none sliding, and the prefill's `order`)."""
+    return preset.kind == "turbo" and not any(s.windows) and order != "token"
 
 
 def layer_major_transient(s: Shapes, tokens: int, chunk: int, fp16_token: int,
-                          scores: float = 0) -> float:
+                          scores: float = 0, *, layer_inflight: int = LAYER_INFLIGHT,
+                          group_tokens: int = GROUP_TOKENS,
+                          layer_call_tokens: int = LAYER_CALL_TOKENS) -> float:
     """A layer-major prefill's working set on a GPU (`longctx.prefill_layers`): the hidden states
     of two layers (the one read, the one written), one layer's staging keys and values, and the
     queued layer-chunks (`chunk_bytes` each: the staging buffer it reads and its activations)
-    plus one (a layer-chunk: one call, a run of chunks with `prefill_layer_call_tokens`). The
-    host waits only once `prefill_layer_inflight` bytes are queued, and a group (up to
-    `prefill_group_tokens`, or half the bound) is queued before the oldest is waited for: so up
+    plus one (a layer-chunk: one call, a run of chunks with `layer_call_tokens`). The
+    host waits only once `layer_inflight` bytes are queued, and a group (up to
+    `group_tokens`, or half the bound) is queued before the oldest is waited for: so up
     to the bound plus a group is in flight, whatever the group size (a measured peak did not
     change with the group size: docs/performance.md), at most the whole prompt's
     layer-chunks; with no bound, two groups' worth (as measured before the bound). `scores`: a
     chunk's materialized attention scores (head dims the GPUs' SDPA does not fuse), which
     every queued chunk holds."""
-    from longctx import config
-
     elem = 2
     hidden = 2 * tokens * s.hidden * elem
     layers = max(1, len(s.head_dims))
     staging = fp16_token * tokens / layers
-    runs = config.get("prefill_layer_call_tokens")  # a call's tokens: runs of whole chunks
+    runs = layer_call_tokens  # a call's tokens: runs of whole chunks
     call = max(chunk, runs // max(1, chunk) * chunk) if runs else chunk
     per_chunk = staging + (ACTIVATIONS * chunk * s.hidden * elem + scores) * call / max(1, chunk)
-    group = max(1, config.get("prefill_group_tokens") // max(1, call)) * per_chunk
-    budget = config.get("prefill_layer_inflight")
+    group = max(1, group_tokens // max(1, call)) * per_chunk
+    budget = layer_inflight
     if budget:
         everything = layers * -(-tokens // max(1, call)) * per_chunk
         queued = min(everything, budget + min(budget / 2, group))

@@ -161,7 +161,8 @@ def room(target) -> int | None:
 
 def _gather(store: Store, doc: str):
     """(an entry of `doc`, its whole arrays, its file's metadata): a single-process entry as it
-    is, or every rank's share of a tensor-parallel one joined along the head axis."""
+    is, or every rank's share of a tensor-parallel one joined along the head axis, or every stage
+    of a pipeline-parallel one joined layer after layer."""
     import json
 
     import mlx.core as mx
@@ -180,16 +181,20 @@ def _gather(store: Store, doc: str):
     newest = max(mine, key=lambda x: x.created)
     t = distributed.parse_tag(newest.topology)
     shards = {}
-    for e in mine:
+    for e in sorted(mine, key=lambda x: x.created, reverse=True):
         s = distributed.parse_tag(e.topology)
-        if s is not None and s.ranks == t.ranks and e.document_sha256 == newest.document_sha256 \
-                and e.kv_preset == newest.kv_preset:
+        if s is not None and (s.ranks, s.parallel) == (t.ranks, t.parallel) \
+                and e.document_sha256 == newest.document_sha256 and e.kv_preset == newest.kv_preset:
             shards.setdefault(s.rank, e)
     missing = [r for r in range(t.ranks) if r not in shards]
     if missing:
         raise EntryNotFound(f"'{doc}' was ingested across {t.ranks} ranks but the shards of rank(s) "
                             f"{', '.join(map(str, missing))} are not in this store; copy them here first.")
     loaded = [store.load(shards[r]) for r in range(t.ranks)]
+    if t.parallel == "pipeline":
+        stages = [(distributed.parse_tag(shards[r].topology).layers[0], *loaded[r]) for r in range(t.ranks)]
+        arrays, meta = _join_stages(stages)
+        return shards[0], arrays, meta
     arrays = {k: (mx.concatenate([a[k] for a, _ in loaded], axis=1) if v.ndim >= 2 else v)
               for k, v in loaded[0][0].items()}
     meta = dict(loaded[0][1])
@@ -197,6 +202,62 @@ def _gather(store: Store, doc: str):
     kv["kv_heads"] = [h * t.ranks if h else h for h in kv.get("kv_heads", [])]
     meta["kv_config"] = json.dumps(kv)
     return shards[0], arrays, meta
+
+
+_PER_LAYER = ("head_dims", "kv_heads", "windows")  # KV config lists with one item per layer
+
+
+def _layers_of(arrays: dict) -> tuple[dict[int, dict], dict]:
+    """A cache file's arrays per layer ({layer: {name within the layer: array}}, the stacked
+    parts split back per layer) and the rest (`tokens`)."""
+    stacked = any(k.startswith(kvcache.STACK_PREFIX) for k in arrays)
+    turbo = sorted({int(k.split(".")[0]) for k in arrays if k.split(".")[0].isdigit() and k.count(".") >= 2})
+    per = kvcache.split_layers(arrays, turbo if stacked else [])
+    layers = {int(k): v for k, v in per.items() if k.isdigit()}
+    rest = {k: v for k, v in arrays.items() if not k.split(".")[0].isdigit()
+            and not k.startswith(kvcache.STACK_PREFIX)}
+    return layers, rest
+
+
+def _flat(layers: dict[int, dict], rest: dict) -> dict:
+    """`_layers_of` undone: named arrays as `kvcache.to_arrays` writes them (parts restacked)."""
+    import mlx.core as mx
+
+    out = {f"{i}.{name}": a for i in sorted(layers) for name, a in layers[i].items()}
+    turbo = [i for i in sorted(layers) if "k.mu" in layers[i]]
+    if kvcache.stackable([(layers[i]["k.mu"].shape[1], layers[i]["k.mu"].shape[3]) for i in turbo]):
+        kvcache.stack_parts(out, turbo, lambda parts: mx.concatenate(parts, axis=0))
+    return {**out, **rest}
+
+
+def _join_stages(stages: list[tuple[int, dict, dict]]) -> tuple[dict, dict]:
+    """One cache's arrays and metadata from pipeline stages' (first layer, arrays, metadata)."""
+    import json
+
+    layers, rest, kv_lists = {}, {}, {k: [] for k in _PER_LAYER}
+    for lo, arrays, meta in sorted(stages, key=lambda s: s[0]):
+        mine, rest = _layers_of(arrays)
+        layers.update({lo + i: parts for i, parts in mine.items()})
+        kv = json.loads(meta["kv_config"])
+        for k in _PER_LAYER:
+            kv_lists[k] += kv.get(k, [0] * len(kv["head_dims"]))
+    meta = dict(stages[0][2])
+    kv = {**json.loads(meta["kv_config"]), **{k: v for k, v in kv_lists.items() if k != "windows" or any(v)}}
+    meta["kv_config"] = json.dumps(kv)
+    return _flat(layers, rest), meta
+
+
+def _split_stage(arrays: dict, meta: dict, lo: int, hi: int) -> tuple[dict, dict]:
+    """Layers [lo, hi) of one cache's arrays and metadata, numbered from 0 (a pipeline stage's)."""
+    import json
+
+    layers, rest = _layers_of(arrays)
+    kv = json.loads(meta["kv_config"])
+    kv.update({k: kv[k][lo:hi] for k in _PER_LAYER if k in kv})
+    if "windows" in kv and not any(kv["windows"]):
+        del kv["windows"]
+    return (_flat({i - lo: layers[i] for i in layers if lo <= i < hi}, rest),
+            {**meta, "kv_config": json.dumps(kv)})
 
 
 def _save_as(store: Store, base, arrays: dict, meta: dict, topology: str):
@@ -207,8 +268,10 @@ def _save_as(store: Store, base, arrays: dict, meta: dict, topology: str):
     from longctx import prompt
     from longctx.store import entry_id
 
+    from longctx.runtime import distributed
+
     ref = models.resolve(base.model_spec)
-    at = f"@{topology}" if topology else ""
+    at = f"@{distributed.place(topology)}" if topology else ""  # as `session.plan` addresses it
     eid = entry_id(base.document_sha256, base.weights_sha256, base.tokenizer_sha256, base.kv_preset + at,
                    prompt.layout_sha256(models.tokenizer(ref)))
     entry = dataclasses.replace(base, id=eid, topology=topology)
@@ -217,8 +280,8 @@ def _save_as(store: Store, base, arrays: dict, meta: dict, topology: str):
 
 
 def merge(doc: str):
-    """Join a tensor-parallel document's shards into an ordinary entry (one process can then
-    answer it alone); returns the new entry."""
+    """Join a tensor- or pipeline-parallel document's shards into an ordinary entry (one process
+    can then answer it alone); returns the new entry."""
     with _opened() as store:
         base, arrays, meta = _gather(store, doc)
         if not base.topology:
@@ -226,9 +289,10 @@ def merge(doc: str):
         return _save_as(store, base, arrays, meta, "")
 
 
-def reshard(doc: str, ranks: int) -> list:
-    """Split a document's cache into `ranks` tensor-parallel shards (from an ordinary entry, or
-    from another topology's shards); returns the new entries."""
+def reshard(doc: str, ranks: int, parallel: str = "tensor") -> list:
+    """Split a document's cache into `ranks` shards (from an ordinary entry, or from another
+    topology's shards): tensor-parallel (each rank its KV heads) or pipeline-parallel (each
+    stage its layers, as mlx-lm's `pipeline` splits them); returns the new entries."""
     import json
 
     import mlx.core as mx
@@ -240,6 +304,17 @@ def reshard(doc: str, ranks: int) -> list:
     with _opened() as store:
         base, arrays, meta = _gather(store, doc)
         kv = json.loads(meta["kv_config"])
+        if parallel == "pipeline":
+            n = len(kv["head_dims"])
+            if ranks > n:
+                raise ConfigError(f"{ranks} pipeline stages exceed the cache's {n} layers; "
+                                  f"reshard it for at most {n} ranks.")
+            out = []
+            for r in range(ranks):
+                lo, hi = distributed.stage_layers(n, ranks, r)
+                part, m = _split_stage(arrays, meta, lo, hi)
+                out.append(_save_as(store, base, part, m, distributed.Topology(ranks, r, "pipeline", (lo, hi)).tag))
+            return out
         heads = [h for h in kv.get("kv_heads", []) if h]
         if any(h % ranks for h in heads):
             valid = [n for n in range(2, max(heads) + 1) if all(h % n == 0 for h in heads)]

@@ -41,8 +41,8 @@ def body_mass(queries, kv, scale: float, head: int, tail: int):
     if kv.dense is not None:  # the CPU's decoded prefix
         keys = kv.dense[0].astype(mx.float32)
     else:
-        sink = dense_gpu._rotated(kc, kv.sink[0]) if kv.sink is not None else None
-        keys = dense_gpu._dense(kc, kernel_table(kc), [s[0] for s in kv.segments], sink,
+        sink = dense_gpu.rotated_part(kc, kv.sink[0]) if kv.sink is not None else None
+        keys = dense_gpu.decode_dense(kc, kernel_table(kc), [s[0] for s in kv.segments], sink,
                                 None).astype(mx.float32)
     B, Hq, Lq, _ = queries.shape
     Hkv, n = keys.shape[1], keys.shape[2]
@@ -72,11 +72,11 @@ def attention_mass(lm, cache: list, suffix: list[int], head: int, tail: int) -> 
     def observe(queries, kv, scale):
         shares.append(body_mass(queries, kv, scale, head, tail))
 
-    attention._OBSERVERS.append(observe)
+    attention.OBSERVERS.append(observe)
     try:
         lm.model(mx.array(suffix, dtype=mx.int32)[None], cache=kvcache.fork(cache))
     finally:
-        attention._OBSERVERS.remove(observe)
+        attention.OBSERVERS.remove(observe)
     if not shares:
         return 0.0
     return float(mx.mean(mx.stack(shares)).item())

@@ -168,6 +168,13 @@ def ingest_files(paths: Sequence[str | Path], name: str | None = None, model: st
     kind = "collection" if len(p.documents) > 1 else "segments"
     total = sum(len(t) for t in p.tokens)
     estimate.check(p.model, p.preset, [len(t) for t in p.tokens], p.name, chunk)
+    from longctx.runtime import distributed
+
+    if distributed.group() is not None:
+        if distributed.mode() == "data":
+            return _ingest_spread(p, files, kind, empty, force, progress, chunk)
+        raise ConfigError(f"'{p.name}' is past the model's context ({len(p.segments)} segments): under "
+                          "mlx.launch, ingest it with --parallel data (each rank its segments), or in one process.")
     store = Store()
     try:
         with store.lock(p.group_id):
@@ -175,48 +182,22 @@ def ingest_files(paths: Sequence[str | Path], name: str | None = None, model: st
             if existing and not force and _intact(store, existing):
                 store.touch_latest(existing)  # type: ignore[arg-type]
                 return SetResult(existing, True, empty_pages=empty or None)
-            lm = None
+            lm: list = []
             saved: list[Entry] = []
             done, seconds, peak, built = 0, 0.0, 0, 0
-            for part, tokens in zip(p.segments, p.tokens):
-                eid = entry_id(part.sha256, p.model.weights_sha256, p.model.tokenizer_sha256,
-                               p.preset.name, p.group_id)
-                with store.lock(eid):
-                    old = store.get(eid)
-                    if old is not None and not force and store.verify(old):
-                        saved.append(old)
-                    else:
-                        lm = lm or models.load(p.model)
-                        base = done
-                        entry, stats = session.build_entry(
-                            store, lm, p.preset, tokens, eid,
-                            fp16_bytes_per_token=p.fp16_bytes_per_token, name=part.title,
-                            path=str(Path(files[0]).resolve()), document_sha256=part.sha256,
-                            kind="segment", pages=_pages(part), question_suffix=p.question_suffix,
-                            progress=(lambda d, t: progress(base + d, total)) if progress else None,
-                            chunk=chunk, group=p.group_id, segment=part.index)
-                        groups.save_text(store, eid, part.text)
-                        saved.append(entry)
-                        seconds += stats.seconds
-                        peak = max(peak, stats.peak_bytes)
-                        built += 1
+            for i, tokens in enumerate(p.tokens):
+                base = done
+                entry, stats = _segment(store, p, files, i, lm, force,
+                                        (lambda d, t: progress(base + d, total)) if progress else None, chunk)
+                saved.append(entry)
+                if stats is not None:
+                    seconds += stats.seconds
+                    peak = max(peak, stats.peak_bytes)
+                    built += 1
                 done += len(tokens)
                 if progress:
                     progress(done, total)
-            group = Group(
-                id=p.group_id, name=p.name, kind=kind,
-                files=tuple({"name": d.name, "path": str(Path(f).resolve()), "sha256": d.sha256,
-                             "kind": d.kind, "pages": d.pages}
-                            for d, f in zip(p.documents, files)),
-                segments=tuple({"id": e.id, "label": part.label, "tokens": e.tokens,
-                                "spans": [s.to_json() for s in part.spans]}
-                               for e, part in zip(saved, p.segments)),
-                model_id=p.model.model_id, model_spec=p.model.spec,
-                weights_sha256=p.model.weights_sha256, tokenizer_sha256=p.model.tokenizer_sha256,
-                kv_preset=p.preset.name, prefill_seconds=seconds,
-                bits_per_channel=saved[0].bits_per_channel if saved else 0.0,
-                question_suffix=p.question_suffix)
-            group = groups.save(store, group, saved)
+            group = groups.save(store, _group(p, files, kind, saved, seconds), saved)
             stats = engine.PrefillStats(total, seconds, peak) if built else None
             result = SetResult(group, False, stats, built, empty or None)
         try:  # the new group is saved whatever happens here
@@ -224,6 +205,105 @@ def ingest_files(paths: Sequence[str | Path], name: str | None = None, model: st
         except StoreError as err:
             result.eviction_error = str(err)
         return result
+    finally:
+        store.close()
+
+
+def _segment_id(p: SetPlan, i: int) -> str:
+    part = p.segments[i]
+    return entry_id(part.sha256, p.model.weights_sha256, p.model.tokenizer_sha256, p.preset.name, p.group_id)
+
+
+def _segment(store: Store, p: SetPlan, files: list[Path], i: int, lm: list, force: bool, progress,
+             chunk: int) -> tuple[Entry, engine.PrefillStats | None]:
+    """Segment i's entry, reused if intact, else prefilled and saved (stats None: reused); `lm`
+    holds the model once loaded."""
+    part, tokens, eid = p.segments[i], p.tokens[i], _segment_id(p, i)
+    with store.lock(eid):
+        old = store.get(eid)
+        if old is not None and not force and store.verify(old):
+            return old, None
+        if not lm:
+            lm.append(models.load(p.model))
+        entry, stats = session.build_entry(
+            store, lm[0], p.preset, tokens, eid,
+            fp16_bytes_per_token=p.fp16_bytes_per_token, name=part.title,
+            path=str(Path(files[0]).resolve()), document_sha256=part.sha256,
+            kind="segment", pages=_pages(part), question_suffix=p.question_suffix,
+            progress=progress, chunk=chunk, group=p.group_id, segment=part.index)
+        groups.save_text(store, eid, part.text)
+        return entry, stats
+
+
+def _group(p: SetPlan, files: list[Path], kind: str, saved: list[Entry], seconds: float) -> Group:
+    """The group record naming `saved`, the plan's segments in order."""
+    return Group(
+        id=p.group_id, name=p.name, kind=kind,
+        files=tuple({"name": d.name, "path": str(Path(f).resolve()), "sha256": d.sha256,
+                     "kind": d.kind, "pages": d.pages}
+                    for d, f in zip(p.documents, files)),
+        segments=tuple({"id": e.id, "label": part.label, "tokens": e.tokens,
+                        "spans": [s.to_json() for s in part.spans]}
+                       for e, part in zip(saved, p.segments)),
+        model_id=p.model.model_id, model_spec=p.model.spec,
+        weights_sha256=p.model.weights_sha256, tokenizer_sha256=p.model.tokenizer_sha256,
+        kv_preset=p.preset.name, prefill_seconds=seconds,
+        bits_per_channel=saved[0].bits_per_channel if saved else 0.0,
+        question_suffix=p.question_suffix)
+
+
+def _ingest_spread(p: SetPlan, files: list[Path], kind: str, empty: dict, force: bool, progress,
+                   chunk: int) -> SetResult:
+    """Data parallel (`--parallel data` under mlx.launch): rank r prefills segments r, r+N, ...
+    into its store (each under its own entry's lock, as any ingest); once every rank's are in
+    (`agree`, a barrier), rank 0 writes the group record under the group's lock, and the others
+    wait for it (a second barrier). The ranks must share one store (one machine, or one
+    LONGCTX_HOME): rank 0 names segments it finds there."""
+    from longctx.errors import ResourceError
+    from longctx.runtime import distributed
+
+    what = f" while ingesting '{p.name}'"
+    mine = distributed.share(len(p.segments))
+    leader = distributed.is_leader()
+    total = sum(len(p.tokens[i]) for i in mine)
+    store = Store()
+    try:
+        existing = groups.get(store, p.group_id)
+        if distributed.agree(bool(existing and not force and _intact(store, existing)), what=what):
+            store.touch_latest(existing)  # type: ignore[arg-type]
+            return SetResult(existing, True, empty_pages=empty or None)
+        lm: list = []
+        done, seconds, peak, built = 0, 0.0, 0, 0
+        try:
+            for i in mine:
+                base = done
+                _, stats = _segment(store, p, files, i, lm, force,
+                                    (lambda d, t: progress(base + d, total)) if progress else None, chunk)
+                if stats is not None:
+                    seconds, peak, built = seconds + stats.seconds, max(peak, stats.peak_bytes), built + 1
+                done += len(p.tokens[i])
+        except BaseException:
+            distributed.agree(False, what=what)
+            raise
+        if not distributed.agree(True, what=what):
+            raise ResourceError(f"Another rank failed{what}; the segments saved are kept (an ingest "
+                                "again reuses them) but the document is not recorded. Ingest it again.")
+        group, missing = None, []
+        if leader:
+            with store.lock(p.group_id):
+                saved = [store.get(_segment_id(p, i)) for i in range(len(p.segments))]
+                missing = [i + 1 for i, e in enumerate(saved) if e is None]
+                if not missing:
+                    group = groups.save(store, _group(p, files, kind, saved, seconds), saved)
+        if not distributed.agree(not missing, what=what):
+            if missing:
+                raise ResourceError(f"Segments {', '.join(map(str, missing))} of '{p.name}' are not in rank 0's "
+                                    "store: data-parallel ranks need one shared store (one machine, or one "
+                                    "LONGCTX_HOME); they are kept in the other ranks' stores.")
+            raise ResourceError(f"Rank 0 could not record '{p.name}'; its segments are kept. Ingest it again.")
+        group = group or groups.get(store, p.group_id) or _group(p, files, kind, [], seconds)
+        stats = engine.PrefillStats(total, seconds, peak) if built else None
+        return SetResult(group, False, stats, built, empty or None)
     finally:
         store.close()
 
@@ -285,8 +365,8 @@ def find(store: Store, ref: str | None) -> Entry | Group:
     here = distributed.tag()
     found = groups.groups(store)
     stored = store.entries()
-    elsewhere = [e for e in stored if e.topology != here]
-    stored = [e for e in stored if e.topology == here]  # shards of other topologies are not ours
+    elsewhere = [e for e in stored if distributed.place(e.topology) != here]
+    stored = [e for e in stored if distributed.place(e.topology) == here]  # other topologies' shards are not ours
     entries = [e for e in stored if not e.group]
     if ref is not None and elsewhere and not any(t.name == ref or t.id.startswith(ref.strip()) for t in [*found, *entries]):
         other = next((e for e in elsewhere if e.name == ref or e.id.startswith(ref.strip())), None)
@@ -295,7 +375,7 @@ def find(store: Store, ref: str | None) -> Entry | Group:
     if not found and not entries:
         raise EntryNotFound("No documents ingested yet; run `longctx ingest FILE` first.")
     if ref is None:
-        latest = store._get("latest")
+        latest = store.get_value("latest")
         for t in [*found, *entries]:
             if t.id == latest:
                 return t
@@ -415,5 +495,6 @@ def _topology_hint(entry: Entry, here: str) -> str:
     if t is None:
         return (f"'{entry.name}' was ingested in one process; ask it without mlx.launch, or split it for "
                 f"these ranks with `longctx reshard {entry.name} --ranks N`.")
+    how = "" if t.parallel == "tensor" else f" with `--parallel {t.parallel}`"
     return (f"'{entry.name}' was ingested across {t.ranks} ranks ({t.parallel} parallel): ask it under "
-            f"`mlx.launch -n {t.ranks}`, or join its shards with `longctx merge {entry.name}` to ask it in one process.")
+            f"`mlx.launch -n {t.ranks}`{how}, or join its shards with `longctx merge {entry.name}` to ask it in one process.")

@@ -42,7 +42,7 @@ on the hidden states (a model computing one from them inside its loop would have
 first pass's; none of the families in tests/families.py does, each stores the oracle's arrays
 bit for bit).
 
-Where: `applies` (the `prefill_order` setting, `layer` by default: an empty cache whose layers
+Where: `applies` (`engine.prefill`'s `order`, `layer` by default: an empty cache whose layers
 are all compressed, on every backend. On the CPU the token-major loop is faster for a small
 model (SmolLM2-135M) but several times slower for the default 1.5B model, docs/performance.md;
 `auto` keeps the token-major loop on the CPU.)
@@ -54,7 +54,8 @@ import logging
 import time
 from typing import Callable
 
-from longctx.chunking import ACTIVATIONS, FUSED_SDPA_DIMS
+from longctx.chunking import (ACTIVATIONS, FUSED_SDPA_DIMS, GROUP_TOKENS, LAYER_CALL_TOKENS,
+                              LAYER_INFLIGHT, ORDER)
 
 Progress = Callable[[int, int], None]
 _log = logging.getLogger("longctx.prefill")
@@ -95,16 +96,16 @@ class _Stand:
         return getattr(self.layer, name)
 
 
-def applies(model, cache: list) -> bool:
-    """Whether `prefill` takes this path: the `prefill_order` setting (`token`: never; `layer`:
-    wherever it can; `auto`: on a GPU), an empty cache whose every layer is compressed
+def applies(model, cache: list, order: str = ORDER) -> bool:
+    """Whether `prefill` takes this path: `order` (`token`: never; `layer`: wherever it can;
+    `auto`: on a GPU; `engine.prefill`'s argument), an empty cache whose every layer is compressed
     (`TurboQuantCache`: sliding-window layers' masks depend on their own offsets) and a model
     with one `layers` entry per cache entry."""
-    from longctx import config
     from longctx.kernels import backend
     from longctx.kvcache.turbo import TurboQuantCache
 
-    order = config.get("prefill_order")
+    if order not in ("auto", "layer", "token"):
+        raise ValueError(f"order is one of auto, layer, token, got {order!r}")
     if order == "token" or (order == "auto" and backend() == "cpu"):
         return False
     layers = layer_list(model)
@@ -200,7 +201,9 @@ def chunk_bytes(stage, out) -> int:
 
 
 def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]],
-            progress: Progress | None = None, pairs: int = 0) -> list[float] | None:
+            progress: Progress | None = None, pairs: int = 0, *,
+            layer_inflight: int = LAYER_INFLIGHT, group_tokens: int = GROUP_TOKENS,
+            layer_call_tokens: int = LAYER_CALL_TOKENS) -> list[float] | None:
     """Fill the empty compressed `cache` with `tokens`, layer by layer (module docstring).
 
     Args:
@@ -208,18 +211,21 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
         tokens: the prompt token ids.
         cache: one empty `TurboQuantCache` per layer (`applies`).
         bounds: the chunks, (lo, hi) token ranges in order, as the token-major loop cuts them:
-            each is one call per layer (or runs of them: `call_spans`, the
-            `prefill_layer_call_tokens` setting), and the compressed cache absorbs them in
-            `absorb_spans`.
+            each is one call per layer (or runs of them: `call_spans`, `layer_call_tokens`),
+            and the compressed cache absorbs them in `absorb_spans`.
         progress: `progress(done, total)` after every queued group of chunks, `done` the
             tokens' share of the work queued so far (layers x chunks; the GPU may still be
             running the last groups).
-        pairs: the `prefill_pairs` bound the chunks were cut by (0: none): merged calls keep
-            within it.
+        pairs: the bound on query-key pairs the chunks were cut by (0: none): merged calls
+            keep within it.
+        layer_inflight: most bytes queued (0: no bound).
+        group_tokens: tokens per queued group.
+        layer_call_tokens: a layer is called on runs of whole chunks of up to this many
+            tokens (0: one call per chunk).
 
     A layer's chunks are queued for the GPU in groups (`mx.async_eval`) of up to
-    `prefill_group_tokens` tokens, or fewer where their `chunk_bytes` reach half of
-    `prefill_layer_inflight`; past that many bytes queued, the oldest groups are waited for (the
+    `group_tokens` tokens, or fewer where their `chunk_bytes` reach half of
+    `layer_inflight`; past that many bytes queued, the oldest groups are waited for (the
     newest always stays queued, so the GPU has work while the host builds the next).
 
     Returns:
@@ -231,12 +237,10 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from longctx import config
-
     layers = layer_list(model)
     real = list(layers)
     n_layers, total = len(real), len(tokens)
-    runs = call_spans(bounds, config.get("prefill_layer_call_tokens"), pairs)
+    runs = call_spans(bounds, layer_call_tokens, pairs)
     pieces = [mx.array(tokens[lo:hi], dtype=mx.int32)[None] for lo, hi in runs]  # (1, T) each
     at = {"layer": 0, "chunk": 0, "out": None, "stage": None}
     hidden: list = []  # the previous layer's output, per chunk
@@ -280,8 +284,7 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
                        **{k: stage if v is _STAGE else v for k, v in kwargs.items()})
 
     spans = absorb_spans(bounds)
-    budget = config.get("prefill_layer_inflight") or float("inf")
-    group_tokens = config.get("prefill_group_tokens")
+    budget = layer_inflight or float("inf")
     times: list[float] = []
     queued: list = []  # (arrays, bytes) of the groups queued and not yet waited for, oldest first
     t = time.perf_counter()

@@ -20,6 +20,7 @@ from longctx.errors import (CacheCorrupt, CacheMismatch, ConfigError, ContextLen
 from longctx.runtime import models
 from longctx.store import Entry, Store, budget, entry_id, layout, rebuild_hint
 from longctx.store.failpoints import failpoint
+from longctx.store.format import CHECKS
 
 if TYPE_CHECKING:
     from longctx.store.format import PendingChecksums
@@ -207,7 +208,11 @@ def build_entry(store: Store, lm: models.LoadedModel, preset: kvcache.Preset, to
     bpc = bits_per_channel(preset, dims[0], len(tokens))
     store.check_free_space(int(fp16_bytes_per_token * len(tokens) * bpc / 16),
                            f"the cache of '{name}'")
-    stats = engine.prefill(lm.model, tokens, cache, chunk=chunk, progress=progress)
+    from longctx.runtime import distributed
+
+    # a pipeline stage goes token-major: layer-major would depend on the stage's share of layers
+    order = {"order": "token"} if distributed.pipelined(lm.model) else {}
+    stats = engine.prefill(lm.model, tokens, cache, chunk=chunk, progress=progress, **order)
     failpoint("ingest:prefilled")
     arrays = kvcache.to_arrays(cache, preset)
     arrays["tokens"] = mx.array(tokens, dtype=mx.int32)
@@ -218,7 +223,8 @@ def build_entry(store: Store, lm: models.LoadedModel, preset: kvcache.Preset, to
         weights_sha256=lm.ref.weights_sha256, tokenizer_sha256=lm.ref.tokenizer_sha256,
         kv_preset=preset.name, file=f"{eid}.safetensors", bytes=0, created=0.0,
         prefill_seconds=stats.seconds, bits_per_channel=round(bpc, 4),
-        question_suffix=question_suffix, group=group, segment=segment, topology=_at()[1:],
+        question_suffix=question_suffix, group=group, segment=segment,
+        topology=distributed.entry_tag(lm.model),
     )
     metadata = {
         "model_id": lm.ref.model_id, "weights_sha256": lm.ref.weights_sha256,
@@ -234,7 +240,7 @@ def build_entry(store: Store, lm: models.LoadedModel, preset: kvcache.Preset, to
 
 
 def warm_answer_path(lm: models.LoadedModel, preset: kvcache.Preset, arrays: dict) -> bool:
-    """On CUDA, with longctx's kernel files on (`cuda_kernel_cache`): one decode step through a
+    """On CUDA, with longctx's kernel files on (`runtime.cuda_kernels.ENABLED`): one decode step through a
     fork of the new cache rebuilt from its arrays, as `ask` restores and forks it, so that the
     kernels an answer launches (longctx's, whose compiled files `runtime.cuda_kernels` writes,
     and MLX's own, which MLX keeps on disk) compile here, inside the ingest, instead of before
@@ -243,11 +249,11 @@ def warm_answer_path(lm: models.LoadedModel, preset: kvcache.Preset, arrays: dic
     ran; it never fails the ingest (the entry is saved already)."""
     import mlx.core as mx
 
-    from longctx import config
     from longctx.kernels import backend
+    from longctx.runtime import cuda_kernels
 
     try:
-        if backend() != "cuda" or not config.get("cuda_kernel_cache") or preset.kind != "turbo":
+        if backend() != "cuda" or not cuda_kernels.ENABLED or preset.kind != "turbo":
             return False
         cache = kvcache.fork(kvcache.from_arrays(arrays, lm.model, preset, getattr(mx, lm.dtype)))
         last = int(arrays["tokens"][-1].item())
@@ -331,11 +337,13 @@ def restore(entry: Entry, lm: models.LoadedModel, store: Store, answering: bool 
 
 
 def restore_verifying(entry: Entry, lm: models.LoadedModel, store: Store,
-                      answering: bool = True) -> tuple[list, "PendingChecksums"]:
+                      answering: bool = True, checks: str = CHECKS
+                      ) -> tuple[list, "PendingChecksums"]:
     """`restore`, returning while the file's checksums are still being computed on other
     threads: the caller starts the question at once and calls `wait()` on the second value
     (it raises CacheCorrupt) before showing anything computed from the cache (`ask` does,
-    before its first answer token). Header, metadata and sizes are checked before this returns."""
+    before its first answer token). Header, metadata and sizes are checked before this returns.
+    `checks`: when the checksum threads start (`Store.load_verifying`)."""
     import mlx.core as mx
 
     try:
@@ -344,7 +352,8 @@ def restore_verifying(entry: Entry, lm: models.LoadedModel, store: Store,
         raise CacheMismatch(
             f"'{entry.name}' was ingested with KV preset {entry.kv_preset!r}, which this longctx "
             f"does not know; upgrade longctx, or {rebuild_hint(entry)}.") from None
-    arrays, meta, pending = store.load_verifying(entry, lambda m: _check_cache_fits(entry, m, lm, preset))
+    arrays, meta, pending = store.load_verifying(entry, lambda m: _check_cache_fits(entry, m, lm, preset),
+                                                 checks)
     try:
         cache = kvcache.from_arrays(arrays, lm.model, preset, getattr(mx, lm.dtype))
         mx.eval([c.state for c in cache])

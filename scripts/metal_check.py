@@ -10,9 +10,14 @@ What the shared tool would need to cover them itself: the calls in `extra_launch
 `enumerate_launches`.
 
 `lc_decode_attend_mma` (kernels/decode_attend_mma.py) is reported NOT EXERCISED by design: it is
-CUDA only, and under the Metal backend the decode step launches the portable `lc_decode_attend`,
-which this plan covers. Its CUDA source is compiled by nvcc and run by the CPU emulator in
-tests/test_kernels_emulated.py.
+CUDA only, and under the Metal backend the decode step launches `lc_decode_attend_simdgroup` (4-bit
+keys and values, P = 64 / 128) or the portable `lc_decode_attend`, which this plan covers. Its CUDA
+source is compiled by nvcc and run by the CPU emulator in tests/test_kernels_emulated.py.
+
+The shared tool's shim does not model MSL's simdgroup matrices (`simdgroup_half8x8`,
+`simdgroup_load`, `simdgroup_multiply_accumulate`, ...): `metal_simdgroup_shim.h` beside this
+script declares them (address spaces, element types, 8x8), and the tool is pointed at a shim
+that includes its own and then that one.
 """
 
 from __future__ import annotations
@@ -104,7 +109,44 @@ def extra_launches(tool, full: bool) -> list:
                     rt.rotate(x, mx.ones((p,)))
                     rt.rotate(x.astype(mx.float16), mx.ones((p,)), inverse=True,
                               mean=mx.zeros((1, hkv, 1, p)), out_dtype=dt)
+        # The simdgroup-matrix decode step (kernels/decode_attend_simdgroup.py, which the decode
+        # step above launches at tq4 and P = 64 / 128), at every row count it takes, and its
+        # fallback, the portable kernel, at the same shapes (with and without the exact tokens).
+        from longctx.kernels import decode_attend as da
+        from longctx.kernels import decode_attend_simdgroup as ds
+
+        for p in ds.DIMS:
+            for r in range(1, ds.MAX_ROWS + 1) if full else (1, 3, 4, 8):
+                for hkv, length in ((1, 1), (1, 17), (8, 4096)) if full else ((1, 1), (8, 4096)):
+                    seg = {"idx": mx.zeros((1, hkv, length, p // 8), dtype=mx.uint32),
+                           "norm": mx.zeros((1, hkv, length), dtype=mx.float16)}
+                    for dt in (mx.float16, mx.bfloat16, mx.float32):
+                        rec.origin = f"decode_attend_simdgroup P={p} H={hkv} r={r} L={length} {dt}"
+                        q = mx.zeros((1, hkv, r, p), dtype=dt)
+                        ds.decode_attend_simdgroup_partials(q, seg, seg, mx.zeros((16,)),
+                                                            mx.ones((p,)), scale=0.1)
+                        rec.origin = f"decode_attend_partials tq4 P={p} H={hkv} r={r} L={length} {dt}"
+                        rows = (mx.zeros((1, hkv, 4, p)),) * 2
+                        for exact in (False, True):
+                            da.decode_attend_partials(
+                                q, seg, seg, mx.zeros((16,)), mx.zeros((16,)), mx.ones((p,)),
+                                key_bits=4, value_bits=4, scale=0.1,
+                                sink=rows if exact else None, window=rows if exact else None,
+                                v_signs=mx.ones((p,)) if exact else None)
     return rec.launches
+
+
+# The shared tool's shim has no model of MSL's simdgroup matrices; this one is included after it.
+SIMDGROUP_SHIM = Path(__file__).resolve().parent / "metal_simdgroup_shim.h"
+
+
+def _with_simdgroup_shim(tool) -> None:
+    """Point the tool at a shim that includes its own, then the simdgroup-matrix model."""
+    import tempfile
+
+    shim = Path(tempfile.mkdtemp(prefix="metal_check_shim_")) / "metal_shim.h"
+    shim.write_text(f'#pragma once\n#include "{tool.SHIM}"\n#include "{SIMDGROUP_SHIM}"\n')
+    tool.SHIM = shim
 
 
 def _short_names(generate_sources, most: int = 200):
@@ -136,6 +178,7 @@ def main(argv: list[str]) -> int:
     planned = tool.enumerate_launches
     tool.enumerate_launches = lambda full: planned(full) + extra_launches(tool, full)
     tool.generate_sources = _short_names(tool.generate_sources)
+    _with_simdgroup_shim(tool)
     rc = tool.main(argv)
     print("note: lc_decode_attend_mma is CUDA only (never launched on Metal); see this script's "
           "docstring")

@@ -80,10 +80,10 @@ def make_tiny_model(path: Path, seed: int = 0, context: int = 4096, n_kv_heads: 
     embed = next(m for _, m in model.named_modules() if isinstance(m, nn.Embedding))
     embed.weight = mx.random.normal(embed.weight.shape) * embed_std
     if attn_gain != 1.0:
-        from longctx.kvcache import _attention
+        from longctx.kvcache.support import attention_module
 
         for layer in model.layers:
-            for _, m in _attention(layer).named_modules():
+            for _, m in attention_module(layer).named_modules():
                 if isinstance(m, nn.Linear):
                     m.weight = m.weight * attn_gain
     path.mkdir(parents=True, exist_ok=True)

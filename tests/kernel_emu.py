@@ -188,6 +188,105 @@ static inline int lc_atomic_add(const int32_t* p, int v) {
 static inline void lc_atomic_zero(const int32_t* p) {
   __atomic_store_n(const_cast<int32_t*>(p), 0, __ATOMIC_SEQ_CST);
 }
+// Metal's simdgroup matrices (decode_attend_simdgroup), under their MSL names: 8x8
+// simdgroup_matrix<T, Cols, Rows>, held two elements a lane in the layout Apple's GPUs use (MLX's
+// steel `BaseMMAFrag::get_coord`: lane l, q = l / 4, holds row (q & 4) + (l / 2) % 4, columns
+// 4 (q / 2 % 2) + 2 (l % 2) + {0, 1}). Load, store and the products are collective: every lane of
+// the simdgroup takes part with the same pointer, row stride and transpose (checked: a trap
+// otherwise); they order no memory between lanes (a lane reads and writes its own elements at
+// once; simdgroup_barrier orders). load / store: element (r, c) at src[r * epr + c], or with
+// transpose_matrix at src[c * epr + r]; a matrix_origin other than 0 is not modeled (trap).
+// multiply_accumulate(d, a, b, c): d = a b + c, operands read exactly as float (half, bfloat,
+// float), products and the sum over k in order in float, then + c, rounded to d's type.
+enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+static inline void simdgroup_barrier(mem_flags) { lc_warps[lc_e_tid >> 5].bar->arrive_and_wait(); }
+static inline void lc_sg_coord(int i, int& r, int& c) {
+  const int l = (int)(lc_e_tid & 31u), q = l >> 2;
+  r = (q & 4) + ((l >> 1) & 3);
+  c = (q & 2) * 2 + (l & 1) * 2 + i;
+}
+template <typename T, int Cols, int Rows = Cols> struct simdgroup_matrix {
+  static_assert(Cols == 8 && Rows == 8, "simdgroup matrices are 8x8 here");
+  T e[2];
+  simdgroup_matrix() { e[0] = e[1] = (T)NAN; }  // undefined contents: NaN
+  explicit simdgroup_matrix(T diag) {  // MSL: a diagonal matrix
+    for (int i = 0; i < 2; ++i) { int r, c; lc_sg_coord(i, r, c); e[i] = r == c ? diag : (T)0.0f; }
+  }
+};
+typedef simdgroup_matrix<lc_half_t, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<lc_bf16_t, 8, 8> simdgroup_bfloat8x8;
+template <typename T, int Cols, int Rows = Cols>
+static inline simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T v) {
+  simdgroup_matrix<T, Cols, Rows> m;
+  m.e[0] = m.e[1] = v;
+  return m;
+}
+struct lc_sg_origin { unsigned long x, y; lc_sg_origin(unsigned long v) : x(v), y(v) {} };
+struct LcSg { const void* p[32]; unsigned long s[32]; bool t[32]; float a[64], b[64], c[64]; };
+static LcSg lc_sg_x[32];
+static inline void lc_sg_uniform(const void* p, unsigned long s, bool t) {
+  const uint32_t w = lc_e_tid >> 5, l = lc_e_tid & 31u;
+  LcSg& x = lc_sg_x[w];
+  x.p[l] = p; x.s[l] = s; x.t[l] = t;
+  lc_warps[w].bar->arrive_and_wait();
+  if (x.p[l] != x.p[0] || x.s[l] != x.s[0] || x.t[l] != x.t[0]) __builtin_trap();  // not uniform
+  lc_warps[w].bar->arrive_and_wait();
+}
+template <typename T, int C, int R>
+static inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const T* src, unsigned long epr = C,
+                                  lc_sg_origin o = 0, bool transpose_matrix = false) {
+  if (o.x || o.y) __builtin_trap();
+  for (int i = 0; i < 2; ++i) {
+    int r, c; lc_sg_coord(i, r, c);
+    d.e[i] = transpose_matrix ? src[c * epr + r] : src[r * epr + c];
+  }
+  lc_sg_uniform(src, epr, transpose_matrix);
+}
+template <typename T, int C, int R>
+static inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, T* dst, unsigned long epr = C,
+                                   lc_sg_origin o = 0, bool transpose_matrix = false) {
+  if (o.x || o.y) __builtin_trap();
+  for (int i = 0; i < 2; ++i) {
+    int r, c; lc_sg_coord(i, r, c);
+    (transpose_matrix ? dst[c * epr + r] : dst[r * epr + c]) = a.e[i];
+  }
+  lc_sg_uniform(dst, epr, transpose_matrix);
+}
+template <typename T, typename U, typename V, typename W>
+static inline void lc_sg_mma(simdgroup_matrix<T, 8, 8>& d, const simdgroup_matrix<U, 8, 8>& a,
+                             const simdgroup_matrix<V, 8, 8>& b, const simdgroup_matrix<W, 8, 8>* c) {
+  const uint32_t w = lc_e_tid >> 5;
+  LcSg& x = lc_sg_x[w];
+  for (int i = 0; i < 2; ++i) {
+    int r, cc; lc_sg_coord(i, r, cc);
+    x.a[r * 8 + cc] = (float)a.e[i];
+    x.b[r * 8 + cc] = (float)b.e[i];
+    x.c[r * 8 + cc] = c ? (float)c->e[i] : 0.0f;
+  }
+  lc_warps[w].bar->arrive_and_wait();
+  float out[2];
+  for (int i = 0; i < 2; ++i) {
+    int r, cc; lc_sg_coord(i, r, cc);
+    float s = 0.0f;
+    for (int k = 0; k < 8; ++k) s += x.a[r * 8 + k] * x.b[k * 8 + cc];
+    out[i] = c ? s + x.c[r * 8 + cc] : s;
+  }
+  lc_warps[w].bar->arrive_and_wait();
+  for (int i = 0; i < 2; ++i) d.e[i] = (T)out[i];
+}
+template <typename T, typename U, typename V, typename W>
+static inline void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8, 8>& d,
+                                                 const simdgroup_matrix<U, 8, 8>& a,
+                                                 const simdgroup_matrix<V, 8, 8>& b,
+                                                 const simdgroup_matrix<W, 8, 8>& c) {
+  lc_sg_mma(d, a, b, &c);
+}
+template <typename T, typename U, typename V>
+static inline void simdgroup_multiply(simdgroup_matrix<T, 8, 8>& d, const simdgroup_matrix<U, 8, 8>& a,
+                                      const simdgroup_matrix<V, 8, 8>& b) {
+  lc_sg_mma(d, a, b, (const simdgroup_matrix<T, 8, 8>*)nullptr);
+}
 """
 
 EMU_IDS = r"""

@@ -15,33 +15,45 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_values_are_parsed_and_bad_values_refused(monkeypatch):
-    assert config.get("fused_max_lq") == 64 and config.get("dense_gpu") is True
-    monkeypatch.setenv("LONGCTX_FUSED_MAX_LQ", "8")
-    monkeypatch.setenv("LONGCTX_DENSE_GPU", "0")
-    monkeypatch.setenv("LONGCTX_DECODE_ONCE_MAX_MB", "1.5")
-    assert config.get("fused_max_lq") == 8 and config.get("dense_gpu") is False
-    assert config.get("decode_once_max") == int(1.5 * 2**20)
-    monkeypatch.setenv("LONGCTX_COMPILE", "sometimes")
-    with pytest.raises(ConfigError, match="LONGCTX_COMPILE='sometimes' is not valid"):
-        config.get("compile")
-    with config.override(compile="0"):
-        assert config.get("compile") == "0"
+    assert config.get("segment_tokens") == 0 and config.get("ranker") == "bm25"
+    monkeypatch.setenv("LONGCTX_SEGMENT_TOKENS", "8")
+    monkeypatch.setenv("LONGCTX_PEER_TIMEOUT", "5")
+    monkeypatch.setenv("LONGCTX_RANKER", "model")
+    assert config.get("segment_tokens") == 8 and config.get("peer_timeout") == 5
+    assert config.get("ranker") == "model"
+    monkeypatch.setenv("LONGCTX_RANKER", "sometimes")
+    with pytest.raises(ConfigError, match="LONGCTX_RANKER='sometimes' is not valid"):
+        config.get("ranker")
+    monkeypatch.setenv("LONGCTX_SEGMENT_TOKENS", "-1")
+    with pytest.raises(ConfigError, match="LONGCTX_SEGMENT_TOKENS"):
+        config.get("segment_tokens")
+
+
+def test_openblas_is_a_path_or_off(monkeypatch):
+    for raw, want in (("", None), ("1", None), ("on", None), ("0", False), ("off", False),
+                      ("/opt/libopenblas.so", "/opt/libopenblas.so")):
+        monkeypatch.setenv("LONGCTX_OPENBLAS", raw)
+        assert config.get("openblas") == want, raw
 
 
 def test_a_changed_or_removed_variable_is_read_again(monkeypatch):
-    """Parsed values are kept per raw value: a variable set, changed, set back or removed after
-    a read is seen at the next read, as os.environ says it."""
+    """A variable set, changed, set back or removed after a read is seen at the next read, as
+    os.environ says it; a bad value is refused at every read."""
     for raw, want in (("8", 8), ("16", 16), ("8", 8)):
-        monkeypatch.setenv("LONGCTX_FUSED_MAX_LQ", raw)
-        assert config.get("fused_max_lq") == want
-    monkeypatch.delenv("LONGCTX_FUSED_MAX_LQ")
-    assert config.get("fused_max_lq") == 64
-    monkeypatch.setenv("LONGCTX_OPENBLAS", "")
-    assert config.get("openblas") is None  # empty text: the default
-    monkeypatch.setenv("LONGCTX_FUSED_STEP", "maybe")
-    for _ in range(2):  # a bad value is refused at every read, not cached
-        with pytest.raises(ConfigError, match="LONGCTX_FUSED_STEP"):
-            config.get("fused_step")
+        monkeypatch.setenv("LONGCTX_SEGMENT_TOKENS", raw)
+        assert config.get("segment_tokens") == want
+    monkeypatch.delenv("LONGCTX_SEGMENT_TOKENS")
+    assert config.get("segment_tokens") == 0
+    monkeypatch.setenv("LONGCTX_PEER_TIMEOUT", "maybe")
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="LONGCTX_PEER_TIMEOUT"):
+            config.get("peer_timeout")
+
+
+def test_settings_are_few_and_a_users():
+    """At most 8 settings, each a user's; experiments are keyword arguments (issue #56)."""
+    assert len(config.SETTINGS) <= 8
+    assert all(s.env.startswith("LONGCTX_") for s in config.SETTINGS.values())
 
 
 def test_nothing_else_reads_longctx_settings_from_the_environment():

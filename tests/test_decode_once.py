@@ -86,7 +86,7 @@ def test_numpy_dense_path_equals_blocked_path(monkeypatch, name, dim, lq, mask, 
     from longctx.kvcache import attend_blocked, attend_cpu
 
     if not writes_through:
-        monkeypatch.setattr(attend_blocked, "_numpy_writes_through", lambda: False)
+        monkeypatch.setattr(attend_blocked, "numpy_writes_through", lambda: False)
     blocked, dense = (_restored(name, n=200, dim=dim, batch=2) for _ in range(2))
     dense.decode_prefix()
     calls = []
@@ -109,9 +109,9 @@ def test_numpy_dense_path_equals_blocked_path(monkeypatch, name, dim, lq, mask, 
 
 def test_numpy_views_of_mlx_arrays_write_through():
     """The in-place softmax relies on it with this MLX (else it copies, tested above)."""
-    from longctx.kvcache.attend_blocked import _numpy_writes_through
+    from longctx.kvcache.attend_blocked import numpy_writes_through
 
-    assert _numpy_writes_through()
+    assert numpy_writes_through()
 
 
 def test_rotation_matrices_are_the_rotation():

@@ -15,8 +15,7 @@ from longctx import kvcache
 from longctx.kernels import _prelude
 from longctx.kvcache import compiling
 from longctx.kernels import dequant as dq
-from longctx import config
-from longctx.kvcache import attention, dense_gpu
+from longctx.kvcache import attention, dense_gpu, turbo
 from longctx.kvcache.attention import compressed_attention, kernel_table
 from longctx.kvcache.turbo import TurboQuantCache
 
@@ -89,8 +88,8 @@ def test_routing_takes_the_dense_path_for_many_rows_on_a_gpu(monkeypatch):
         assert dense_gpu.applies(view, "causal")
         compressed_attention(q, view, scale=0.125, mask="causal")
         assert attention.choose_path(view, "causal", 200)[0] == "dense-gpu"
-        with config.override(dense_gpu=False):  # switched off: the blocked path
-            assert attention.choose_path(view, "causal", 200)[0] == "blocked"
+        monkeypatch.setattr(turbo, "DENSE_GPU", False)  # switched off: the blocked path
+        assert attention.choose_path(view, "causal", 200)[0] == "blocked"
     assert calls == [(1, 4, 200, 64)]
 
 
@@ -145,7 +144,7 @@ def test_encode_takes_the_fused_kernel_on_a_gpu():
         assert set(got) == set(want)
         for name in want:
             assert mx.array_equal(got[name], want[name]), name
-    assert not VectorCodec(72, QuantSpec(4), seed=5)._fused_encode()  # padded dims: MLX path
+    assert not VectorCodec(72, QuantSpec(4), seed=5).fused_encode()  # padded dims: MLX path
 
 
 def _references():
@@ -215,7 +214,7 @@ def _prefill(preset, chunks, fused, monkeypatch, hkv=2, d=64, hq=4, seed=0, refs
     if refs:
         monkeypatch.setattr(compiling, "COMPILE_UNDER_EXECUTOR", compiled)
     if not compiled:
-        monkeypatch.setenv("LONGCTX_COMPILE", "0")
+        monkeypatch.setattr(compiling, "COMPILE", "0")
     outs, counts = [], []
     run, launched = _references()
     lo = 0

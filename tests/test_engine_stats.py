@@ -141,10 +141,9 @@ def _count_queueing(monkeypatch) -> tuple[list, list]:
 
 
 def test_the_inflight_bound_waits_for_older_layers_and_changes_nothing(tiny_model, monkeypatch):
-    """`prefill_inflight`: on a GPU a compressed prefill queues each layer's incoming keys once
-    the cache holds compressed tokens and waits for older layers past the byte budget (1 byte:
-    every layer but the newest; a huge one: none); no budget, no queueing; the same cache."""
-    from longctx import config
+    """`inflight`: on a GPU a compressed prefill queues each layer's incoming keys once the
+    cache holds compressed tokens and waits for older layers past the byte budget (1 byte: every
+    layer but the newest; a huge one: none); no budget, no queueing; the same cache."""
     from longctx.kvcache import turbo
 
     lm = models.load(models.resolve(str(tiny_model)))
@@ -155,9 +154,8 @@ def test_the_inflight_bound_waits_for_older_layers_and_changes_nothing(tiny_mode
         queued.clear()
         waited.clear()
         cache = kvcache.make(lm.model, kvcache.get_preset("tq4"))
-        with config.override(prefill_inflight=budget, fused_max_lq=64, prefill_queue_every=1,
-                             prefill_order="token"):  # the chunk-by-chunk loop's bound
-            engine.prefill(lm.model, ids, cache, chunk=128)
+        engine.prefill(lm.model, ids, cache, chunk=128, inflight=budget, queue_every=1,
+                       order="token")  # the chunk-by-chunk loop's bound
         caches.append(cache)
         assert not turbo._PENDING  # drained after every chunk
         if budget == 0:
@@ -177,20 +175,19 @@ def test_the_inflight_bound_waits_for_older_layers_and_changes_nothing(tiny_mode
                 for name in ka:
                     assert mx.array_equal(ka[name], kb[name]) and mx.array_equal(va[name], vb[name])
     # decode steps past the window's cap (its 128 slots are full) take the fused kernel: they
-    # never queue nor wait
+    # never queue nor wait (the cache keeps its prefill's 1-byte bound)
     assert caches[1][0].window_len == caches[1][0].window_cap
+    assert caches[1][0].inflight == 1
     queued.clear()
-    with config.override(prefill_inflight=1):
-        for t in range(3):
-            lm.model(mx.array([[5 + t]]), cache=caches[1])
-            assert queued == []
+    for t in range(3):
+        lm.model(mx.array([[5 + t]]), cache=caches[1])
+        assert queued == []
 
 
 def test_the_inflight_bound_queues_every_few_layers(tiny_model, monkeypatch):
-    """`prefill_queue_every` k: a compressed prefill chunk queues its graph at every k-th layer
-    only (each `mx.async_eval` costs host time), waits for older layers past the byte budget as
+    """`queue_every` k: a compressed prefill chunk queues its graph at every k-th layer only
+    (each `mx.async_eval` costs host time), waits for older layers past the byte budget as
     before, and stores the same cache as queueing at every layer."""
-    from longctx import config
     from longctx.kvcache import turbo
 
     lm = models.load(models.resolve(str(tiny_model)))
@@ -202,9 +199,7 @@ def test_the_inflight_bound_queues_every_few_layers(tiny_model, monkeypatch):
             queued.clear()
             waited.clear()
             cache = kvcache.make(lm.model, kvcache.get_preset("tq4"))
-            with config.override(prefill_inflight=budget, fused_max_lq=64,
-                                 prefill_queue_every=every):
-                engine.prefill(lm.model, ids, cache, chunk=128)
+            engine.prefill(lm.model, ids, cache, chunk=128, inflight=budget, queue_every=every)
             assert not turbo._PENDING
             caches.append(cache)
             counts.append((len(queued), len(waited)))
@@ -232,30 +227,23 @@ def _stepwise_case(tiny_model):
 
 
 def test_stepwise_is_chosen_for_short_prompts_over_a_filled_compressed_cache(tiny_model):
-    from longctx import config
+    from longctx.kernels import backend
 
     lm, cache, question = _stepwise_case(tiny_model)
     fp16 = kvcache.make(lm.model, kvcache.get_preset("fp16"))
     engine.prefill(lm.model, question, fp16)
-    with config.override(question_stepwise="1"):
-        assert engine.stepwise(question, cache)
-        assert not engine.stepwise(question[:1], cache)  # one token: nothing to step through
-        assert not engine.stepwise(question * 6, cache)  # 72 > STEPWISE_MAX
-        assert not engine.stepwise(question, fp16)  # no compressed layer
-        assert not engine.stepwise(question, kvcache.make(lm.model, kvcache.get_preset("tq4")))
-    with config.override(question_stepwise="auto"):  # CUDA only
-        from longctx.kernels import backend
-
-        assert engine.stepwise(question, cache) == (backend() == "cuda")
-    with config.override(question_stepwise="0"):
-        assert not engine.stepwise(question, cache)
+    assert engine.stepwise(question, cache, "1")
+    assert not engine.stepwise(question[:1], cache, "1")  # one token: nothing to step through
+    assert not engine.stepwise(question * 6, cache, "1")  # 72 > STEPWISE_MAX
+    assert not engine.stepwise(question, fp16, "1")  # no compressed layer
+    assert not engine.stepwise(question, kvcache.make(lm.model, kvcache.get_preset("tq4")), "1")
+    assert engine.stepwise(question, cache) == (backend() == "cuda")  # "auto": CUDA only
+    assert not engine.stepwise(question, cache, "0")
 
 
 def test_a_question_fed_token_by_token_answers_as_the_batched_one(tiny_model):
     """The question's tokens one at a time (`question_stepwise`) leave the same cache (offsets,
     exact window within rounding) and give the same greedy answer as one batched pass."""
-    from longctx import config
-
     lm, cache, question = _stepwise_case(tiny_model)
     got, want = kvcache.fork(cache), kvcache.fork(cache)
     lengths = []
@@ -264,12 +252,10 @@ def test_a_question_fed_token_by_token_answers_as_the_batched_one(tiny_model):
         lengths.append(ids.shape[1])
         return lm.model(ids, cache=cache)
 
-    with config.override(question_stepwise="1"):
-        a = engine.greedy_tokens(model, question, got, 8)
+    a = engine.greedy_tokens(model, question, got, 8, question_stepwise="1")
     assert lengths == [1] * (12 + 7)
     lengths.clear()
-    with config.override(question_stepwise="0"):
-        b = engine.greedy_tokens(model, question, want, 8)
+    b = engine.greedy_tokens(model, question, want, 8, question_stepwise="0")
     assert lengths == [12] + [1] * 7
     assert a == b
     for x, y in zip(got, want):

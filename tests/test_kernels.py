@@ -30,6 +30,7 @@ from longctx import kvcache
 from longctx.kernels import _prelude
 from longctx.kernels import decode_attend as da
 from longctx.kernels import decode_attend_mma as dm
+from longctx.kernels import decode_step_mma as ds
 from longctx.kernels import hadamard_quant as hq
 from longctx.kernels import pack as kp
 from longctx.kernels import qjl_encode as qe
@@ -131,19 +132,18 @@ def test_compiled_path_serves_every_layer_with_its_own_arrays(monkeypatch, name,
     QJL projection, tables and segments, never those captured when the function was traced."""
     from collections import OrderedDict
 
-    from longctx import config
-    from longctx.kvcache import attend_fused
+    from longctx.kvcache import attend_fused, compiling
 
     preset = kvcache.get_preset(name)
     views = [_two_segment_view(preset, 2, 64, seed=s, layer=layer)
              for s, layer in ((0, 0), (1, 5), (2, 0))]
     q = mx.random.normal((1, 6, lq, 64))
     mask = "causal" if lq > 1 else None
-    with config.override(compile="0"):
-        want = [compressed_attention(q, view, 0.125, mask=mask, fused=True) for view in views]
+    monkeypatch.setattr(compiling, "COMPILE", "0")
+    want = [compressed_attention(q, view, 0.125, mask=mask, fused=True) for view in views]
     monkeypatch.setattr(attend_fused, "_COMPILED", OrderedDict())
-    with config.override(compile="1"):
-        got = [compressed_attention(q, view, 0.125, mask=mask, fused=True) for view in views]
+    monkeypatch.setattr(compiling, "COMPILE", "1")
+    got = [compressed_attention(q, view, 0.125, mask=mask, fused=True) for view in views]
     assert len(attend_fused._COMPILED) == 1  # one function served all three layers
     for a, b in zip(want, got):
         assert float(mx.abs(a - b).max() / mx.abs(a).max()) < 1e-5
@@ -403,7 +403,7 @@ def test_attention_reads_stacked_slices(name):
     original, restored, mlx_path = _stacked_views_case(name)
     np.testing.assert_array_equal(np.array(restored), np.array(original))
     # a CUDA decode step of 4-bit keys and values runs on tensor cores: fp16 products
-    mma = dm.ENABLED and _prelude.backend() == "cuda" and name == "tq4"
+    mma = _prelude.backend() == "cuda" and name == "tq4"
     tol = dict(rtol=3e-3, atol=3e-4) if mma else dict(rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.array(restored), np.array(mlx_path), **tol)
 
@@ -483,28 +483,27 @@ def test_decode_step_references(n_sink, n_win, qdt):
 @pytest.mark.parametrize("name", ["tq4", "tq3", "tq4k3v", "tq4:portable"])
 def test_gpu_decode_step(shape, qdt, name, monkeypatch):
     """On the device, a decode step takes the two-launch path and matches the blocked path and
-    the compiled fused path (LONGCTX_FUSED_STEP=0); its sink and window are in the decode-attend
+    the compiled fused path (`fused_step=False`); its sink and window are in the decode-attend
     kernel's splits, the tensor-core one's or the portable one's (tq4:portable: the kernel Metal
-    runs, the tensor-core kernel off)."""
-    from longctx import config
+    runs, `attend_step.attention(..., tensor_cores=False)`)."""
+    from longctx.kvcache import attend_step
     from longctx.kvcache.attention import choose_path
 
-    if name.endswith(":portable"):
-        name = name.split(":")[0]
-        monkeypatch.setattr(dm, "ENABLED", False)
+    portable = name.endswith(":portable")
+    name = name.split(":")[0]
     H, r, P, L = shape
     view = _step_view(H, P, L, 4, 57, name, seed=L)
     q = (mx.random.normal((1, H * r, 1, P), key=mx.random.key(L)) * 2).astype(getattr(mx, qdt))
     assert choose_path(view, None, 1, rows=r)[0] == "fused-step"
-    got = compressed_attention(q, view, P ** -0.5)
+    got = (attend_step.attention(q, view, P ** -0.5, tensor_cores=False) if portable
+           else compressed_attention(q, view, P ** -0.5))
     want = compressed_attention(q, view, P ** -0.5, fused=False)
-    with config.override(fused_step=False):
-        assert choose_path(view, None, 1, rows=r)[0] == "fused-compiled"
-        compiled = compressed_attention(q, view, P ** -0.5)
+    assert choose_path(view, None, 1, rows=r, fused_step=False)[0] == "fused-compiled"
+    compiled = compressed_attention(q, view, P ** -0.5, fused_step=False)
     assert got.dtype == q.dtype
     tol = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 2e-5}[qdt]
     if dm.applies(P, r, view.key_codec, view.value_codec):
-        tol = max(tol, 1e-3)  # the tensor-core kernel: fp16 products, fp32 accumulation
+        tol = max(tol, 1e-3)  # the tensor-core kernel (the compiled path's too): fp16 products, fp32 accumulation
     assert _rel(got, want) < tol and _rel(got, compiled) < tol
 
 
@@ -513,15 +512,11 @@ def test_gpu_decode_step(shape, qdt, name, monkeypatch):
 @pytest.mark.parametrize("shape", [(8, 4, 128, 131072), (4, 7, 128, 32768), (3, 3, 64, 5000),
                                    (1, 8, 256, 3001), (2, 1, 128, 17), (8, 4, 128, 4095)])
 @pytest.mark.parametrize("qdt", ["bfloat16", "float32"])
-@pytest.mark.parametrize("warps,stages", [(4, 2), (8, 3)])
-def test_gpu_decode_attend_mma(shape, qdt, warps, stages, monkeypatch):
+def test_gpu_decode_attend_mma(shape, qdt):
     """On the device, the tensor-core kernel's split states merge to the portable kernel's
-    reference within fp16 rounding, the cache a slice of a longer tail, at both threadgroup
-    shapes (8 x 3 keeps two blocks in flight per warp: only the GPU checks its pipeline)."""
+    reference within fp16 rounding, the cache a slice of a longer tail (only the GPU checks its
+    `cp.async` pipeline)."""
     from longctx.quant.rotation import rademacher_signs
-
-    monkeypatch.setattr(dm, "WARPS", warps)
-    monkeypatch.setattr(dm, "STAGES", stages)
 
     H, r, P, L = shape
     q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=L,
@@ -575,11 +570,10 @@ def _gpu_step_case(H, r, P, L, q_dtype):
 
 @gpu
 @pytest.mark.skipif(_prelude.backend() != "cuda", reason="the tensor-core kernel is CUDA only")
-@pytest.mark.parametrize("shape", [(8, 4, 128, 131072, 4), (4, 7, 128, 32768, 4),
-                                   (2, 8, 256, 3001, 8), (2, 1, 128, 17, 4),
-                                   (8, 4, 128, 4095, 4)])
+@pytest.mark.parametrize("shape", [(8, 4, 128, 131072), (4, 7, 128, 32768), (2, 1, 128, 17),
+                                   (8, 4, 128, 4095)])
 @pytest.mark.parametrize("qdt", ["bfloat16", "float32"])
-def test_gpu_decode_step_mma_whole(shape, qdt, monkeypatch):
+def test_gpu_decode_step_mma_whole(shape, qdt):
     """On the device, the whole step in one launch (the last threadgroup of each KV head runs
     the finish) equals the partials' and the finish's references within fp16 rounding, with a
     sink and a window as the valid prefix of its buffers; ten launches chained through their
@@ -587,23 +581,22 @@ def test_gpu_decode_step_mma_whole(shape, qdt, monkeypatch):
     where every split's keys are fixed; within fp32 rounding where the step hands keys out, from
     `DYNAMIC_MIN_KEYS` on: which warp takes which grant, and so the order of its sums, varies),
     and the counts stay zeros."""
-    H, r, P, L, warps = shape
-    monkeypatch.setattr(dm, "WARPS", warps)
+    H, r, P, L = shape
     args, want = _gpu_step_case(H, r, P, L, getattr(mx, qdt))
-    assert dm.fuses_finish(P, r)
-    counts = dm.counter(H)
+    assert ds.fuses_finish(P, r)
+    counts = ds.counter(H)
     outs = []
     for _ in range(10):
-        out, counts = dm.decode_step_mma(*args, counts)
+        out, counts = ds.decode_step_mma(*args, counts)
         outs.append(out)
     mx.eval(outs, counts)
-    assert not _prelude.failed(dm.STEP_NAME)
-    assert not np.array(counts).any() and not np.array(dm.counter(H)).any()
+    assert not _prelude.failed(ds.STEP_NAME)
+    assert not np.array(counts).any() and not np.array(ds.counter(H)).any()
     tol = {"bfloat16": 1e-2, "float32": 2e-3}[qdt]
     assert _rel(outs[0], want) < tol
     # (bfloat16 outputs: one rounding step of the output, 2^-8 relative, where a sum's order
     # flips it)
-    again = {"bfloat16": 8e-3, "float32": 1e-5}[qdt] if dm.hands_out(L) else 0.0
+    again = {"bfloat16": 8e-3, "float32": 1e-5}[qdt] if ds.hands_out(L) else 0.0
     for o in outs[1:]:
         if again:
             assert _rel(o, outs[0]) < again
@@ -612,93 +605,26 @@ def test_gpu_decode_step_mma_whole(shape, qdt, monkeypatch):
                                   np.array(outs[0].astype(mx.float32)))
 
 
-def test_decode_step_timing_variant_is_benchmark_only(monkeypatch):
-    """The step's timing variant (benchmarks/diagnostics/step_stamps.py) is its own launch spec
-    with one more output, `stamps`, and the stamp macros defined; the library's spec defines none
-    (its LC_STAMP calls expand to nothing)."""
-    plain = dm._step_spec(128)
-    assert "stamps" not in plain.outputs and "clock64" not in plain.header
-    assert "LC_STAMP(9)" in plain.source and "#define LC_STAMP(i)\n" in plain.header
-    monkeypatch.setattr(dm, "STAMPS", True)
-    timed = dm._step_spec(128)
-    assert timed.outputs == plain.outputs + ("stamps",) and timed.source == plain.source
-    assert timed.header.index("clock64") < timed.header.index("#ifndef LC_STAMP")
-
-
 @gpu
 @pytest.mark.skipif(_prelude.backend() != "cuda", reason="the tensor-core kernel is CUDA only")
-@pytest.mark.parametrize("grants", [False, True])
-def test_gpu_decode_step_timing_variant(grants, monkeypatch):
-    """On the device, the timing variant gives the plain step's output (bit for bit with every
-    split's keys fixed; within fp16 rounding where keys are handed out, whose sums' order
-    varies), and every threadgroup's clock stamps come in its phases' order (entry, copies
-    issued, q staged and rotated, table, loop, exact tokens, state written, arrival, end)."""
-    from longctx.kernels import decode_finish as dfin
-    from longctx.quant.rotation import rademacher_signs
-
-    H, r, P, L = 8, 4, 128, 32768
-    monkeypatch.setattr(dm, "DYNAMIC_MIN_KEYS", L if grants else L + 1)
-    assert dm.hands_out(L) == grants
-    q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=5)
-    q = q.astype(mx.float16)
-    k_signs, v_signs = mx.array(rademacher_signs(P, 9)), mx.array(rademacher_signs(P, 10))
-    mean = mx.zeros((1, H, 1, P))
-    args = (q, keys, values, kt, k_signs, None, None, v_signs, mean, P ** -0.5, mx.float16,
-            dfin.count(0))
-    plain, _ = dm.decode_step_mma(*args, dm.counter(H))
-    monkeypatch.setattr(dm, "STAMPS", True)
-    timed, counts = dm.decode_step_mma(*args, dm.counter(H))
-    stamps = dm.stamped()
-    mx.eval(plain, timed, counts, stamps)
-    if grants:
-        assert _rel(timed, plain) < 2e-3
-    else:
-        assert np.array_equal(np.array(plain), np.array(timed))
-    st = np.array(stamps).astype(np.int64)
-    assert st.shape == (H * dm.splits(L, H, P)[1], dm.STAMP_WORDS)
-    since = (st - st[:, 1:2]) % (1 << 32)
-    order = since[:, [1, 2, 3, 4, 5, 6, 11, 7, 8, 9]]
-    assert (np.diff(order, axis=1) >= 0).all() and (since[:, 9] > 0).all()
-    # the last threadgroup of each head (the H longest from arrival to end; the others' words
-    # 18-21 are never written): its finish's parts in order (fence, maxima, acc sums, rotation
-    # back, end)
-    last = np.argsort(since[:, 9] - since[:, 8])[-H:]
-    assert (np.diff(since[last][:, [8, 21, 18, 19, 20, 9]], axis=1) >= 0).all()
-    warp_ends = since[:, 12:16]  # each warp's loop end: after the table, by the loop's end
-    # (lane 0 of each warp reads its own clock; on an H100 some were past thread 0's read after
-    # the barrier that follows them, by over 1024 cycles in two runs: the compiler may place the
-    # clock reads after later instructions. Bounded above by the next phase's end instead, the
-    # warps' merge and the exact tokens later, ~2 us.)
-    assert (warp_ends >= since[:, 5:6]).all() and (warp_ends <= since[:, 11:12]).all()
-    assert (st[:, 16] < 1024).all() and len(np.unique(st[:, 16])) > 1  # SM ids
-
-
-@gpu
-@pytest.mark.skipif(_prelude.backend() != "cuda", reason="the tensor-core kernel is CUDA only")
-@pytest.mark.parametrize("shape", [(8, 4, 128, 131072, 4), (4, 7, 128, 32768, 4),
-                                   (2, 1, 128, 17, 4), (8, 4, 128, 4095, 4)])
-@pytest.mark.parametrize("grant", [4, 1])
-@pytest.mark.parametrize("sp", [0, 75])
-def test_gpu_decode_step_mma_dynamic(shape, grant, sp, monkeypatch):
-    """On the device, the whole step with its keys handed out while it runs (`DYNAMIC`) equals
-    the references within fp16 rounding with a sink and a window; ten launches chained through
-    their count outputs agree within rounding (which warp takes which grant varies), and every
-    count and grant line is back to zero."""
-    H, r, P, L, warps = shape
-    monkeypatch.setattr(dm, "WARPS", warps)
-    monkeypatch.setattr(dm, "DYNAMIC", True)
-    monkeypatch.setattr(dm, "GRANT_BLOCKS", grant)
-    monkeypatch.setattr(dm, "STATIC_PERCENT", sp)
+@pytest.mark.parametrize("shape", [(8, 4, 128, 131072), (4, 7, 128, 32768), (2, 1, 128, 17),
+                                   (8, 4, 128, 4095)])
+def test_gpu_decode_step_mma_dynamic(shape):
+    """On the device, the whole step with its keys handed out while it runs (`dynamic=True`, at
+    every length) equals the references within fp16 rounding with a sink and a window; ten
+    launches chained through their count outputs agree within rounding (which warp takes which
+    grant varies), and every count and grant line is back to zero."""
+    H, r, P, L = shape
     args, want = _gpu_step_case(H, r, P, L, mx.bfloat16)
-    counts = dm.counter(H)
+    counts = ds.counter(H)
     assert counts.shape == (33 * max(4, H),)
     outs = []
     for _ in range(10):
-        out, counts = dm.decode_step_mma(*args, counts)
+        out, counts = ds.decode_step_mma(*args, counts, dynamic=True)
         outs.append(out)
     mx.eval(outs, counts)
-    assert not _prelude.failed(dm.STEP_NAME)
-    assert not np.array(counts).any() and not np.array(dm.counter(H)).any()
+    assert not _prelude.failed(ds.STEP_NAME)
+    assert not np.array(counts).any() and not np.array(ds.counter(H)).any()
     for o in outs:
         assert _rel(o, want) < 1e-2
 
@@ -749,17 +675,16 @@ def _same_fields(a, b) -> bool:
 def test_decode_step_plan_replays_and_checks(monkeypatch):
     """A layer's decode step keeps its compiled launch with its cache (`attend_step._Plan`): later
     steps replay it, with the outputs of the full path bit for bit and of the blocked path to
-    bf16 precision; a changed setting or tunable, a full or grown window buffer, or another
-    layout sends the step back to the full path. The kernels run as their references (on the
+    bf16 precision; a changed switch, executor or forced backend, a full or grown window buffer,
+    another layout or the other decode-attend kernel sends the step back to the full path. The kernels run as their references (on the
     CPU, the GPU backend's code paths)."""
-    from longctx import config
     from longctx.kernels import decode_finish as df
-    from longctx.kvcache import attend_step
+    from longctx.kvcache import attend_step, turbo
 
     def references(spec, launch, reference=None):
         return list(reference())
 
-    for module in (da, dm, df):
+    for module in (da, dm, ds, df):
         monkeypatch.setattr(module, "run", references)
     preset = kvcache.get_preset("tq4")
     parent = TurboQuantCache(preset, 0)
@@ -789,14 +714,16 @@ def test_decode_step_plan_replays_and_checks(monkeypatch):
             assert _rel(got, compressed_attention(q, view, 0.125, fused=False)) < 1e-2, step
             if replayed:
                 assert mx.array_equal(got, attend_step.attention(q, view, 0.125)), step
-                with config.override(fused_max_lq=0):  # the blocked path is asked for
-                    assert attend_step.replay(q, view, 0.125) is None
-                monkeypatch.setattr(da, "MIN_SPLIT_TILES", da.MIN_SPLIT_TILES + 1)
-                assert attend_step.replay(q, view, 0.125) is None  # a tunable changed
-                monkeypatch.setattr(da, "MIN_SPLIT_TILES", da.MIN_SPLIT_TILES - 1)
+                monkeypatch.setattr(turbo, "FUSED_MAX_LQ", 0)  # the blocked path is asked for
+                assert attend_step.replay(q, view, 0.125) is None
+                monkeypatch.setattr(turbo, "FUSED_MAX_LQ", 64)
                 assert attend_step.replay(q.astype(mx.float16), view, 0.125) is None
-                # a setting or tunable set again, even to its old value, retires the kept plan
-                # (`_env` compares generations); the next step keeps a new one
+                # the portable kernel's step (`tensor_cores=False`) is not the kept one
+                assert attend_step.replay(q, view, 0.125, tensor_cores=False) is None
+                # a backend forced again, even the same one, retires the kept plan (`_env`
+                # compares generations); the next step keeps a new one
+                with _prelude.force_backend("cuda"):
+                    pass
                 assert attend_step.replay(q, view, 0.125) is None
                 assert mx.array_equal(got, attend_step.attention(q, view, 0.125)), step
                 assert attend_step.replay(q, view, 0.125) is not None
@@ -813,22 +740,17 @@ def test_decode_step_plan_replays_and_checks(monkeypatch):
         assert _rel(first[1], compressed_attention(q, bare, 0.125, fused=False)) < 1e-2
 
 
-@pytest.mark.parametrize("waves", [1, 2])
-@pytest.mark.parametrize("shape", [(4, 2), (4, 3), (8, 2), (8, 3), (4, 1, 5)])
-def test_decode_attend_mma_launch_plan(monkeypatch, shape, waves):
-    """The tensor-core kernel's launch plan at every threadgroup shape: shared memory within an
-    H200 block's 227 KiB, at least one threadgroup per SM, splits of whole 16 x WARPS-key tiles
-    that cover the keys with none empty, about one wave; and it applies only to what it decodes
-    (CUDA, 4-bit single-stage keys and values of one codebook, no QJL, P 64/128/256, <= 8 rows)."""
+def test_decode_attend_mma_launch_plan(monkeypatch):
+    """The tensor-core kernel's launch plan: shared memory within an H200 block's 227 KiB, at
+    least one threadgroup per SM (4 at P = 128, the register cap's), splits of whole 16 x
+    WARPS-key tiles that cover the keys with none empty, about one wave; and it applies only to
+    what it decodes (CUDA, 4-bit single-stage keys and values of one codebook, no QJL, P
+    64/128/256, <= 8 rows)."""
     from longctx.kvcache.presets import get_preset
     from longctx.kvcache.turbo import codecs_for
 
-    monkeypatch.setattr(dm, "WARPS", shape[0])
-    monkeypatch.setattr(dm, "STAGES", shape[1])
-    monkeypatch.setattr(dm, "WAVES", waves)  # WAVES: splits for that many waves of threadgroups
-    if len(shape) > 2:  # RESIDENT: one stage leaves room for 5 threadgroups of 4 warps at P 128
-        monkeypatch.setattr(dm, "RESIDENT", shape[2])
-        assert dm.resident(128) == 5 and "__launch_bounds__(128, 5)" in dm._spec(128).header
+    waves, warps = 1, dm.WARPS
+    assert dm.resident(128) == 4 and "__launch_bounds__(128, 4)" in dm.kernel_spec(128).header
     for p in dm.DIMS:
         assert dm.shared_bytes(p) <= 227 * 1024 and dm.resident(p) >= 1
         assert dm.resident(p) * (dm.shared_bytes(p) + 1024) <= dm.SMEM_PER_SM
@@ -837,28 +759,25 @@ def test_decode_attend_mma_launch_plan(monkeypatch, shape, waves):
                 for least in (1, 2, 4):  # MIN_WARP_BLOCKS: a split's fewest blocks per warp
                     monkeypatch.setattr(dm, "MIN_WARP_BLOCKS", least)
                     chunk, n = dm.splits(length, bh, p)
-                    assert chunk % (16 * shape[0]) == 0 and (n - 1) * chunk < length <= n * chunk
+                    assert chunk % (16 * warps) == 0 and (n - 1) * chunk < length <= n * chunk
                     assert bh * n <= max(bh, waves * da.SM_COUNT * dm.resident(p) + bh)
                     if length == 131072 and least == 1:  # long enough to fill the waves
                         assert bh * n > (waves - 0.5) * da.SM_COUNT * dm.resident(p)
-                    assert n == 1 or chunk >= 16 * shape[0] * least
+                    assert n == 1 or chunk >= 16 * warps * least
     kc, vc = codecs_for(get_preset("tq4"), 128, layer=0)
     with _prelude.force_backend("cuda"):
         assert dm.applies(128, 4, kc, vc) and dm.applies(128, 8, kc, vc)
         assert not dm.applies(128, 9, kc, vc) and not dm.applies(96, 4, kc, vc)
         for name in ("tq3", "tq4k3v", "rvq2+2", "tq3+qjl"):
             assert not dm.applies(128, 4, *codecs_for(get_preset(name), 128, layer=0)), name
-        monkeypatch.setattr(dm, "ENABLED", False)
-        assert not dm.applies(128, 4, kc, vc)
     with _prelude.force_backend("metal"):
-        monkeypatch.setattr(dm, "ENABLED", True)
         assert not dm.applies(128, 4, kc, vc)
 
 
-def test_decode_step_codec_plan_follows_backend_and_switches(monkeypatch):
-    """What a decode step works out once per codec pair (path fit, tensor-core kernel, tables) is
-    worked out again when the backend or `decode_attend_mma.ENABLED` changes, and per codec
-    object (another layer's codecs of the same spec get their own tables)."""
+def test_decode_step_codec_plan_follows_backend():
+    """What a decode step works out once per codec pair (path fit, tensor-core and portable
+    kernels, tables) is worked out again when the backend changes, and per codec object (another
+    layer's codecs of the same spec get their own tables)."""
     from longctx.kvcache import attend_step
     from longctx.kvcache.presets import get_preset
     from longctx.kvcache.turbo import codecs_for
@@ -869,16 +788,15 @@ def test_decode_step_codec_plan_follows_backend_and_switches(monkeypatch):
         assert not attend_step._codecs(kc, vc, 4).fits  # CPU: the references
     with _prelude.force_backend("cuda"):
         c = attend_step._codecs(kc, vc, 4)
-        assert c.fits and c.mma and attend_step._codecs(kc, vc, 4) is c
-        monkeypatch.setattr(dm, "ENABLED", False)
-        c2 = attend_step._codecs(kc, vc, 4)
-        assert c2 is not c and c2.fits and not c2.mma  # the portable kernel rotates q itself
+        assert c.fits and c.mma and not c.sg and attend_step._codecs(kc, vc, 4) is c
+        assert c.portable  # (`attention(..., tensor_cores=False)`: it rotates q itself)
         other = attend_step._codecs(k1, v1, 4)
-        assert other.spec == c2.spec and other.k_arrays[1] is k1.rotation.signs
+        assert other is not c and other.spec == c.spec and other.k_arrays[1] is k1.rotation.signs
         assert not attend_step._codecs(kc, vc, 9).mma  # past the MMA's 8 rows
     with _prelude.force_backend("metal"):
-        monkeypatch.setattr(dm, "ENABLED", True)
-        assert not attend_step._codecs(kc, vc, 4).mma
+        c2 = attend_step._codecs(kc, vc, 4)
+        assert c2 is not c and c2.fits and not c2.mma and c2.sg  # simdgroup matrices
+        assert not attend_step._codecs(kc, vc, 9).sg  # past their 8 rows
 
 
 def test_decode_finish_bounds_its_threadgroup_memory():
@@ -952,31 +870,33 @@ def test_kernel_launches_pass_no_array_of_eight_bytes_or_less():
     assert _prelude.constant((0.5,), mx.float16).nbytes == 16
 
 
-def test_step_trace_key_follows_every_knob_the_benchmarks_set():
-    """Each kernel tunable that benchmarks/attend.py's KNOBS set around a timed method (and so
-    step_timeline's answer rows) is in the compiled decode step's key: a knob missing there
-    would replay the trace built under another value, and its row would time that one."""
-    import importlib.util
-    import sys
+def test_no_kernel_module_global_is_set_from_outside():
+    """Kernel variants are chosen by template arguments and keyword arguments, not by module
+    globals set from outside: no library module or benchmark assigns an attribute of a kernel
+    module (a compiled decode step's trace and kept plan would not see it change). (`_prelude`,
+    the launcher, takes hooks: `runtime.cuda_kernels.install`.)"""
+    import ast
     from pathlib import Path
 
-    from longctx import kernels
-    from longctx.kvcache import attend_step
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "attend.py"
-    spec = importlib.util.spec_from_file_location("bench_attend_for_knobs", path)
-    attend = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent))  # (its own imports: _common)
-    try:
-        spec.loader.exec_module(attend)
-    finally:
-        sys.path.remove(str(path.parent))
-    names = {n for knobs in attend.KNOBS.values() for n in knobs}
-    assert {"EXACT_IN_SPLITS", "FUSE_FINISH", "decode_finish.SCORE_BY_WARP"} <= names
-    before = attend_step._tunables()
-    for name in sorted(names):
-        mod, _, attr = name.rpartition(".")
-        current = getattr(getattr(kernels, mod) if mod else dm, attr)
-        with attend.tunables({name: not current}):
-            assert attend_step._tunables() != before, name
-        assert attend_step._tunables() == before, name
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for path in [*root.glob("longctx/**/*.py"), *root.glob("benchmarks/**/*.py")]:
+        tree = ast.parse(path.read_text())
+        kernel_names = {a.asname or a.name for node in ast.walk(tree)
+                        if isinstance(node, ast.ImportFrom) and node.module
+                        and node.module.endswith("kernels") for a in node.names
+                        if not a.name.startswith("_")}
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                       else [])
+            for t in targets:
+                for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name)
+                            and e.value.id in kernel_names):
+                        found.append(f"{path.relative_to(root)}:{e.lineno} {e.value.id}.{e.attr}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "setattr" and node.args
+                    and isinstance(node.args[0], ast.Name) and node.args[0].id in kernel_names):
+                found.append(f"{path.relative_to(root)}:{node.lineno} setattr")
+    assert found == []

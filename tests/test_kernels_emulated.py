@@ -20,6 +20,7 @@ from kernel_cases import preset_bits, random_segment, state_errors
 from longctx.kernels import _prelude
 from longctx.kernels import decode_attend as da
 from longctx.kernels import decode_attend_mma as dm
+from longctx.kernels import decode_step_mma as ds
 from longctx.kernels import hadamard_quant as hq
 from longctx.kernels import pack as kp
 from longctx.kernels import qjl_encode as qe
@@ -244,13 +245,14 @@ def _step_view(H, R, P, L, name, n_sink, n_win, seed):
                         window if n_win else None, sink if n_sink else None)
 
 
-@pytest.mark.parametrize("kernel", ["whole", "mma", "portable"])
+@pytest.mark.parametrize("kernel", ["tensor-cores", "portable"])
 @pytest.mark.parametrize("case", STEP_CASES, ids=lambda c: f"{c[4]}-P{c[2]}-R{c[1]}-L{c[3]}")
 def test_decode_step(monkeypatch, case, kernel):
-    """The decode step equals the pure-MLX blocked path: in one launch (`whole`: the tensor-core
-    kernel whose last threadgroup per KV head runs the finish, where it applies), or in two (q
+    """The decode step equals the pure-MLX blocked path: in one launch (the tensor-core kernel
+    whose last threadgroup per KV head runs the finish, where it applies: P = 128), or in two (q
     rotated in the decode-attend kernel, or the tensor-core kernel where it applies, then the
-    finish kernel: split merge, rotation back, sink and window, mean)."""
+    finish kernel: split merge, rotation back, sink and window, mean); `portable`: the portable
+    kernel where the tensor-core one applies (`tensor_cores=False`)."""
     from longctx.kvcache import attend_step, attention
 
     H, R, P, L, name, n_sink, n_win, target, qdt = case
@@ -258,18 +260,17 @@ def test_decode_step(monkeypatch, case, kernel):
     q = mx.array(np.random.default_rng(R).normal(size=(1, H * R, 1, P)).astype(qdt)) * 2
     if target:
         monkeypatch.setattr(da, "TARGET_GROUPS", target)
-    monkeypatch.setattr(dm, "ENABLED", kernel != "portable")
-    monkeypatch.setattr(dm, "FUSE_FINISH", kernel == "whole")
+    tensor_cores = kernel != "portable"
     want = attention.compressed_attention(q, view, P ** -0.5, fused=False)
     launched = []
     with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
         assert attention.choose_path(view, None, 1, True, rows=R)[0] == "fused-step"
-        got = attend_step.attention(q, view, P ** -0.5)
-    mma = kernel != "portable" and name == "tq4" and P in dm.DIMS and R <= 8
-    whole = mma and kernel == "whole" and P == 32 * dm.WARPS
+        got = attend_step.attention(q, view, P ** -0.5, tensor_cores=tensor_cores)
+    mma = tensor_cores and name == "tq4" and P in dm.DIMS and R <= 8
+    whole = mma and P == 32 * dm.WARPS
     # the portable kernel takes the sink and the window in its splits where they fit
     exact = (n_sink or n_win) and da.exact_fits(P, R, view.value_codec.spec.bits)
-    assert launched == ([dm.STEP_NAME] if whole else
+    assert launched == ([ds.STEP_NAME] if whole else
                         [dm.NAME if mma else da.EXACT_NAME if exact else "lc_decode_attend",
                          "lc_decode_finish"])
     assert got.dtype == q.dtype and got.shape == q.shape
@@ -284,7 +285,7 @@ def test_decode_step(monkeypatch, case, kernel):
         bufs = [mx.concatenate([w, mx.full((1, H, 9, P), 1e4)], axis=2) for w in (wk, wv)]
         buffered = dataclasses.replace(view, window_buffer=(*bufs, mx.arange(n_win + 9) < n_win))
         with _prelude.executor(kernel_emu.emulator()):
-            got2 = attend_step.attention(q, buffered, P ** -0.5)
+            got2 = attend_step.attention(q, buffered, P ** -0.5, tensor_cores=tensor_cores)
         assert np.array_equal(np.array(got2), np.array(got))
 
 
@@ -336,12 +337,9 @@ MMA_CASES = [  # B, H, R, P, L, capacity, q dtype, SM_COUNT (1: several blocks p
 ]
 
 
-@pytest.mark.parametrize("shape", [(4, 2), (8, 3), (4, 1), (4, 2, False, 1), (4, 2, True, 2)],
-                         ids=["4warps-2stages", "8warps-3stages", "4warps-1stage",
-                              "layouts-before-banks", "two-waves"])
 @pytest.mark.parametrize("odd_rows", [False, True], ids=["aligned", "odd-rows"])
 @pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}")
-def test_decode_attend_mma(monkeypatch, case, odd_rows, shape):
+def test_decode_attend_mma(monkeypatch, case, odd_rows):
     """The tensor-core kernel's split states, merged, equal the portable kernel's reference
     within fp16 rounding; splits past the keys hold nothing. Norms ramp up along the segment, so
     the running maxima move late and the accumulators are rescaled. Odd row strides take the
@@ -352,11 +350,6 @@ def test_decode_attend_mma(monkeypatch, case, odd_rows, shape):
     B, H, R, P, L, cap, qdt, sm = case
     if sm:
         monkeypatch.setattr(da, "SM_COUNT", sm)
-    monkeypatch.setattr(dm, "WARPS", shape[0])  # the threadgroup shapes benchmarks/attend.py
-    monkeypatch.setattr(dm, "STAGES", shape[1])  # --mma-variants compares
-    if len(shape) > 2:  # the shared layouts before the bank-conflict fixes; two waves of splits
-        monkeypatch.setattr(dm, "BANKS", shape[2])
-        monkeypatch.setattr(dm, "WAVES", shape[3])
     q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L,
                                                capacity=cap)
     q = q.astype(getattr(mx, qdt))
@@ -369,7 +362,7 @@ def test_decode_attend_mma(monkeypatch, case, odd_rows, shape):
         assert not _prelude.failed(dm.NAME)
     chunk, n_split = dm.splits(L, B * H, P)
     assert got[0].shape == (B * H, n_split, R) and got[2].shape == (B * H, n_split, R, P)
-    assert chunk % (16 * shape[0]) == 0 and (n_split - 1) * chunk < L
+    assert chunk % (16 * dm.WARPS) == 0 and (n_split - 1) * chunk < L
 
     def merged(state):
         m, l, acc = split_combine_reference(*state)
@@ -436,9 +429,8 @@ def test_decode_attend_mma_partials_take_the_exact_tokens(monkeypatch, case):
     if sm:
         monkeypatch.setattr(da, "SM_COUNT", sm)
     with _prelude.executor(kernel_emu.emulator()):
-        got = dm.decode_attend_mma_partials(q, keys, values, kt, k_signs, scale=scale,
-                                            sink=sink, window=window, v_signs=v_signs,
-                                            valid_array=count)
+        got = ds.decode_step_mma_partials(q, keys, values, kt, k_signs, scale=scale, sink=sink,
+                                          window=window, v_signs=v_signs, valid_array=count)
         assert not _prelude.failed(dm.NAME)
     assert got[0].shape == (B * H, dm.splits(L, B * H, P)[1], R)
     out = np.array(dfin.decode_finish_reference(*got, q, None, None, v_signs, mean, scale,
@@ -494,13 +486,12 @@ def test_decode_attend_partials_take_the_exact_tokens(monkeypatch, case):
     assert np.isfinite(out).all() and np.linalg.norm(out - want) / np.linalg.norm(want) < 1e-4
 
 
-WHOLE_CASES = [  # B, H, R, P, L, n_sink, n_win (of a 2x longer buffer), q dtype, SM_COUNT, warps
-    (1, 2, 4, 128, 999, 2, 9, "float32", 1, 4),  # several splits a head, in a shuffled order
-    (2, 1, 8, 128, 300, 0, 0, "float16", None, 4),  # GQA 8, no exact tokens
-    (1, 3, 1, 128, 77, 1, 0, "bfloat16", None, 4),  # fewer keys than one split's tile
-    (1, 1, 5, 256, 1500, 0, 40, "float32", None, 8),  # P = 256 at 8 warps
+WHOLE_CASES = [  # B, H, R, P, L, n_sink, n_win (of a 2x longer buffer), q dtype, SM_COUNT
+    (1, 2, 4, 128, 999, 2, 9, "float32", 1),  # several splits a head, in a shuffled order
+    (2, 1, 8, 128, 300, 0, 0, "float16", None),  # GQA 8, no exact tokens
+    (1, 3, 1, 128, 77, 1, 0, "bfloat16", None),  # fewer keys than one split's tile
     # an answer's long window over few splits: each split's exact keys take several rounds
-    (1, 2, 4, 128, 300, 3, 150, "float16", 1, 4),
+    (1, 2, 4, 128, 300, 3, 150, "float16", 1),
 ]
 
 
@@ -509,7 +500,7 @@ def _whole_case(case):
     reference, the partials' then the finish's: (args, want)."""
     from longctx.kernels import decode_finish as dfin
 
-    B, H, R, P, L, n_sink, n_win, qdt, _, _ = case
+    B, H, R, P, L, n_sink, n_win, qdt, _ = case
     q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + R)
     q = q.astype(getattr(mx, qdt))
     sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win,
@@ -523,27 +514,24 @@ def _whole_case(case):
     return args, want
 
 
-@pytest.mark.parametrize("in_splits", [True, False], ids=["exact-in-splits", "exact-in-tail"])
 @pytest.mark.parametrize("case", WHOLE_CASES, ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}-{c[7]}")
-def test_decode_step_mma_whole(monkeypatch, case, in_splits):
-    """The whole-step variant (the tensor-core kernel whose last threadgroup per KV head runs
-    the finish; the exact tokens folded into the splits' states, or attended by that last
-    threadgroup) equals its reference, the partials' reference then the finish's, within fp16
-    rounding; its count output is zeros, which the next launch takes, and that launch gives the
-    same output (threadgroups in another order: the emulator shuffles them per grid size)."""
-    B, H, R, P, L, n_sink, n_win, qdt, sm, warps = case
+def test_decode_step_mma_whole(monkeypatch, case):
+    """The whole step in one launch (the tensor-core kernel whose last threadgroup per KV head
+    runs the finish; the exact tokens folded into the splits' states) equals its reference, the
+    partials' reference then the finish's, within fp16 rounding; its count output is zeros,
+    which the next launch takes, and that launch gives the same output (threadgroups in another
+    order: the emulator shuffles them per grid size)."""
+    B, H, R, P, L, n_sink, n_win, qdt, sm = case
     if sm:
         monkeypatch.setattr(da, "SM_COUNT", sm)
-    monkeypatch.setattr(dm, "WARPS", warps)
-    monkeypatch.setattr(dm, "EXACT_IN_SPLITS", in_splits)
     args, want = _whole_case(case)
-    assert dm.fuses_finish(P, R)
+    assert ds.fuses_finish(P, R) and not ds.hands_out(L)
     launched = []
     with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
-        got, counts = dm.decode_step_mma(*args, dm.counter(B * H))
-        again, counts2 = dm.decode_step_mma(*args, counts)
-    assert launched == [dm.STEP_NAME] * 2 and not _prelude.failed(dm.STEP_NAME)
-    assert dm.splits(L, B * H, P)[1] > 1 or L < 64 * warps
+        got, counts = ds.decode_step_mma(*args, ds.counter(B * H))
+        again, counts2 = ds.decode_step_mma(*args, counts)
+    assert launched == [ds.STEP_NAME] * 2 and not _prelude.failed(ds.STEP_NAME)
+    assert dm.splits(L, B * H, P)[1] > 1 or L < 64 * dm.WARPS
     assert counts.shape == (33 * max(4, B * H),) and not np.array(counts).any()
     assert not np.array(counts2).any()
     a, b = np.array(got), np.array(want)
@@ -551,56 +539,39 @@ def test_decode_step_mma_whole(monkeypatch, case, in_splits):
     assert np.array_equal(np.array(again), a)
 
 
-DYNAMIC_CASES = [  # a WHOLE_CASES row, then GRANT_BLOCKS, STAGES, STATIC_PERCENT,
-    # HEADS_INTERLEAVED
-    (WHOLE_CASES[0], 4, 2, 0, True),  # every key handed out; the first threadgroup run takes most
-    (WHOLE_CASES[0], 2, 3, 0, True),  # grants of two blocks, three stages: the lookahead crosses
-    ((1, 1, 5, 256, 1500, 0, 40, "float32", 1, 8), 4, 2, 0, True),  # P = 256 at 8 warps
-    (WHOLE_CASES[4], 1, 2, 0, True),  # an answer's long window (exact keys: each split's share)
-    ((2, 3, 4, 128, 4000, 2, 9, "float16", 4, 4), 3, 2, 0, True),  # 6 heads' grant lines
-    (WHOLE_CASES[0], 1, 2, 50, True),  # static chunks, then one-block grants
-    ((2, 3, 4, 128, 4000, 2, 9, "float16", 4, 4), 2, 3, 75, True),  # ... crossed by the lookahead
-    ((2, 3, 4, 128, 4000, 2, 9, "float16", 4, 4), 2, 3, 75, False),  # ... numbered head-major
+DYNAMIC_CASES = [  # WHOLE_CASES rows
+    WHOLE_CASES[0],  # static chunks, then one-block grants; the first threadgroup run takes most
+    WHOLE_CASES[3],  # an answer's long window (exact keys: each split's share)
+    (2, 3, 4, 128, 4000, 2, 9, "float16", 4),  # 6 heads' grant lines
+    (1, 1, 8, 128, 2500, 0, 0, "bfloat16", 2),  # no exact tokens
 ]
 
 
-def _static_chunk(L, S, warps, sp):
-    """Each split's static chunk under DYNAMIC (`decode_step_mma`'s)."""
-    return L * sp // 100 // S // (16 * warps) * (16 * warps)
-
-
-@pytest.mark.parametrize("case,grant,stages,sp,interleaved", DYNAMIC_CASES,
-                         ids=lambda c: f"P{c[3]}-L{c[4]}" if isinstance(c, tuple) else str(c))
-def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages, sp, interleaved):
-    """The whole step with its keys handed out while it runs (`DYNAMIC`) equals the reference
-    within fp16 rounding, whichever threadgroup takes which grants (the emulator runs them one
-    after another in a shuffled order, so the first takes every grant left after the static
-    ones: most splits' states hold no compressed key); its counter output (counts and grant
-    lines) is zeros, and the next launch, taking it, gives the same output within rounding (its
-    warps, threads here, race for the grants)."""
-    B, H, R, P, L, n_sink, n_win, qdt, sm, warps = case
+@pytest.mark.parametrize("case", DYNAMIC_CASES, ids=lambda c: f"P{c[3]}-L{c[4]}-{c[7]}")
+def test_decode_step_mma_dynamic(monkeypatch, case):
+    """The whole step with its keys handed out while it runs (`dynamic=True`, at a length below
+    DYNAMIC_MIN_KEYS) equals the reference within fp16 rounding, whichever threadgroup takes
+    which grants (the emulator runs them one after another in a shuffled order, so the first
+    takes every grant left after the static chunks); its counter output (counts and grant lines)
+    is zeros, and the next launch, taking it, gives the same output within rounding (its warps,
+    threads here, race for the grants)."""
+    B, H, R, P, L, n_sink, n_win, qdt, sm = case
     if sm:
         monkeypatch.setattr(da, "SM_COUNT", sm)
-    monkeypatch.setattr(dm, "WARPS", warps)
-    monkeypatch.setattr(dm, "STAGES", stages)
-    monkeypatch.setattr(dm, "DYNAMIC", True)
-    monkeypatch.setattr(dm, "GRANT_BLOCKS", grant)
-    monkeypatch.setattr(dm, "STATIC_PERCENT", sp)
-    monkeypatch.setattr(dm, "HEADS_INTERLEAVED", interleaved)
     args, want = _whole_case(case)
-    c0 = dm.counter(B * H)
+    c0 = ds.counter(B * H)
     assert c0.shape == (33 * max(4, B * H),)
     launched = []
     with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
         with pytest.raises(ValueError, match="counter"):  # a count array without grant lines
-            dm.decode_step_mma(*args, mx.zeros((max(4, B * H),), dtype=mx.int32))
-        got, counts = dm.decode_step_mma(*args, c0)
-        again, counts2 = dm.decode_step_mma(*args, counts)
-    assert launched == [dm.STEP_NAME] * 2 and not _prelude.failed(dm.STEP_NAME)
+            ds.decode_step_mma(*args, mx.zeros((max(4, B * H),), dtype=mx.int32), dynamic=True)
+        got, counts = ds.decode_step_mma(*args, c0, dynamic=True)
+        again, counts2 = ds.decode_step_mma(*args, counts, dynamic=True)
+    assert launched == [ds.STEP_NAME] * 2 and not _prelude.failed(ds.STEP_NAME)
     n_split = dm.splits(L, B * H, P)[1]
-    chunk = _static_chunk(L, n_split, warps, sp)
+    tile = 16 * dm.WARPS
+    chunk = L * ds.STATIC_PERCENT // 100 // n_split // tile * tile  # each split's static chunk
     assert L > n_split * chunk  # some keys are handed out at run time
-    assert (chunk > 0) == (sp > 0)  # (and with SP > 0 some are each split's static chunk)
     assert counts.shape == c0.shape and not np.array(counts).any()
     assert not np.array(counts2).any()
     a, b = np.array(got), np.array(want)
@@ -609,18 +580,16 @@ def test_decode_step_mma_dynamic(monkeypatch, case, grant, stages, sp, interleav
     assert np.linalg.norm(np.array(again) - a) / np.linalg.norm(a) < 1e-4
 
 
-def test_decode_step_mma_hands_out_keys_by_length(monkeypatch):
-    """From DYNAMIC_MIN_KEYS keys on, the whole step hands part of its keys out (the grants'
-    variant, split-major), below it walks fixed chunks; one count array serves both, in either
-    order, and each gives the reference within fp16 rounding."""
+def test_decode_step_mma_static_and_dynamic_share_a_count_array(monkeypatch):
+    """A model's layers may take either variant (by length: `hands_out`): one count array serves
+    both, in either order, and each gives the reference within fp16 rounding."""
     from longctx.kernels import decode_finish as dfin
 
     B, H, R, P = 1, 3, 4, 128
+    assert not ds.hands_out(ds.DYNAMIC_MIN_KEYS - 1) and ds.hands_out(ds.DYNAMIC_MIN_KEYS)
     monkeypatch.setattr(da, "SM_COUNT", 2)
-    monkeypatch.setattr(dm, "DYNAMIC", False)
-    monkeypatch.setattr(dm, "DYNAMIC_MIN_KEYS", 2000)
-    counts = dm.counter(B * H)
-    for L in (2500, 1500, 2500):
+    counts = ds.counter(B * H)
+    for L, dynamic in ((2500, True), (1500, False), (2500, True)):
         q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L)
         sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, 2, 9, seed=L)
         args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5,
@@ -631,27 +600,24 @@ def test_decode_step_mma_hands_out_keys_by_length(monkeypatch):
                                             mx.float32, count)
         launched = []
         with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
-            got, counts = dm.decode_step_mma(*args, counts)
-        assert launched == [dm.STEP_NAME] and dm.hands_out(L) == (L >= 2000)
-        assert not np.array(counts).any()
+            got, counts = ds.decode_step_mma(*args, counts, dynamic=dynamic)
+        assert launched == [ds.STEP_NAME] and not np.array(counts).any()
         a, b = np.array(got), np.array(want)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-3
-    built = {k[7] for k in dm._SPECS if k[0] == "step"}
-    assert built >= {True, False}
 
 
-@pytest.mark.parametrize("broken", [dm.STEP_NAME, dm.NAME, da.EXACT_NAME])
-def test_decode_step_falls_back_to_the_portable_kernel(monkeypatch, broken):
-    """A variant that fails to build (one KernelFallbackWarning) costs its first step the
+@pytest.mark.parametrize("broken", [ds.STEP_NAME, dm.NAME, da.EXACT_NAME])
+def test_decode_step_falls_back_to_the_portable_kernel(broken):
+    """A kernel that fails to build (one KernelFallbackWarning) costs its first step the
     reference; every later step takes the next kernels, not the reference: the tensor-core
-    kernel and the finish after the whole-step variant, the portable kernel (the exact tokens in
-    its splits) after the tensor-core kernel, and after the portable kernel's variant with the
-    exact tokens the plain one (the finish attending them)."""
+    kernel and the finish after the whole step (P = 128), the portable kernel (the exact tokens
+    in its splits) after the tensor-core kernel (P = 64: two launches), and after the portable
+    kernel's variant with the exact tokens the plain one (the finish attending them)."""
     import warnings
 
     from longctx.kvcache import attend_step, attention
 
-    H, R, P, L = 2, 4, 128, 300
+    H, R, P, L = 2, 4, 64 if broken == dm.NAME else 128, 300
     view = _step_view(H, R, P, L, "tq4", 2, 9, seed=3)
     q = mx.array(np.random.default_rng(4).normal(size=(1, H * R, 1, P)).astype("float32"))
     want = attention.compressed_attention(q, view, P ** -0.5, fused=False)
@@ -663,21 +629,20 @@ def test_decode_step_falls_back_to_the_portable_kernel(monkeypatch, broken):
             raise RuntimeError("nvrtc: simulated build failure")
         return inner(spec, launch)
 
-    monkeypatch.setattr(dm, "FUSE_FINISH", broken == dm.STEP_NAME)
-    monkeypatch.setattr(dm, "ENABLED", broken != da.EXACT_NAME)
+    tensor_cores = broken != da.EXACT_NAME
     attend_step._COMPILED.clear()
     with _prelude.executor(failing):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            first = attend_step.attention(q, view, P ** -0.5)
+            first = attend_step.attention(q, view, P ** -0.5, tensor_cores=tensor_cores)
         assert [w.category.__name__ for w in caught] == ["KernelFallbackWarning"]
         assert _prelude.failed(broken)
         launched.clear()
-        second = attend_step.attention(q, view, P ** -0.5)
-        assert launched == [{dm.STEP_NAME: dm.NAME, dm.NAME: da.EXACT_NAME,
+        second = attend_step.attention(q, view, P ** -0.5, tensor_cores=tensor_cores)
+        assert launched == [{ds.STEP_NAME: dm.NAME, dm.NAME: da.EXACT_NAME,
                              da.EXACT_NAME: da._SPEC.name}[broken], "lc_decode_finish"]
     # the tensor-core kernel's products are fp16
-    for got, tol in ((first, 2e-5), (second, 2e-3 if broken == dm.STEP_NAME else 2e-5)):
+    for got, tol in ((first, 2e-5), (second, 2e-3 if broken == ds.STEP_NAME else 2e-5)):
         a, b = np.array(got), np.array(want)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < tol
 
@@ -739,13 +704,14 @@ def test_rotate(emulated, p, inverse, mean, dtype):
     assert np.abs(np.array(want.astype(mx.float32)) - np.array(ref.astype(dtype).astype(mx.float32))).max() < tol
 
 
-def test_layer_major_prefill_through_the_fused_encode(tmp_path):
+def test_layer_major_prefill_through_the_fused_encode(tmp_path, monkeypatch):
     """The GPU's default prefill (layer-major: the fused `prefill_encode` appends in spans, the
     window copied out of them) with the kernels emulated: it stores what an fp16 prefill's keys
     and values give appended chunk by chunk through the same kernels (`update_and_fetch`)."""
     from conftest import make_tiny_model
 
-    from longctx import config, engine, kvcache
+    from longctx import engine, kvcache
+    from longctx.kvcache import compiling
     from longctx.runtime import models
 
     path = make_tiny_model(tmp_path / "tiny-2", layers=2, attn_gain=2.0, head_dim=64)
@@ -761,10 +727,10 @@ def test_layer_major_prefill_through_the_fused_encode(tmp_path):
 
     # each layer called chunk by chunk (not on runs of chunks), so that its keys and values are
     # the fp16 prefill's bit for bit: the comparison is of the encode alone
-    with (_prelude.executor(kernel_emu.emulator()),
-          config.override(compile="0", prefill_layer_call_tokens=0)):
+    monkeypatch.setattr(compiling, "COMPILE", "0")
+    with _prelude.executor(kernel_emu.emulator()):
         layered = kvcache.make(model, preset)
-        engine.prefill(model, tokens, layered, chunk=chunk)
+        engine.prefill(model, tokens, layered, chunk=chunk, layer_call_tokens=0)
         assert layered[0]._rot_window is not None  # the fused path's window
         exact = kvcache.make(model, kvcache.get_preset("fp16"))
         engine.prefill(model, tokens, exact, chunk=chunk)
@@ -778,3 +744,179 @@ def test_layer_major_prefill_through_the_fused_encode(tmp_path):
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
+
+
+# --- Metal's simdgroup-matrix decode step (kernels/decode_attend_simdgroup.py) ---------------
+
+def test_simdgroup_matrix_emulation():
+    """The emulator's simdgroup matrices do what MSL says: a load with a row stride (from
+    threadgroup and device memory, transposed or not), d = a b + c with fp16 operands and an fp32
+    accumulator, a diagonal matrix's constructor, a store plain and transposed."""
+    from longctx.kernels._prelude import KernelSpec, Launch
+
+    spec = KernelSpec(
+        name="lc_test_simdgroup", inputs=("a", "b", "c"), outputs=("d_out", "e_out", "f_out"),
+        header="#if defined(LC_METAL)\n#define LC_HALF half\n#endif\n",
+        source=r"""
+  LC_SHARED LC_HALF a_s[8 * 12];
+  LC_SHARED LC_HALF b_s[8 * 12];
+  for (int i = (int)lc_lane; i < 96; i += 32) {
+    a_s[i] = a[i];
+    b_s[i] = b[i];
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  simdgroup_half8x8 am;
+  simdgroup_half8x8 bm;
+  simdgroup_float8x8 cm;
+  simdgroup_float8x8 dm;
+  simdgroup_load(am, a_s + 3, 12);
+  simdgroup_load(bm, b_s + 1, 12, 0, true);
+  simdgroup_load(cm, c, 8);
+  simdgroup_multiply_accumulate(dm, am, bm, cm);
+  simdgroup_store(dm, d_out, 8);
+  simdgroup_store(dm, e_out, 8, 0, true);
+  simdgroup_float8x8 gm(2.0f);
+  simdgroup_multiply(dm, gm, cm);
+  simdgroup_store(dm, f_out, 8);
+""")
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(8, 12)).astype(np.float16)
+    b = rng.normal(size=(8, 12)).astype(np.float16)
+    c = rng.normal(size=(8, 8)).astype(np.float32)
+    launch = Launch([mx.array(a.ravel()), mx.array(b.ravel()), mx.array(c.ravel())], [],
+                    (32, 1, 1), (32, 1, 1), [(64,)] * 3, [mx.float32] * 3)
+    d, e, f = (np.array(x).reshape(8, 8) for x in kernel_emu.emulator()(spec, launch))
+    want = a[:, 3:11].astype(np.float64) @ b[:, 1:9].astype(np.float64).T + c
+    assert np.abs(d - want).max() < 1e-5
+    assert np.array_equal(e, d.T)
+    assert np.array_equal(f, 2 * c)
+
+
+SG_CASES = [  # B, H, R, P, L, capacity, q dtype, TARGET_GROUPS (small: several blocks a warp)
+    (1, 2, 4, 128, 300, None, "float32", None),
+    (1, 1, 7, 128, 77, 96, "float16", None),  # a slice of a longer tail; GQA 7
+    (2, 1, 3, 64, 999, 1200, "float32", 2),  # ragged last block, many blocks per warp
+    (1, 2, 8, 64, 130, None, "bfloat16", None),
+    (1, 1, 1, 128, 3, None, "float32", None),  # fewer keys than one block
+    (1, 1, 6, 128, 500, None, "float16", 1),  # one split: each simdgroup rescales its blocks
+]
+
+
+@pytest.mark.parametrize("odd_rows", [False, True], ids=["aligned", "odd-rows"])
+@pytest.mark.parametrize("case", SG_CASES, ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}")
+def test_decode_attend_simdgroup(monkeypatch, case, odd_rows):
+    """The simdgroup-matrix kernel's split states, merged, equal the portable kernel's
+    reference within fp16 rounding. Norms ramp up along the segment, so the running maxima move
+    late and the accumulators are rescaled (the diagonal matrix's product)."""
+    from longctx.kernels import decode_attend_simdgroup as dsg
+    from longctx.kernels.split_combine import split_combine_reference
+    from longctx.quant.rotation import rademacher_signs
+
+    B, H, R, P, L, cap, qdt, target = case
+    if target:
+        monkeypatch.setattr(dsg, "TARGET_GROUPS", target)
+    q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L,
+                                               capacity=cap)
+    q = q.astype(getattr(mx, qdt))
+    keys["norm"] = (keys["norm"].astype(mx.float32) * mx.linspace(0.2, 2.0, L)).astype(mx.float16)
+    signs = mx.array(rademacher_signs(P, 5))
+    ref = da.decode_attend_partials(q, keys, values, kt, kt, signs, key_bits=4, value_bits=4,
+                                    scale=P ** -0.5)
+    with _prelude.executor(kernel_emu.emulator(True, odd_rows), as_backend="metal"):
+        got = dsg.decode_attend_simdgroup_partials(q, keys, values, kt, signs, scale=P ** -0.5)
+        assert not _prelude.failed(dsg.NAME)
+    chunk, n_split = dsg.splits(L, B * H)
+    assert got[0].shape == (B * H, n_split, R) and got[2].shape == (B * H, n_split, R, P)
+    assert chunk % (dsg.BLOCK * dsg.WARPS) == 0 and (n_split - 1) * chunk < L
+
+    def merged(state):
+        m, l, acc = split_combine_reference(*state)
+        return m[..., None], l[..., None], acc
+
+    errs = state_errors(merged(got), merged(ref))
+    assert errs["finite"] and errs["unseen_ok"], errs
+    assert errs["out_rel"] < 1e-3 and errs["l_rel"] < 3e-3 and errs["m_abs"] < 3e-3, errs
+    m_g, l_g = np.array(got[0]), np.array(got[1])
+    assert np.isfinite(m_g).all() and (l_g > 0).all()  # every split saw keys
+
+
+@pytest.mark.parametrize("case", [(2, 4, 128, 300, 4, 37, "float16"),
+                                  (1, 3, 64, 200, 0, 0, "float32")],
+                         ids=lambda c: f"P{c[2]}-R{c[1]}-sink{c[4]}-win{c[5]}")
+def test_decode_step_simdgroup_on_metal(case):
+    """On Metal the decode step launches the simdgroup-matrix kernel and the finish (which
+    attends the sink and the window), and equals the pure-MLX blocked path."""
+    from longctx.kernels import decode_attend_simdgroup as dsg
+    from longctx.kvcache import attend_step, attention
+
+    H, R, P, L, n_sink, n_win, qdt = case
+    view = _step_view(H, R, P, L, "tq4", n_sink, n_win, seed=L + P)
+    q = mx.array(np.random.default_rng(R).normal(size=(1, H * R, 1, P)).astype(qdt)) * 2
+    want = attention.compressed_attention(q, view, P ** -0.5, fused=False)
+    launched = []
+    with _prelude.executor(_Recording(kernel_emu.emulator(), launched), as_backend="metal"):
+        got = attend_step.attention(q, view, P ** -0.5)
+    assert launched == [dsg.NAME, "lc_decode_finish"]
+    assert got.dtype == q.dtype and got.shape == q.shape
+    a, b = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-3
+
+
+@pytest.mark.parametrize("which", ["cuda", "cpu"])
+def test_simdgroup_kernel_is_chosen_only_on_metal(which):
+    """The simdgroup-matrix kernel applies on Metal only: CUDA's decode step launches the
+    tensor-core kernels, the CPU's the references (no launch)."""
+    from longctx.kernels import decode_attend_simdgroup as dsg
+    from longctx.kvcache import attend_step
+
+    view = _step_view(2, 4, 128, 300, "tq4", 2, 9, seed=3)
+    q = mx.array(np.random.default_rng(4).normal(size=(1, 8, 1, 128)).astype("float32"))
+    kc, vc = view.key_codec, view.value_codec
+    cap = _Capture()
+    with _prelude.executor(cap, as_backend="metal"):
+        assert dsg.applies(128, 4, kc, vc)
+    if which == "cpu":  # no kernel at all: the decode step is not taken
+        with _prelude.force_backend("cpu"):
+            assert not dsg.applies(128, 4, kc, vc) and not attend_step.applies(view, None, 1, 4)
+        return
+    with _prelude.executor(cap, as_backend=which):
+        assert not dsg.applies(128, 4, kc, vc)
+        attend_step.attention(q, view, 128 ** -0.5)
+    names = {name for name, _ in cap.launches}
+    assert names and dsg.NAME not in names
+
+
+def test_simdgroup_kernel_falls_back_to_the_portable_kernel():
+    """A simdgroup-matrix kernel that fails to build (one KernelFallbackWarning) costs its first
+    step the reference; every later step runs the portable kernel (the exact tokens in its
+    splits) and the finish."""
+    import warnings
+
+    from longctx.kernels import decode_attend_simdgroup as dsg
+    from longctx.kvcache import attend_step, attention
+
+    H, R, P, L = 2, 4, 128, 300
+    view = _step_view(H, R, P, L, "tq4", 2, 9, seed=3)
+    q = mx.array(np.random.default_rng(4).normal(size=(1, H * R, 1, P)).astype("float32"))
+    want = attention.compressed_attention(q, view, P ** -0.5, fused=False)
+    inner, launched = kernel_emu.emulator(), []
+
+    def failing(spec, launch):
+        launched.append(spec.name)
+        if spec.name == dsg.NAME:
+            raise RuntimeError("metal: simulated build failure")
+        return inner(spec, launch)
+
+    attend_step._COMPILED.clear()
+    with _prelude.executor(failing, as_backend="metal"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = attend_step.attention(q, view, P ** -0.5)
+        assert [w.category.__name__ for w in caught] == ["KernelFallbackWarning"]
+        assert _prelude.failed(dsg.NAME)
+        launched.clear()
+        second = attend_step.attention(q, view, P ** -0.5)
+        assert launched == [da.EXACT_NAME, "lc_decode_finish"]
+    for got in (first, second):
+        a, b = np.array(got), np.array(want)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-5

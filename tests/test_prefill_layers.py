@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from longctx import config, engine, kvcache, prefill_layers
+from longctx import engine, kvcache, prefill_layers
 from longctx.runtime import models
 
 from conftest import make_tiny_model
@@ -21,16 +21,6 @@ def lm(tmp_path_factory):
     return models.load(models.resolve(str(path)))
 
 
-@pytest.fixture(autouse=True)
-def one_call_per_chunk():
-    """These tests hold the layer-major loop to the chunk-by-chunk oracle below: one layer call
-    per chunk (`prefill_layer_call_tokens` 0). Runs of chunks, the default's included, are
-    tested by `test_longer_layer_calls_store_what_an_fp16_prefill_in_those_calls_makes` and
-    `test_the_default_calls_store_what_an_fp16_prefill_in_those_calls_makes`."""
-    with config.override(prefill_layer_call_tokens=0):
-        yield
-
-
 def _tokens(n: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(3, 200, n).tolist()
 
@@ -40,10 +30,16 @@ def _arrays(cache: list, preset) -> dict:
     return {k: np.array(v.astype(mx.float32)) for k, v in kvcache.to_arrays(cache, preset).items()}
 
 
-def _prefill(model, tokens, preset, order: str, progress=None, pairs=0):
+def _prefill(model, tokens, preset, order: str, progress=None, pairs=0, layer_call_tokens=0,
+             **options):
+    """A prefill in CHUNK's chunks, `order` first. These tests hold the layer-major loop to the
+    chunk-by-chunk oracle below: one layer call per chunk (`layer_call_tokens` 0). Runs of
+    chunks, the default's included, are tested by
+    `test_longer_layer_calls_store_what_an_fp16_prefill_in_those_calls_makes` and
+    `test_the_default_calls_store_what_an_fp16_prefill_in_those_calls_makes`."""
     cache = kvcache.make(model, preset)
-    with config.override(prefill_order=order):
-        stats = engine.prefill(model, tokens, cache, chunk=CHUNK, progress=progress, pairs=pairs)
+    stats = engine.prefill(model, tokens, cache, chunk=CHUNK, progress=progress, pairs=pairs,
+                           order=order, layer_call_tokens=layer_call_tokens, **options)
     return cache, stats
 
 
@@ -52,8 +48,7 @@ def _fp16_then_compressed(model, tokens, preset, pairs=0, fp16_chunk=CHUNK):
     then each layer's keys and values appended to a fresh compressed cache in CHUNK's chunks,
     as the model's own calls append them (`update_and_fetch`, not the `absorb` under test)."""
     exact = kvcache.make(model, kvcache.get_preset("fp16"))
-    with config.override(prefill_order="token"):
-        engine.prefill(model, tokens, exact, chunk=fp16_chunk, pairs=pairs)
+    engine.prefill(model, tokens, exact, chunk=fp16_chunk, pairs=pairs, order="token")
     cache = kvcache.make(model, preset)
     bounds, lo = [], 0
     while lo < len(tokens):
@@ -108,9 +103,8 @@ def test_layer_major_keeps_the_chunks_the_pairs_bound_cuts(lm):
 def test_progress_reaches_the_total_and_never_goes_back(lm):
     seen = []
     tokens = _tokens(5 * CHUNK + 3)
-    with config.override(prefill_group_tokens=2 * CHUNK):
-        _prefill(lm.model, tokens, kvcache.get_preset("tq4"), "layer",
-                 progress=lambda done, total: seen.append((done, total)))
+    _prefill(lm.model, tokens, kvcache.get_preset("tq4"), "layer",
+             progress=lambda done, total: seen.append((done, total)), group_tokens=2 * CHUNK)
     assert seen[-1] == (len(tokens), len(tokens))
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
     # three layers of six chunks, queued every two chunks: nine reports
@@ -160,19 +154,19 @@ def test_a_model_that_bypasses_its_layers_list_gets_the_token_major_loop(lm):
 def test_when_it_applies(lm, monkeypatch):
     model = lm.model
     tq4, fp16 = kvcache.get_preset("tq4"), kvcache.get_preset("fp16")
-    with config.override(prefill_order="layer"):
-        assert prefill_layers.applies(model, kvcache.make(model, tq4))
-        assert not prefill_layers.applies(model, kvcache.make(model, fp16))
-        filled = kvcache.make(model, tq4)
-        engine.prefill(model, _tokens(CHUNK), filled, chunk=CHUNK)
-        assert not prefill_layers.applies(model, filled)  # a cached prefix: token-major
-    with config.override(prefill_order="token"):
-        assert not prefill_layers.applies(model, kvcache.make(model, tq4))
-    with config.override(prefill_order="auto"):
-        monkeypatch.setattr("longctx.kernels.backend", lambda: "cpu")
-        assert not prefill_layers.applies(model, kvcache.make(model, tq4))
-        monkeypatch.setattr("longctx.kernels.backend", lambda: "cuda")
-        assert prefill_layers.applies(model, kvcache.make(model, tq4))
+    assert prefill_layers.applies(model, kvcache.make(model, tq4))  # "layer", the default
+    assert prefill_layers.applies(model, kvcache.make(model, tq4), "layer")
+    assert not prefill_layers.applies(model, kvcache.make(model, fp16), "layer")
+    filled = kvcache.make(model, tq4)
+    engine.prefill(model, _tokens(CHUNK), filled, chunk=CHUNK, layer_call_tokens=0)
+    assert not prefill_layers.applies(model, filled, "layer")  # a cached prefix: token-major
+    assert not prefill_layers.applies(model, kvcache.make(model, tq4), "token")
+    monkeypatch.setattr("longctx.kernels.backend", lambda: "cpu")
+    assert not prefill_layers.applies(model, kvcache.make(model, tq4), "auto")
+    monkeypatch.setattr("longctx.kernels.backend", lambda: "cuda")
+    assert prefill_layers.applies(model, kvcache.make(model, tq4), "auto")
+    with pytest.raises(ValueError, match="order"):
+        prefill_layers.applies(model, kvcache.make(model, tq4), "sideways")
 
 
 ON_GPU = __import__("longctx.kernels", fromlist=["backend"]).backend() in ("metal", "cuda")
@@ -261,8 +255,8 @@ def test_the_inflight_bound_cuts_groups_and_waits(lm, monkeypatch, budget, group
     monkeypatch.setattr(mx, "eval", lambda *a: (waited.append(1), real_eval(*a))[1])
     preset = kvcache.get_preset("tq4")
     tokens = _tokens(6 * CHUNK)
-    with config.override(prefill_layer_inflight=budget, prefill_group_tokens=10**6):
-        got = _prefill(lm.model, tokens, preset, "layer")[0]
+    got = _prefill(lm.model, tokens, preset, "layer", layer_inflight=budget,
+                   group_tokens=10**6)[0]
     assert len(queued) == 3 * groups_per_layer
     if budget:  # when a group is queued, every group but the one before it was waited for
         assert queued == [max(0, i - 1) for i in range(len(queued))]
@@ -301,8 +295,7 @@ def test_every_family_stores_the_oracles_arrays_or_keeps_the_token_major_loop(fa
     model = models.load(models.resolve(str(path))).model
     preset = kvcache.get_preset("tq4")
     tokens = _tokens(2 * CHUNK + 5)
-    with config.override(prefill_order="layer"):
-        layered = prefill_layers.applies(model, kvcache.make(model, preset))
+    layered = prefill_layers.applies(model, kvcache.make(model, preset), "layer")
     got = _arrays(_prefill(model, tokens, preset, "layer")[0], preset)
     tokenwise = _arrays(_prefill(model, tokens, preset, "token")[0], preset)
     if not layered:
@@ -349,8 +342,7 @@ def test_layers_called_with_keywords_that_return_tuples(lm):
     preset = kvcache.get_preset("tq4")
     tokens = _tokens(3 * CHUNK + 11)
     model = _TupleModel(lm.model)
-    with config.override(prefill_order="layer"):
-        assert prefill_layers.applies(model, kvcache.make(model, preset))
+    assert prefill_layers.applies(model, kvcache.make(model, preset), "layer")
     got = _arrays(_prefill(model, tokens, preset, "layer")[0], preset)
     want = _arrays(_fp16_then_compressed(model, tokens, preset), preset)
     tokenwise = _arrays(_prefill(model, tokens, preset, "token")[0], preset)
@@ -446,14 +438,14 @@ def test_call_spans():
 
 
 def test_longer_layer_calls_store_what_an_fp16_prefill_in_those_calls_makes(lm, monkeypatch):
-    """`prefill_layer_call_tokens`: each layer is called on runs of two chunks; the cache holds
+    """`layer_call_tokens`: each layer is called on runs of two chunks; the cache holds
     the compression of the keys an fp16 prefill in chunks of that length makes (appended in the
     original chunks: the same codes), and the model is called once per run."""
     preset = kvcache.get_preset("tq4")
     tokens = _tokens(5 * CHUNK + 37)
     calls = _counting(lm.model, monkeypatch)
-    with config.override(prefill_layer_call_tokens=2 * CHUNK):
-        got = _arrays(_prefill(lm.model, tokens, preset, "layer")[0], preset)
+    got = _arrays(_prefill(lm.model, tokens, preset, "layer", layer_call_tokens=2 * CHUNK)[0],
+                  preset)
     assert calls == [2 * CHUNK, 2 * CHUNK, CHUNK + 37]
     calls.clear()
     want = _arrays(_fp16_then_compressed(lm.model, tokens, preset, fp16_chunk=2 * CHUNK), preset)
@@ -462,16 +454,16 @@ def test_longer_layer_calls_store_what_an_fp16_prefill_in_those_calls_makes(lm, 
 
 
 def test_the_default_calls_store_what_an_fp16_prefill_in_those_calls_makes(lm, monkeypatch):
-    """The default `prefill_layer_call_tokens` (2048, mlx-lm's own prefill step): a prompt of
-    five and a half chunks is one call per layer, and the cache holds the compression of an fp16
+    """The default `layer_call_tokens` (2048, mlx-lm's own prefill step): a prompt of five and
+    a half chunks is one call per layer, and the cache holds the compression of an fp16
     prefill in one chunk."""
-    default = config.SETTINGS["prefill_layer_call_tokens"].default
+    default = engine.LAYER_CALL_TOKENS
     assert default >= 6 * CHUNK
     preset = kvcache.get_preset("tq4")
     tokens = _tokens(5 * CHUNK + 37)
     calls = _counting(lm.model, monkeypatch)
-    with config.override(prefill_layer_call_tokens=default):
-        got = _arrays(_prefill(lm.model, tokens, preset, "layer")[0], preset)
+    got = _arrays(_prefill(lm.model, tokens, preset, "layer", layer_call_tokens=default)[0],
+                  preset)
     assert calls == [len(tokens)]
     calls.clear()
     want = _arrays(_fp16_then_compressed(lm.model, tokens, preset, fp16_chunk=default), preset)
@@ -488,8 +480,7 @@ def test_the_quality_benchmarks_compression_is_what_ingest_stores(lm, upto):
     preset = kvcache.get_preset("tq4")
     tokens = _tokens(5 * CHUNK + 37)
     exact = kvcache.make(lm.model, kvcache.get_preset("fp16"))
-    with config.override(prefill_order="token"):
-        engine.prefill(lm.model, tokens, exact, chunk=CHUNK)
+    engine.prefill(lm.model, tokens, exact, chunk=CHUNK, order="token")
     got = _arrays(quality.compressed(lm.model, exact, "tq4", chunk=CHUNK, upto=upto), preset)
     want = _arrays(_prefill(lm.model, tokens[:upto], preset, "layer")[0], preset)
     assert got.keys() == want.keys()

@@ -112,8 +112,8 @@ def test_ingest_warms_the_answer_path_on_cuda_only(tiny_model, text_doc, monkeyp
     """On CUDA an ingest runs one decode step through a fork of the cache rebuilt from its saved
     arrays (the kernels an `ask` launches compile there); elsewhere, or off, it does not; a
     failure there never fails the ingest."""
-    from longctx import config
     from longctx.kernels import _prelude
+    from longctx.runtime import cuda_kernels
 
     calls = []
 
@@ -131,8 +131,9 @@ def test_ingest_warms_the_answer_path_on_cuda_only(tiny_model, text_doc, monkeyp
         assert session.warm_answer_path(lm, preset, arrays)
         prefix = first.entry.tokens
         assert calls == [([int(arrays["tokens"][-1].item())], [prefix] * len(calls[0][1]), 1)]
-        with config.override(cuda_kernel_cache=False):
-            assert not session.warm_answer_path(lm, preset, arrays)
+        monkeypatch.setattr(cuda_kernels, "ENABLED", False)  # longctx's kernel files off
+        assert not session.warm_answer_path(lm, preset, arrays)
+        monkeypatch.setattr(cuda_kernels, "ENABLED", True)
         monkeypatch.setattr(engine, "token_stream", lambda *a, **k: (_ for _ in ()).throw(
             RuntimeError("kernel")))
         assert not session.warm_answer_path(lm, preset, arrays)

@@ -475,13 +475,13 @@ def test_disk_full_mid_write_leaves_nothing(tiny_model, text_doc, monkeypatch, p
 
 def test_index_full_removes_the_new_file(tiny_model, text_doc, monkeypatch):
     def failing_set(self, key, value):
-        with self._guard():
+        with self.guard():
             raise sqlite3.OperationalError("database or disk is full")
 
     # Only this patch is undone after the ingest: `monkeypatch.undo()` would also drop the
     # autouse fixture's LONGCTX_HOME and check the user's real store instead of the test's.
     with monkeypatch.context() as patch:
-        patch.setattr(Store, "_set", failing_set)
+        patch.setattr(Store, "set_value", failing_set)
         with pytest.raises(StoreError, match="is full"):
             session.ingest(text_doc, model=str(tiny_model))
     _store_is_empty()
@@ -686,10 +686,8 @@ def test_checks_started_after_the_read_still_refuse_a_damaged_file(tiny_model, t
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x10
     path.write_bytes(bytes(data))
-    from longctx import config
-
-    with config.override(checks="after"), pytest.raises(CacheCorrupt, match="fails its checksum"):
-        Store().load(entry)
+    with pytest.raises(CacheCorrupt, match="fails its checksum"):
+        Store().load(entry, checks="after")
 
 
 def test_a_stacked_array_of_the_wrong_layer_count_is_refused(tiny_model, text_doc):

@@ -76,10 +76,10 @@ def test_default_budget_is_a_quarter_of_the_disk_capped_by_free_space(monkeypatc
     monkeypatch.setattr(budget.shutil, "disk_usage", usage(1000 * MiB, 100 * MiB))
     assert budget.default_budget(tmp_path, 120 * MiB) == 170 * MiB  # the store + half the free
     assert budget.budget(tmp_path, 120 * MiB) == 170 * MiB
-    with config.override(max_store=0):
-        assert budget.budget(tmp_path, 120 * MiB) is None
-    with config.override(max_store=5 * MiB):
-        assert budget.budget(tmp_path, 120 * MiB) == 5 * MiB
+    monkeypatch.setenv("LONGCTX_MAX_STORE", "0")
+    assert budget.budget(tmp_path, 120 * MiB) is None
+    monkeypatch.setenv("LONGCTX_MAX_STORE", "5MiB")
+    assert budget.budget(tmp_path, 120 * MiB) == 5 * MiB
 
 
 # -- least recently used, over units ---------------------------------------------------------------

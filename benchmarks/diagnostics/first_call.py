@@ -3,7 +3,7 @@
 In-process benchmarks repeat the same question, so from the second run on they reuse whatever
 `mx.compile` traced (and MLX's kernel caches); a `longctx ask` process answers one question, so
 it traces once and decodes with a window that grows every step. This ingests one document, then
-for each LONGCTX_COMPILE mode ("0", "question", "1") starts fresh processes (two per mode, in
+for each compile mode (`kvcache.compiling.COMPILE`: "0", "question", "1") starts fresh processes (two per mode, in
 turn) that restore the cache and time the first answer token and the next `--steps` tokens.
 
 Usage: python benchmarks/diagnostics/first_call.py [--tokens 8000] [--model SPEC] [--runs 2]
@@ -31,9 +31,11 @@ from longctx.runtime.blas import tune_malloc
 tune_malloc()
 import mlx.core as mx
 from longctx import engine, kvcache, session
+from longctx.kvcache import compiling
 from longctx.runtime import models
 from longctx.store import Store
 entry_id, spec, steps, question = sys.argv[1], sys.argv[2] or None, int(sys.argv[3]), json.loads(sys.argv[4])
+compiling.COMPILE = sys.argv[5]
 lm = models.load(models.resolve(spec))
 store = Store()
 entry = store.find(entry_id)
@@ -73,10 +75,10 @@ def main() -> None:
     results: dict[str, list] = {}
     for run in range(args.runs):
         for mode in ("0", "question", "1"):
-            env = {**os.environ, "LONGCTX_COMPILE": mode}
             t = time.perf_counter()
             out = subprocess.run([sys.executable, "-c", CHILD, entry.id, args.model or "", str(args.steps),
-                                  json.dumps(question)], env=env, capture_output=True, text=True)
+                                  json.dumps(question), mode], env=dict(os.environ), capture_output=True,
+                                 text=True)
             if out.returncode:
                 raise SystemExit(out.stderr[-2000:])
             row = json.loads(out.stdout.strip().splitlines()[-1])

@@ -40,8 +40,10 @@ import mlx.core as mx
 from longctx.kvcache import get_preset
 from longctx.kvcache.attention import compressed_attention
 from longctx.kvcache.turbo import TurboQuantCache
+from longctx.runtime import cuda_kernels
 L, H, HQ, D = int(sys.argv[1]), 8, 32, 128
 stepwise = sys.argv[3] == "stepwise"
+cuda_kernels.ENABLED = sys.argv[4] == "1"  # longctx's kernel files on or off
 preset = get_preset("tq4")
 mx.random.seed(0)
 c = TurboQuantCache(preset, 0)
@@ -73,7 +75,6 @@ else:
     timed("question_s", 16)
 timed("first_step_s", 1)
 timed("second_step_s", 1)
-from longctx.runtime import cuda_kernels
 out["kernel_file_stats"] = {k: cuda_kernels.STATS[k] for k in ("hit", "write", "skip", "last_skip")}
 out["kernel_file_stats"]["compile_s"] = round(cuda_kernels.STATS["compile_s"], 3)
 print(json.dumps(out))
@@ -105,9 +106,9 @@ def main() -> None:
                     for f in Path(ptx).iterdir():
                         if f.is_file() and not f.name.startswith("custom_kernel_lc_"):
                             shutil.copy2(f, Path(mlx_only) / f.name)
-                env = dict(os.environ, MLX_PTX_CACHE_DIR=ptx if files else mlx_only,
-                           LONGCTX_CUDA_KERNEL_CACHE="1" if files else "0")
-                p = subprocess.run([sys.executable, "-c", CHILD, str(length), here, question],
+                env = dict(os.environ, MLX_PTX_CACHE_DIR=ptx if files else mlx_only)
+                p = subprocess.run([sys.executable, "-c", CHILD, str(length), here, question,
+                                    "1" if files else "0"],
                                    env=env, capture_output=True, text=True, check=False)
                 if p.returncode:
                     sys.exit(f"first_step: the child failed at {length}:\n{p.stderr[-2000:]}")

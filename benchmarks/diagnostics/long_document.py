@@ -108,10 +108,11 @@ def main() -> None:
 
 
 def _segment_text(env: dict, sid: str) -> str:
-    from longctx import config
+    from unittest import mock
+
     from longctx.store import Store, groups
 
-    with config.override(home=env["LONGCTX_HOME"]):
+    with mock.patch.dict(os.environ, {"LONGCTX_HOME": env["LONGCTX_HOME"]}):
         store = Store(cleanup=False)
         try:
             return groups.text(store, sid)

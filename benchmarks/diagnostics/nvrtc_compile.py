@@ -7,7 +7,7 @@ a CUDA GPU compiles every kernel its question and first tokens launch (`first_st
 on the GPU). NVRTC needs no GPU: this script records the distinct launches of a 16-token question
 and two decode steps over a compressed cache (Llama-3.1-8B's attention shape; the whole step
 static and handing out keys, as the library runs it below and from
-`decode_attend_mma.DYNAMIC_MIN_KEYS` keys) with the
+`decode_step_mma.DYNAMIC_MIN_KEYS` keys: a cache of each length) with the
 GPU code paths and a stand-in executor, then compiles each one's exact source (MLX's signature
 around the kernel body, MLX's device header stubbed: `tests/kernel_emu.py`) for sm_90 and times
 it.
@@ -32,7 +32,7 @@ from _common import write  # noqa: E402  (imports longctx first: OpenBLAS before
 import mlx.core as mx  # noqa: E402
 
 from longctx.kernels import _prelude  # noqa: E402
-from longctx.kernels import decode_attend_mma as dm  # noqa: E402
+from longctx.kernels import decode_step_mma as ds  # noqa: E402
 from longctx.kvcache import get_preset  # noqa: E402
 from longctx.kvcache.attention import compressed_attention  # noqa: E402
 from longctx.kvcache.turbo import TurboQuantCache  # noqa: E402
@@ -54,23 +54,18 @@ def launches() -> list:
         return _zeros(spec, launch)
 
     preset = get_preset("tq4")
-    saved = dm.DYNAMIC
-    try:
-        with _prelude.executor(record, as_backend="cuda"):
-            for dynamic in (False, True):  # (the library hands keys out from DYNAMIC_MIN_KEYS)
-                dm.DYNAMIC = dynamic
-                c = TurboQuantCache(preset, 0)
-                kv = mx.random.normal((1, H, 4096, D)).astype(mx.bfloat16)
-                c.update_and_fetch(kv, kv)
-                c.seal()
-                fork = TurboQuantCache.from_arrays(preset, 0, c.arrays(), D).fork(exact_new=1024)
-                for lq in (QUESTION, 1, 1):
-                    k = mx.random.normal((1, H, lq, D)).astype(mx.bfloat16)
-                    q = mx.random.normal((1, HQ, lq, D)).astype(mx.bfloat16)
-                    view, _ = fork.update_and_fetch(k, k)
-                    compressed_attention(q, view, D ** -0.5, mask="causal" if lq > 1 else None)
-    finally:
-        dm.DYNAMIC = saved
+    with _prelude.executor(record, as_backend="cuda"):
+        for length in (4096, ds.DYNAMIC_MIN_KEYS):  # the whole step static, then handing out
+            c = TurboQuantCache(preset, 0)
+            kv = mx.random.normal((1, H, length, D)).astype(mx.bfloat16)
+            c.update_and_fetch(kv, kv)
+            c.seal()
+            fork = TurboQuantCache.from_arrays(preset, 0, c.arrays(), D).fork(exact_new=1024)
+            for lq in (QUESTION, 1, 1):
+                k = mx.random.normal((1, H, lq, D)).astype(mx.bfloat16)
+                q = mx.random.normal((1, HQ, lq, D)).astype(mx.bfloat16)
+                view, _ = fork.update_and_fetch(k, k)
+                compressed_attention(q, view, D ** -0.5, mask="causal" if lq > 1 else None)
     return list(seen.values())
 
 

@@ -22,7 +22,7 @@ import attend  # noqa: E402  (imports longctx first: OpenBLAS before mlx)
 
 import mlx.core as mx  # noqa: E402
 
-from longctx.kernels import decode_attend_mma as dm  # noqa: E402
+from longctx.kernels import decode_step_mma as ds  # noqa: E402
 from longctx.kernels import decode_finish as df  # noqa: E402
 from longctx.kvcache import attend_step  # noqa: E402
 from longctx.kvcache.attention import compressed_attention  # noqa: E402
@@ -56,7 +56,7 @@ def main() -> None:
     rows["matches_us"] = us(lambda: p.matches(q, view, scale))
     rows["count_us"] = us(lambda: df.count(0))
     rows["env_us"] = us(attend_step._env)
-    n0 = dm.counter(p.heads)
+    n0 = ds.counter(p.heads)
     rows["compiled_call_us"] = us(lambda: p.fn(q, *p.args, df.count(0), p.mean, n0)[0])
     # a compiled call of one custom-kernel node of n_out outputs over n_in inputs (stand-ins of
     # the step kernel's outputs and ~17 inputs; built, never launched)

@@ -9,7 +9,7 @@ kept alive so that freeing large CPU buffers is not timed), over the layers of a
 a few 512-token chunks. Rows, per layer-chunk, median of chunks 4..12 over three passes:
 
 - fp16: mlx-lm's KVCache update plus `mx.fast.scaled_dot_product_attention` (the anchor);
-- tq4 eager: `TurboQuantCache.update_and_fetch` + `compressed_attention`, setting `compile` 0;
+- tq4 eager: `TurboQuantCache.update_and_fetch` + `compressed_attention`, `compiling.COMPILE` "0";
 - tq4 compiled: the same with the compiled fused-chunk update and dense attention (default).
 
 What it leaves out: MLX's encoding of the launches at evaluation (a GPU cost of every path) and
@@ -20,7 +20,6 @@ the model's own layers. Usage:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -98,12 +97,12 @@ def main() -> None:
             compiling.COMPILE_UNDER_EXECUTOR = True
             try:
                 for label, setting in (("eager", "0"), ("compiled", "1")):
-                    os.environ["LONGCTX_COMPILE"] = setting
+                    compiling.COMPILE = setting
                     row[f"{args.preset}_{label}_us"] = _time(lambda i: TurboQuantCache(preset, i),
                                                              _tq, layers, hkv, hq, d)
             finally:
                 compiling.COMPILE_UNDER_EXECUTOR = False
-                os.environ.pop("LONGCTX_COMPILE", None)
+                compiling.COMPILE = "1"
         row["compiled_vs_eager"] = row[f"{args.preset}_eager_us"] / row[f"{args.preset}_compiled_us"]
         row["compiled_vs_fp16"] = row[f"{args.preset}_compiled_us"] / row["fp16_us"]
         print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),

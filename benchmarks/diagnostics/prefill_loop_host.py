@@ -26,7 +26,7 @@ from _common import device_kind, write  # noqa: E402  (imports longctx first: Op
 import mlx.core as mx  # noqa: E402
 from shapes import random_model  # noqa: E402
 
-from longctx import config, kvcache, prefill_layers  # noqa: E402
+from longctx import kvcache, prefill_layers  # noqa: E402
 from longctx.kernels import _prelude  # noqa: E402
 
 CHUNK = 512
@@ -37,7 +37,7 @@ def once(model, tokens: list[int], record: bool) -> float:
 
     bounds = [(lo, min(lo + CHUNK, len(tokens))) for lo in range(0, len(tokens), CHUNK)]
     saved = (mx.async_eval, mx.eval, prefill_layers.RECORD)
-    with _prelude.executor(_zeros, as_backend="cuda"), config.override(prefill_order="layer"):
+    with _prelude.executor(_zeros, as_backend="cuda"):
         cache = kvcache.make(model, kvcache.get_preset("tq4"))
         mx.async_eval = mx.eval = lambda *a, **k: None
         prefill_layers.RECORD = record

@@ -86,12 +86,12 @@ def profile(shape: str, length: int) -> dict:
         mx.eval(tq.state)
     kc, vc = tq.codecs()
     x = kn.astype(mx.float32)
-    res["encode_fused" if kc._fused_encode() else "encode_kernel_unavailable"] = timed(
+    res["encode_fused" if kc.fused_encode() else "encode_kernel_unavailable"] = timed(
         lambda: kc.encode(x))
-    saved = codec_mod.VectorCodec._fused_encode
-    codec_mod.VectorCodec._fused_encode = lambda self: False
+    saved = codec_mod.VectorCodec.fused_encode
+    codec_mod.VectorCodec.fused_encode = lambda self: False
     res["encode_mlx"] = timed(lambda: kc.encode(x))
-    codec_mod.VectorCodec._fused_encode = saved
+    codec_mod.VectorCodec.fused_encode = saved
 
     view = tq.view()
     seg_k, seg_v, _ = view.segments[0]

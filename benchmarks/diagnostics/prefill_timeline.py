@@ -31,7 +31,7 @@ from prefill_shapes import prefill_once  # noqa: E402
 from shapes import random_model  # noqa: E402
 from step_timeline import summary, trace_kernels  # noqa: E402
 
-from longctx import config, engine, kvcache  # noqa: E402
+from longctx import engine, kvcache  # noqa: E402
 
 
 def main() -> None:
@@ -54,14 +54,13 @@ def main() -> None:
             chunks = -(-n // args.chunk)
             for kv in args.kv:
                 preset = kvcache.get_preset(kv.split(":")[0])
-                order = kv.split(":")[1] if ":" in kv else config.get("prefill_order")
-                with config.override(prefill_order=order):
-                    prefill_once(model, ids, preset, args.chunk)  # first run: kernels, cuDNN
-                    wall0, _, _, build0 = prefill_once(model, ids, preset, args.chunk)
+                order = {"prefill_order": kv.split(":")[1] if ":" in kv else engine.ORDER}
+                prefill_once(model, ids, preset, args.chunk, order)  # first run: kernels, cuDNN
+                wall0, _, _, build0 = prefill_once(model, ids, preset, args.chunk, order)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    wall, _, _, build = prefill_once(model, ids, preset, args.chunk, order)
                     torch.cuda.synchronize()
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        wall, _, _, build = prefill_once(model, ids, preset, args.chunk)
-                        torch.cuda.synchronize()
                 s = summary(trace_kernels(prof), chunks)
                 s["kernels"] = dict(list(s["kernels"].items())[:args.top])
                 row = {"shape": shape, "tokens": n, "kv": kv, "chunks": chunks,

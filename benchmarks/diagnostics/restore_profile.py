@@ -30,8 +30,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from longctx import kvcache, session  # noqa: E402
-from longctx import config  # noqa: E402
-from longctx.kvcache import attend_blocked, attend_fused, attention  # noqa: E402
+from longctx.kvcache import attend_blocked, attend_fused, attention, compiling  # noqa: E402
 from longctx.kvcache.turbo import CompressedKV  # noqa: E402
 from longctx.store import Store  # noqa: E402
 from longctx.store import format as fmt  # noqa: E402
@@ -138,8 +137,11 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
     def shipped():
         mx.eval(attention.compressed_attention(q, kv, scale, mask=mask))
     for mode in ("0", "1"):
-        with config.override(compile=mode):
+        compiling.COMPILE, saved = mode, compiling.COMPILE
+        try:
             res[f"compressed_attention_compile{mode}"] = best(shipped, repeat)
+        finally:
+            compiling.COMPILE = saved
 
     kc, vc = kv.key_codec, kv.value_codec
     q_rot = kc.rotate(q.astype(mx.float32)).reshape(B, Hkv, -1, kc.padded_dim)
@@ -161,8 +163,8 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
         return attention.compressed_attention(q, view, scale, mask=mask)
 
     compiled = mx.compile(traced)
-    saved = dict(config._OVERRIDES)
-    config._OVERRIDES["compile"] = "0"  # the whole function compiled from outside, as a check
+    saved = compiling.COMPILE
+    compiling.COMPILE = "0"  # the whole function compiled from outside, as a check
     try:
         def run_compiled():
             mx.eval(compiled(q, segs, list(win), list(kv.sink), kv.value_mean))
@@ -174,8 +176,7 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
     except Exception as err:  # compile may refuse the custom kernel: record why
         res["compiled_attention_error"] = f"{type(err).__name__}: {err}"
     finally:
-        config._OVERRIDES.clear()
-        config._OVERRIDES.update(saved)
+        compiling.COMPILE = saved
 
     n = kv.offset
     r = n_q_heads // Hkv
@@ -197,7 +198,8 @@ def decode_variants(lm, cache: list, question: list[int], steps: int) -> dict:
     res = {}
     for mode in ("0", "question", "1"):
         attend_fused._COMPILED.clear()
-        with config.override(compile=mode):
+        compiling.COMPILE, saved = mode, compiling.COMPILE
+        try:
             for attempt in range(2):  # the second run has every kernel built
                 t = time.perf_counter()
                 stream = engine.token_stream(lm.model, question, kvcache.fork(cache), steps + 1)
@@ -206,6 +208,8 @@ def decode_variants(lm, cache: list, question: list[int], steps: int) -> dict:
                 t = time.perf_counter()
                 n = sum(1 for _ in stream)
                 per = (time.perf_counter() - t) / max(n, 1)
+        finally:
+            compiling.COMPILE = saved
         res[f"compile_{mode}"] = {"first_token_s": first, "per_token_s": per, "tokens": n}
     return res
 

@@ -11,7 +11,7 @@ This counts instructions; it does not time them (`attend.py`, `step_timeline.py`
 GPU do). Needs nvcc and cuobjdump (pip: nvidia-cuda-cuobjdump, no GPU needed); `--cuobjdump`
 names the binary when it is not on PATH. Usage:
     python benchmarks/diagnostics/sass_loop.py [--kernel lc_decode_step_mma] [--dump out.sass]
-                                   [--set DYNAMIC=1 GRANT_BLOCKS=4]
+                                   [--length 32768]
 """
 
 from __future__ import annotations
@@ -49,8 +49,10 @@ def _cuobjdump(given: str | None) -> str:
     sys.exit("cuobjdump not found: pip install nvidia-cuda-cuobjdump, or pass --cuobjdump")
 
 
-def launches() -> dict:
-    """{kernel name: (spec, launch)} of one decode step at 8B shapes, tq4, on the CUDA path."""
+def launches(length: int = 4096) -> dict:
+    """{kernel name: (spec, launch)} of one decode step at 8B shapes over `length` cached
+    tokens (from `decode_step_mma.DYNAMIC_MIN_KEYS` the step hands keys out), tq4, on the CUDA
+    path."""
     from longctx.kernels import _prelude
     from longctx.kvcache import attend_step, compiling
     from longctx.kvcache.presets import get_preset
@@ -63,7 +65,7 @@ def launches() -> dict:
         return [mx.zeros(s, dtype=d) for s, d in zip(launch.output_shapes, launch.output_dtypes)]
 
     preset = get_preset("tq4")
-    k = mx.random.normal((1, 8, 4096, 128)).astype(mx.bfloat16)
+    k = mx.random.normal((1, 8, length, 128)).astype(mx.bfloat16)
     c = TurboQuantCache(preset, 0)
     c.update_and_fetch(k, k)
     c.seal()
@@ -114,22 +116,15 @@ def main() -> None:
     ap.add_argument("--kernel", default=None, help="only this kernel (default: every launch)")
     ap.add_argument("--cuobjdump", default=None)
     ap.add_argument("--dump", default=None, help="write the (last) kernel's SASS here")
-    ap.add_argument("--set", nargs="+", default=[], metavar="NAME=INT",
-                    help="decode_attend_mma tunables for the capture, e.g. DYNAMIC=1 STAMPS=1")
+    ap.add_argument("--length", type=int, default=4096,
+                    help="cached tokens (from 32768 the whole step hands keys out)")
     args = ap.parse_args()
-    from longctx.kernels import decode_attend_mma as dm
-
-    for item in args.set:
-        name, _, value = item.partition("=")
-        if not hasattr(dm, name):
-            sys.exit(f"decode_attend_mma has no tunable {name}")
-        setattr(dm, name, type(getattr(dm, name))(int(value)))
     if shutil.which("nvcc") is None:
         sys.exit("nvcc not on PATH")
     tool = _cuobjdump(args.cuobjdump)
     nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout
     print(f"mlx {environment()['mlx']}, sm_90, nvcc {nvcc.split(',')[-2].strip()}")
-    for name, (spec, launch) in launches().items():
+    for name, (spec, launch) in launches(args.length).items():
         if args.kernel and name != args.kernel:
             continue
         report = kernel_emu.nvcc_check(spec, launch)

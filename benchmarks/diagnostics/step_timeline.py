@@ -10,12 +10,12 @@ sees every kernel of the process, MLX's included), and reports per method and le
   i.e. the host or launch latency bounds the step);
 - kernels: per kernel name, launches per step and mean duration.
 
-Methods: fp16 SDPA (MLX), the tq4 step (tensor-core kernel, default shape), its other
-threadgroup shapes and split sizes (`--mma-variants`), the tq4 step with the portable kernel; and `layers32_*`:
-32 layer-like calls per evaluation (what one token of a 32-layer model issues), per call.
+Methods: fp16 SDPA (MLX), the tq4 step (tensor-core kernel), the tq4 step with the portable
+kernel; and `layers32_*`: 32 layer-like calls per evaluation (what one token of a 32-layer model
+issues), per call; `answer_*`: a layer's step while answering (cache update and attention).
 
 CUDA only (torch with CUDA on the machine). Usage:
-    python benchmarks/diagnostics/step_timeline.py [--lengths 4096 32768 131072] [--mma-variants 8,3]
+    python benchmarks/diagnostics/step_timeline.py [--lengths 4096 32768 131072]
         [--methods fp16_sdpa fused_tq4 answer_fp16 answer_tq4]
 """
 
@@ -34,7 +34,6 @@ from _common import write  # noqa: E402  (imports longctx first: OpenBLAS before
 import mlx.core as mx  # noqa: E402
 
 import attend  # noqa: E402
-from longctx.kernels import decode_attend_mma as dm  # noqa: E402
 from longctx.kvcache.attention import compressed_attention  # noqa: E402
 
 
@@ -76,11 +75,11 @@ def timeline(fn, steps: int, per_eval: int = 1) -> dict:
     return {"wall_ms": 1e3 * wall / calls, "build_ms": 1e3 * build, **summary(ks, calls)}
 
 
-def answer_step(kind, k, v, q, scale):
+def answer_step(kind, k, v, q, scale, portable=False):
     """A layer's decode step while answering (its cache update, then attention) after a prefix
     of k / v's tokens and a 16-token question, on a cache of its own: mlx-lm's fp16 KVCache +
     SDPA ("fp16"), or tq4 as `ask` holds it ("tq4": sealed, rebuilt from its arrays, forked;
-    its window takes the question and the answer)."""
+    its window takes the question and the answer); `portable`: tq4 with the portable kernel."""
     from mlx_lm.models.cache import KVCache
 
     from longctx.kvcache.presets import get_preset
@@ -110,7 +109,7 @@ def answer_step(kind, k, v, q, scale):
 
     def tq_step():
         view, _ = tq.update_and_fetch(one, one)
-        return compressed_attention(q, view, scale)
+        return (attend._portable if portable else compressed_attention)(q, view, scale)
     return tq_step
 
 
@@ -159,8 +158,6 @@ def host_profile(fn, calls: int = 3000) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 32768, 131072])
-    ap.add_argument("--mma-variants", nargs="*", default=["8,3"], metavar="WARPS,STAGES[,BLOCKS]",
-                    help="tensor-core kernel shapes: warps, stages, fewest blocks per warp")
     ap.add_argument("--host-profile", action="store_true",
                     help="also cProfile the host's graph building of the tq4 step (top 20)")
     ap.add_argument("--methods", nargs="*", default=None,
@@ -170,51 +167,34 @@ def main() -> None:
     ap.add_argument("--name", default="step_timeline_h200")
     args = ap.parse_args()
     rows = []
-    saved = dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS
     for s in args.lengths:
         env = attend.setup(s, presets=("tq4",), affine=False)
         q, k, v, view, scale = env["q"], env["k"], env["v"], env["tq4"], attend.D ** -0.5
         methods = [("fp16_sdpa", lambda: mx.fast.scaled_dot_product_attention(
-                        q, k, v, scale=scale), None),
-                   ("fused_tq4", lambda: compressed_attention(q, view, scale), saved)]
-        for x in args.mma_variants:
-            w, st, b = (x.split(",") + [str(saved[2])])[:3]
-            methods.append((f"fused_tq4_w{w}s{st}b{b}", methods[1][1], (int(w), int(st), int(b))))
-        # (attend.KNOBS sets their kernels around the timings)
-        methods.append(("fused_tq4_two_launch", methods[1][1], saved))
-        methods.append(("fused_tq4_portable", methods[1][1], saved))
+                        q, k, v, scale=scale)),
+                   ("fused_tq4", lambda: compressed_attention(q, view, scale)),
+                   ("fused_tq4_portable", lambda: attend._portable(q, view, scale))]
         # as a model's layer steps while answering: the cache update (one token into the window
         # after a 16-token question) and attention, fp16 vs tq4 (one layer; no layers32 row),
         # each on a cache of its own (its window grows by the calls' tokens); tq4 also with the
-        # exact tokens in the whole step's tail, and in two launches: in the partials' splits,
-        # or in the finish, scored a thread per key (its default) or a warp per key; and the
-        # portable kernel (Metal's) with the exact tokens in its splits or in the finish
-        # (attend.KNOBS)
-        methods += [(f"answer_{x}", x.split("_")[0], None)
-                    for x in ("fp16", "tq4", "tq4_tail_exact", "tq4_two_launch",
-                              "tq4_two_launch_finish_exact", "tq4_two_launch_warp_keys",
-                              "tq4_portable", "tq4_portable_finish_exact")]
+        # portable kernel (Metal's)
+        methods += [("answer_fp16", ("fp16", False)), ("answer_tq4", ("tq4", False)),
+                    ("answer_tq4_portable", ("tq4", True))]
         if args.methods is not None:
             methods = [m for m in methods if m[0] in args.methods]
-        for label, fn, knobs in methods:
-            if isinstance(fn, str):
-                fn = answer_step(fn, k, v, q, scale)
-            if knobs:
-                dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS = knobs
-            try:
-                with attend.knobs(label):
-                    for per_eval, tag in ((1, ""),) + (() if label.startswith("answer_")
-                                                        else ((32, "layers32_"),)):
-                        r = timeline(fn, args.steps if per_eval == 1 else 4, per_eval)
-                        rows.append({"S": s, "method": tag + label, **r})
-                        print(f"S={s:>6} {tag + label:<30} wall {r['wall_ms']:.4f} build "
-                              f"{r['build_ms']:.4f} gpu {r['gpu_busy_ms']:.4f} ms  " +
-                              ", ".join(f"{n} {x['per_call']:.0f}x{x['mean_us']:.1f}us"
-                                        for n, x in r["kernels"].items()), flush=True)
-            finally:
-                dm.WARPS, dm.STAGES, dm.MIN_WARP_BLOCKS = saved
+        for label, fn in methods:
+            if isinstance(fn, tuple):
+                fn = answer_step(fn[0], k, v, q, scale, portable=fn[1])
+            for per_eval, tag in ((1, ""),) + (() if label.startswith("answer_")
+                                                else ((32, "layers32_"),)):
+                r = timeline(fn, args.steps if per_eval == 1 else 4, per_eval)
+                rows.append({"S": s, "method": tag + label, **r})
+                print(f"S={s:>6} {tag + label:<30} wall {r['wall_ms']:.4f} build "
+                      f"{r['build_ms']:.4f} gpu {r['gpu_busy_ms']:.4f} ms  " +
+                      ", ".join(f"{n} {x['per_call']:.0f}x{x['mean_us']:.1f}us"
+                                for n, x in r["kernels"].items()), flush=True)
         if args.host_profile:
-            host_profile(methods[1][1])
+            host_profile(lambda: compressed_attention(q, view, scale))
         del env
     print(f"wrote {write(args.name, {'steps': args.steps, 'rows': rows})}")
 

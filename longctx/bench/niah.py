@@ -328,7 +328,7 @@ def run(model: str | None = None, task: str = "single", lengths=DEFAULT_LENGTHS,
         # compares presets over the whole length range.
         jobs = [(n, s, g) for s in range(samples) for g in groups for n in results.lengths]
         total, done = len(jobs) * len(presets), 0
-        previous = _latest()
+        previous = latest_id()
         try:
             for n, s, group in jobs:
                 if budget_seconds is not None and time.perf_counter() - start > budget_seconds:
@@ -358,19 +358,19 @@ def run(model: str | None = None, task: str = "single", lengths=DEFAULT_LENGTHS,
                     if progress:
                         progress(done, total)
         finally:
-            _restore_latest(previous)
+            restore_latest(previous)
     results.seconds = round(time.perf_counter() - start, 2)
     return results
 
 
-def _latest() -> str | None:
+def latest_id() -> str | None:
     try:
         return manage.find_entry(None).id
     except Exception:  # no latest entry (or an empty store): nothing to put back
         return None
 
 
-def _restore_latest(entry_id: str | None) -> None:
+def restore_latest(entry_id: str | None) -> None:
     """Make the entry that was the latest before the run the latest again."""
     if entry_id is None:
         return

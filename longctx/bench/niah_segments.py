@@ -313,7 +313,7 @@ def run(model: str | None = None, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS
 
         # Every length at one depth before the next: a run cut short still spans the lengths.
         jobs = [(n, d) for d in depths for n in todo]
-        previous = niah._latest()
+        previous = niah.latest_id()
         try:
             for done, (n, d) in enumerate(jobs):
                 if budget_seconds is not None and time.perf_counter() - start > budget_seconds:
@@ -330,7 +330,7 @@ def run(model: str | None = None, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS
                 if progress:
                     progress(done + 1, len(jobs))
         finally:
-            niah._restore_latest(previous)
+            niah.restore_latest(previous)
     results.seconds = round(time.perf_counter() - start, 2)
     return results
 

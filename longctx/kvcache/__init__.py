@@ -21,10 +21,13 @@ newest window - 1 tokens of it.
 from __future__ import annotations
 
 from longctx.errors import ConfigError
+from longctx.kvcache import support
 from longctx.kvcache.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset
+from longctx.kvcache.support import attention_module
 
 __all__ = ["ANSWER_EXACT", "DEFAULT_PRESET", "PRESETS", "Preset", "get_preset", "make", "to_arrays", "from_arrays",
-           "split_layers", "fork", "head_dims", "kv_heads", "seal", "to_mlx_lm", "windows", "window_config"]
+           "split_layers", "fork", "first_layer", "head_dims", "kv_heads", "seal", "to_mlx_lm", "windows",
+           "window_config"]
 
 STACKED_PARTS = ("mu", "sink", "norm", "rnorm")  # per compressed layer, stacked across layers
 STACK_PREFIX = "turbo."
@@ -46,20 +49,12 @@ def stack_parts(named: dict, layers: list[int], combine) -> None:
                     [named.pop(f"{i}.{tag}.{part}") for i in layers])
 
 
-def _attention(layer):
-    """A layer's attention module: `self_attn`, `attention`, or EXAONE's `attn.attention`."""
-    attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
-    if attn is None and getattr(layer, "attn", None) is not None:
-        attn = getattr(layer.attn, "attention", None) or layer.attn
-    return attn
-
-
 def head_dims(model) -> list[int]:
     """Per-layer attention head dim, read from the layers' attention modules (the query/key head
     dim of MLA's `q_head_dim`; 0 for a layer without a recognizable attention module)."""
     dims = []
     for layer in model.layers:
-        attn = _attention(layer)
+        attn = attention_module(layer)
         dim = getattr(attn, "head_dim", None) or getattr(attn, "q_head_dim", None)
         if dim is None and hasattr(attn, "k_proj") and hasattr(attn, "n_kv_heads"):
             dim = attn.k_proj.weight.shape[0] // attn.n_kv_heads
@@ -69,7 +64,7 @@ def head_dims(model) -> list[int]:
 
 def kv_heads(model) -> list[int | None]:
     """Per-layer KV head count from the attention modules (None where a module does not say)."""
-    heads = [getattr(_attention(layer), "n_kv_heads", None) for layer in model.layers]
+    heads = [getattr(attention_module(layer), "n_kv_heads", None) for layer in model.layers]
     return [int(n) if n is not None else None for n in heads]
 
 
@@ -85,8 +80,6 @@ def make(model, preset: Preset) -> list:
     """
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-    from longctx.kvcache import support
-
     base = make_prompt_cache(model)
     support.check(model, base, preset.name, compressed=preset.kind != "fp16",
                   turbo=preset.kind == "turbo")
@@ -101,7 +94,14 @@ def make(model, preset: Preset) -> list:
     from longctx.kvcache.turbo import TurboQuantCache
 
     routing.install()
-    return [TurboQuantCache(preset, i) if type(c) is KVCache else c for i, c in enumerate(base)]
+    first = first_layer(model)  # codec seeds follow the layer's number in the whole model
+    return [TurboQuantCache(preset, first + i) if type(c) is KVCache else c for i, c in enumerate(base)]
+
+
+def first_layer(model) -> int:
+    """The number, in the whole model, of `model.layers[0]`: a pipeline stage's first layer
+    (mlx-lm's `pipeline` keeps `model.model.start_idx`), else 0."""
+    return int(getattr(getattr(model, "model", None), "start_idx", 0) or 0)
 
 
 def windows(cache: list) -> list[int]:
@@ -208,15 +208,19 @@ def cache_heads(c) -> int:
     return kind_of(c).heads(c)
 
 
-def decode_once(cache: list, max_bytes: int | None = None) -> int:
+# CPU: most memory for decoding a restored prefix once into fp32 (`decode_once`; larger: the
+# slower blocked path)
+DECODE_ONCE_MAX = 2 * 2**30
+
+
+def decode_once(cache: list, max_bytes: int = DECODE_ONCE_MAX) -> int:
     """Decode the restored prefix of every compressed layer once, for answering on the CPU.
 
     There, a table lookup per coordinate costs far more than the attention arithmetic, and the
     blocked path would decode the whole document again for every answer token (0.4 s per token
     for 1.4k tokens of SmolLM2-135M). The decoded arrays (fp32, rotated frame) live in memory
     only; the file and the packed arrays stay compressed. Skipped, leaving the blocked path,
-    when the decoded cache would exceed `max_bytes` (default: the setting `decode_once_max`, the
-    environment's LONGCTX_DECODE_ONCE_MAX_MB).
+    when the decoded cache would exceed `max_bytes`.
 
     Returns:
         bytes decoded (0 when skipped or nothing to decode).
@@ -228,10 +232,6 @@ def decode_once(cache: list, max_bytes: int | None = None) -> int:
 
     from longctx.kvcache.turbo import TurboQuantCache
 
-    if max_bytes is None:
-        from longctx import config
-
-        max_bytes = config.get("decode_once_max")
     layers = [c for c in cache if isinstance(c, TurboQuantCache)]
     if sum(c.dense_prefix_bytes() for c in layers) > max_bytes:
         return 0

@@ -57,7 +57,7 @@ def _softmax_step(s: mx.array, m: mx.array, cpu: bool, inplace: bool = False):
         m_new = np.maximum(mn, sn.max(axis=-1, keepdims=True))
         m_safe = np.where(m_new == -np.inf, np.float32(0.0), m_new)  # rows with nothing visible
         if (inplace and sn.flags.c_contiguous and sn.flags.writeable and sn.dtype == np.float32
-                and _numpy_writes_through()):
+                and numpy_writes_through()):
             np.subtract(sn, m_safe, out=sn)
             np.exp(sn, out=sn)
             p, p_mx = sn, s
@@ -84,7 +84,7 @@ def _merge(state, m2: mx.array, l2: mx.array, acc2: mx.array):
 
 
 @functools.lru_cache(maxsize=1)
-def _numpy_writes_through() -> bool:
+def numpy_writes_through() -> bool:
     """Whether numpy's view of an evaluated MLX array shares its memory (writes seen by MLX), as
     the in-place softmax steps assume; checked once, else they copy back into MLX."""
     a = mx.zeros((4,), dtype=mx.float32)

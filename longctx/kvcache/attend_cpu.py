@@ -73,7 +73,7 @@ def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.arr
         np.subtract(sn, top, out=sn)
         np.exp(sn, out=sn)
         total = total + sn.sum(axis=-1, keepdims=True)
-        p = s if attend_blocked._numpy_writes_through() else mx.array(sn)
+        p = s if attend_blocked.numpy_writes_through() else mx.array(sn)
         acc = p @ values if acc is None else acc + p @ values
     out = (acc / mx.array(total)) @ uv
     out = out.reshape(B, Hkv, r, Lq, D) + kv.value_mean[:, :, None]

@@ -19,6 +19,7 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
+from longctx.kvcache import compiling
 from longctx.kvcache.attend_blocked import BLOCK, attend
 from longctx.kvcache.compiling import lookup, remember
 from longctx.kvcache.turbo import CompressedKV
@@ -41,10 +42,8 @@ def kernel_table(codec) -> mx.array:
 
 
 def compile_wanted(lq: int) -> bool:
-    """Whether the setting `compile` asks for the compiled path at this many query tokens."""
-    from longctx import config
-
-    mode = config.get("compile")
+    """Whether `compiling.COMPILE` asks for the compiled path at this many query tokens."""
+    mode = compiling.COMPILE
     return mode == "1" or (mode == "question" and lq > 1)
 
 

@@ -3,7 +3,7 @@
     path            where                          module
     fused-step      GPU, one query token, one      attend_step (two launches: decode-attend with
                     scalar-coded segment, no mask  q rotation inside, then the finish kernel)
-    fused-compiled  GPU, <= fused_max_lq queries   attend_fused (fused kernel under mx.compile)
+    fused-compiled  GPU, <= FUSED_MAX_LQ queries   attend_fused (fused kernel under mx.compile)
     fused           GPU, a test's kernel executor  attend_blocked.attend(fused=True), uncompiled
     dense-gpu       GPU, more queries (prefill)    dense_gpu (dequantize kernel + fp16 SDPA)
     cpu-dense       CPU, a prefix decoded once     attend_cpu (one softmax, numpy exponentials)
@@ -12,8 +12,10 @@
 Soft-capped scores (Gemma-2, `softcap`) always take the blocked path: it is the only one that
 caps. `choose_path` makes the decision and says why (logged at debug level by the logger
 `longctx.attention`); `compressed_attention` runs it. The blocked path is the oracle the tests
-hold every other path to. Settings (`longctx.config`): `fused_max_lq`, `compile`, `dense_gpu`,
-`fused_step`.
+hold every other path to. Switches: `turbo.FUSED_MAX_LQ`, `turbo.DENSE_GPU` and
+`compiling.COMPILE` (module constants: a model's forward pass reaches the attention with no
+arguments of ours), and the keyword argument `fused_step` of `choose_path` and
+`compressed_attention`.
 """
 
 from __future__ import annotations
@@ -22,9 +24,8 @@ import logging
 
 import mlx.core as mx
 
-from longctx import config
 from longctx.kernels import _prelude
-from longctx.kvcache import attend_blocked, attend_cpu, attend_fused, attend_step, compiling, dense_gpu
+from longctx.kvcache import attend_blocked, attend_cpu, attend_fused, attend_step, compiling, dense_gpu, turbo
 from longctx.kvcache.attend_blocked import BLOCK
 from longctx.kvcache.attend_cpu import rotation_matrices
 from longctx.kvcache.attend_fused import kernel_table
@@ -42,12 +43,13 @@ def _kernel_mask(mask) -> bool:
 def use_fused(mask, lq: int) -> bool:
     """Whether compressed segments go to the fused kernel: on a GPU backend, few query tokens,
     a mask the kernel expresses (none, or causal), and a kernel that has not failed here."""
-    return (_prelude.backend() != "cpu" and lq <= config.get("fused_max_lq") and _kernel_mask(mask)
+    return (_prelude.backend() != "cpu" and lq <= turbo.FUSED_MAX_LQ and _kernel_mask(mask)
             and not _prelude.failed("lc_decode_attend"))  # failed: the blocked path is its reference
 
 
 def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
-                softcap: float | None = None, rows: int = 1) -> tuple[str, str]:
+                softcap: float | None = None, rows: int = 1,
+                fused_step: bool = True) -> tuple[str, str]:
     """(path, reason) for attention of `lq` query tokens over `kv` (see the module docstring).
 
     Args:
@@ -56,6 +58,8 @@ def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
             the pure-MLX paths.
         softcap: soft-capped scores (Gemma-2) take the blocked path on every device: neither the
             kernels nor the fused SDPA nor the CPU's one-softmax path cap scores.
+        fused_step: a decode step over one scalar-coded segment runs as two kernel launches
+            (`attend_step`; False: the compiled fused path).
     """
     if softcap:
         if fused:
@@ -63,18 +67,18 @@ def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
         return "blocked", f"soft-capped scores (cap {softcap:g}): pure MLX only"
     if fused is None:
         fused = use_fused(mask, lq)
-        if not fused and config.get("dense_gpu") and dense_gpu.applies(kv, mask):
-            return "dense-gpu", f"GPU, {lq} query tokens > fused_max_lq or a mask array"
+        if not fused and turbo.DENSE_GPU and dense_gpu.applies(kv, mask):
+            return "dense-gpu", f"GPU, {lq} query tokens > FUSED_MAX_LQ or a mask array"
     elif fused and not _kernel_mask(mask):
         raise ValueError("the fused kernel takes mask None or 'causal'")
     if fused:
-        if config.get("fused_step") and attend_step.applies(kv, mask, lq, rows):
+        if fused_step and attend_step.applies(kv, mask, lq, rows):
             return "fused-step", "GPU, one query token over one scalar-coded segment"
         if compiling.executor_installed():
             return "fused", "a kernel executor is installed: every launch must reach it"
         if attend_fused.compile_wanted(lq):
             return "fused-compiled", f"{_prelude.backend()} backend, {lq} query tokens"
-        return "fused", f"compile setting {config.get('compile')!r}"
+        return "fused", f"compiling.COMPILE {compiling.COMPILE!r}"
     cpu = mx.default_device().type == mx.DeviceType.cpu
     if cpu and attend_cpu.applies(kv, mask, lq):
         return "cpu-dense", "CPU, the prefix is decoded once"
@@ -83,12 +87,12 @@ def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
 
 # Called with (queries, view, scale) before each compressed attention (retrieval's attention-mass
 # ranker reads the question's queries against the document's keys); empty in normal use.
-_OBSERVERS: list = []
+OBSERVERS: list = []
 
 
 def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask=None,
                          block: int = BLOCK, fused: bool | None = None,
-                         softcap: float | None = None) -> mx.array:
+                         softcap: float | None = None, fused_step: bool = True) -> mx.array:
     """Softmax attention of `queries` over a compressed cache.
 
     Args:
@@ -102,21 +106,24 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
             pure-MLX reference.
         softcap: scores become `tanh(scale * s / softcap) * softcap` before the softmax
             (Gemma-2's `attn_logit_softcapping`); always the blocked path.
+        fused_step: as `choose_path` takes it (tests and benchmarks compare the paths; a
+            model's forward pass takes the default).
 
     Returns:
         (B, H_q, L_q, D) in the queries' dtype.
     """
-    if _OBSERVERS:
-        for observe in _OBSERVERS:
+    if OBSERVERS:
+        for observe in OBSERVERS:
             observe(queries, kv, scale)
     lq = queries.shape[2]
     # a decode step whose layer kept its last step's launch (`attend_step._Plan`): replay it
-    if kv.plan is not None and lq == 1 and mask is None and fused is None and not softcap:
+    if (kv.plan is not None and lq == 1 and mask is None and fused is None and not softcap
+            and fused_step):
         out = attend_step.replay(queries, kv, scale)
         if out is not None:
             return out
     path, why = choose_path(kv, mask, lq, fused, softcap,
-                            queries.shape[1] // max(1, kv.value_mean.shape[1]))
+                            queries.shape[1] // max(1, kv.value_mean.shape[1]), fused_step)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("attention: %s (%s)", path, why)
     if path == "fused-step":

@@ -11,10 +11,14 @@ from collections import OrderedDict
 
 import mlx.core as mx
 
-from longctx import config
 from longctx.kernels import _prelude
 
 _COMPILED_MAX = 8
+
+# GPU: run the attention paths under mx.compile: always ("1"), for questions only ("question":
+# a decode step and the prefill run eagerly) or never ("0"). Read at every call (a model's
+# forward pass reaches the attention with no arguments of ours): tests and benchmarks set it.
+COMPILE = "1"
 
 
 def lookup(cache: OrderedDict, key):
@@ -64,7 +68,7 @@ def call_compiled(cache: OrderedDict, key, make, eager, args: tuple):
 def executor_installed() -> bool:
     """A test or emulation executor runs the kernels: it must see every launch, not only those
     of a trace (`kernels._prelude.executor`)."""
-    return _prelude._EXECUTOR is not None
+    return _prelude.executor_installed()
 
 
 # tests: compile the prefill paths with an executor installed too (its kernels' references then
@@ -74,10 +78,6 @@ COMPILE_UNDER_EXECUTOR = False
 
 def prefill_compiled() -> bool:
     """Whether the prefill paths (the fused chunk's update, the dense GPU attention) run
-    compiled: the `compile` setting is not "0" and no executor is installed (unless a test asks,
+    compiled: `COMPILE` is not "0" and no executor is installed (unless a test asks,
     `COMPILE_UNDER_EXECUTOR`)."""
-    return config.get("compile") != "0" and (COMPILE_UNDER_EXECUTOR or not executor_installed())
-
-
-# a decode step's kept launch depends on this module's tunables (`attend_step._env`)
-_prelude.watch(__name__)
+    return COMPILE != "0" and (COMPILE_UNDER_EXECUTOR or not executor_installed())

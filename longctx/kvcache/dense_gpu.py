@@ -9,8 +9,8 @@ decodes each compressed segment once per call into dense fp16 rows in the codecs
 hands them to the fused SDPA with queries rotated into the key frame; the output, in the value
 frame, is rotated back once and the value mean added. The dense rows of a layer live while its
 attention runs; on a GPU, MLX holds them until the command buffer that read them completes, so
-a prefill chunk bounds the layers it keeps queued by their rows' bytes (`turbo.sync`, the
-`prefill_inflight` setting) and the working set stays a few layers' fp16 keys and values, not the
+a prefill chunk bounds the layers it keeps queued by their rows' bytes (`turbo.sync`,
+`engine.prefill`'s `inflight`) and the working set stays a few layers' fp16 keys and values, not the
 fp16 cache.
 
 Keys are stored centered: a key mean shifts every score of a query equally, which softmax
@@ -39,11 +39,11 @@ def applies(kv: CompressedKV, mask) -> bool:
             and (mask is None or isinstance(mask, (str, mx.array))))
 
 
-def _rotated(codec, x: mx.array | None) -> mx.array | None:
+def rotated_part(codec, x: mx.array | None) -> mx.array | None:
     return None if x is None else codec.rotate(x.astype(mx.float32)).astype(mx.float16)
 
 
-def _dense(codec, table, segments: list, head, after) -> mx.array:
+def decode_dense(codec, table, segments: list, head, after) -> mx.array:
     """All rows of one side (keys or values) as (B, H, N, P) fp16 in the rotated frame."""
     spec = codec.spec
     bits2 = spec.bits2 if codec.rvq is not None else 0
@@ -64,8 +64,8 @@ def _dense(codec, table, segments: list, head, after) -> mx.array:
 def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.array:
     """Softmax attention of `queries` (B, H_q, L_q, D) over the view, as `compressed_attention`.
 
-    Scalar codecs whose rows the rotation kernel takes run as one compiled function (the
-    `compile` setting), keyed by shapes and specs, so all layers of a chunk share one trace."""
+    Scalar codecs whose rows the rotation kernel takes run as one compiled function (unless
+    `compiling.COMPILE` is "0"), keyed by shapes and specs, so all layers of a chunk share one trace."""
     from longctx.kvcache.attend_fused import kernel_table
 
     kc, vc = kv.key_codec, kv.value_codec
@@ -74,8 +74,8 @@ def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.arr
     window = kv.window if kv.window is not None else (None, None)
     # the sink's rotated rows are made once per cache, a fused prefill chunk's window rows by
     # its update (`kernels/prefill_encode.py`)
-    head = kv.sink_rot or (_rotated(kc, sink[0]), _rotated(vc, sink[1]))
-    after = kv.after_rot or (_rotated(kc, window[0]), _rotated(vc, window[1]))
+    head = kv.sink_rot or (rotated_part(kc, sink[0]), rotated_part(vc, sink[1]))
+    after = kv.after_rot or (rotated_part(kc, window[0]), rotated_part(vc, window[1]))
     args = (queries, [s[0] for s in kv.segments], [s[1] for s in kv.segments],
             [kernel_table(kc), kernel_table(vc)], [kc.rotation.signs, vc.rotation.signs],
             [x for x in head if x is not None], [x for x in after if x is not None],
@@ -111,8 +111,8 @@ def _attend(queries, k_segments, v_segments, tables, signs, head, after, value_m
     Hkv = value_mean.shape[1]
     hk, hv = (head if has_head else (None, None))
     ak, av = (after if has_after else (None, None))
-    keys = _dense(kc, tables[0], k_segments, hk, ak)
-    values = _dense(vc, tables[1], v_segments, hv, av)
+    keys = decode_dense(kc, tables[0], k_segments, hk, ak)
+    values = decode_dense(vc, tables[1], v_segments, hv, av)
     if rt.applies(kc.padded_dim) and kc.padded_dim == D:  # one launch each way
         q = rt.rotate(queries, signs[0])
     else:

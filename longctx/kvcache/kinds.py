@@ -146,7 +146,7 @@ class Compressed(Kind):
     def from_arrays(self, template, i, arrays, layer, ctx):
         from longctx.kvcache.turbo import TurboQuantCache
 
-        return TurboQuantCache.from_arrays(ctx["preset"], i, layer, ctx["head_dims"][i])
+        return TurboQuantCache.from_arrays(ctx["preset"], template.layer, layer, ctx["head_dims"][i])
 
     def heads(self, c):
         return int(c.means[0].shape[1])

@@ -20,9 +20,17 @@ import dis
 import functools
 
 from longctx.errors import UnsupportedModel
-from longctx.kvcache import _attention, softcap
+from longctx.kvcache import softcap
 
 _SDPA = "scaled_dot_product_attention"
+
+
+def attention_module(layer):
+    """A layer's attention module: `self_attn`, `attention`, or EXAONE's `attn.attention`."""
+    attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+    if attn is None and getattr(layer, "attn", None) is not None:
+        attn = getattr(layer.attn, "attention", None) or layer.attn
+    return attn
 
 
 @functools.lru_cache(maxsize=64)
@@ -91,7 +99,7 @@ def check(model, base_cache: list, preset_name: str, compressed: bool, turbo: bo
                 f"This model ({kind}) keeps {type(c).__name__} state in layer {i} (recurrent or "
                 "linear-attention layers), which longctx cannot store yet; use a model with "
                 "standard attention layers.")
-        attn = _attention(layers[i]) if i < len(layers) else None
+        attn = attention_module(layers[i]) if i < len(layers) else None
         blocker = _storage_blocker(attn)
         if blocker:
             raise UnsupportedModel(

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from longctx import config
+from longctx.chunking import INFLIGHT, QUEUE_EVERY
 from longctx.kernels import backend as _backend
 from longctx.kernels.prefill_encode import prefill_encode
 from longctx.kvcache import compiling
@@ -43,6 +43,15 @@ cuda_kernels.install()  # CUDA: compiled kernels kept on disk, loaded by MLX (ru
 
 def _on_gpu() -> bool:
     return _backend() != "cpu"
+
+
+# The GPU attention paths (`kvcache.attention`), read at every call (a model's forward pass
+# reaches the cache and its attention with no arguments of ours: tests and benchmarks set them):
+# query tokens up to which compressed attention takes the fused decode-attend kernel (more:
+# dequantize + SDPA; 0: the blocked path), and whether prefill chunks dequantize the cache and
+# run fp16 SDPA, their cache updates in `prefill_encode` (False: the blocked MLX path)
+FUSED_MAX_LQ = 64
+DENSE_GPU = True
 
 
 # (arrays, bytes) queued by earlier layers' `sync` and not yet waited for, oldest first
@@ -69,8 +78,8 @@ def sync(arrays: tuple, nbytes: int, budget: int, every: int = 1) -> None:
         arrays: this layer's incoming keys and values.
         nbytes: the fp16 rows this layer's attention will dequantize (an estimate: one
             segment's keys and values; several segments or QJL corrections hold more).
-        budget: most bytes in flight (`prefill_inflight`).
-        every: queue only every this many calls (`prefill_queue_every`). Each `mx.async_eval`
+        budget: most bytes in flight (`engine.prefill`'s `inflight`).
+        every: queue only every this many calls (`engine.prefill`'s `queue_every`). Each `mx.async_eval`
             costs host time: in a small model's GPU prefill those calls were a large share of
             the host's work (cProfile, docs/performance.md; the profile in git history). A
             wait still evaluates the layers before it, queued or not. The default, 4, measured
@@ -210,6 +219,9 @@ class TurboQuantCache:
     """One layer's compressed cache. Create with `TurboQuantCache(preset, layer)`."""
 
     step = 256
+    # a chunk-by-chunk prefill's bound on a GPU (`sync`; `engine.prefill` sets its own)
+    inflight = INFLIGHT
+    queue_every = QUEUE_EVERY
 
     def __init__(self, preset: Preset, layer: int):
         self.preset = preset
@@ -238,6 +250,19 @@ class TurboQuantCache:
         self._rot_sink: tuple[mx.array, mx.array] | None = None  # rotated_sink() in fp16, once
         self._plan = [None]  # the decode step's kept launch (`CompressedKV.plan`)
         self._step_base = None  # (state, fields) of the last decode view (`_step_view`)
+        self._anchor: mx.array | None = None  # see `keys`
+
+    @property
+    def keys(self) -> mx.array:
+        """An anchor, not the keys (this cache holds no dense keys): mlx-lm's pipeline stages
+        make the last layer's `keys` depend on the activations they send to the next stage
+        (`cache[-1].keys = mx.depends(cache[-1].keys, h)`), so that evaluating the cache runs
+        the send; `state` carries what is assigned here, so that dependency is kept."""
+        return self._anchor if self._anchor is not None else mx.zeros((1,), mx.float16)
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self._anchor = value
 
     @property
     def sink_len(self) -> int:
@@ -384,7 +409,7 @@ class TurboQuantCache:
         by itself."""
         kc, vc = self.codecs()
         # a codec that encodes through `hadamard_quantize` fits `prefill_encode` too
-        if not (config.get("dense_gpu") and kc._fused_encode() and vc._fused_encode()):
+        if not (DENSE_GPU and kc.fused_encode() and vc.fused_encode()):
             return None
         room = self.preset.sink - self.sink_len if self.prefix_len + self.tail_len == 0 else 0
         room = max(0, min(room, n))
@@ -405,7 +430,7 @@ class TurboQuantCache:
         window. Aging tokens out of the window is then a count (`tail_len`). The view carries
         the same tokens as the unfused path's; its `window` (centered fp32, for the other
         attention paths) is left unevaluated unless one reads it. Past the first chunk the
-        update is one compiled function (`_encode_chunk`; the `compile` setting), shared by
+        update is one compiled function (`_encode_chunk`; `compiling.COMPILE`), shared by
         every layer of the same shapes.
 
         Args:
@@ -429,7 +454,7 @@ class TurboQuantCache:
         held = self.tail_len + (self.window_len if self._rot_window is not None else 0)
         w = self.window_cap
         args = (keys, values, list(self.means), [kc.rotation.signs, vc.rotation.signs],
-                [kc._boundaries, vc._boundaries],
+                [kc.boundaries, vc.boundaries],
                 list(self._rot_window) if self._rot_window is not None else [],
                 [self.tail[i][name] for i in (0, 1) for name in ("idx", "norm")] if held else [],
                 list(self.window) if self.window is not None else [], held, w)
@@ -457,17 +482,16 @@ class TurboQuantCache:
 
     def _bound_inflight(self, keys: mx.array, values: mx.array) -> None:
         """A prefill chunk's layer over a compressed prefix, on a GPU: bound the layers queued
-        (`sync`, the `prefill_inflight` setting)."""
-        budget = config.get("prefill_inflight")
+        (`sync`, this cache's `inflight` and `queue_every`)."""
+        budget = self.inflight
         # only chunks whose attention dequantizes the prefix (`dense_gpu`): a decode step past
         # the window's cap takes the fused kernel and must not wait
-        if (not budget or keys.shape[2] <= config.get("fused_max_lq")
-                or not config.get("dense_gpu") or not _on_gpu()):
+        if not budget or keys.shape[2] <= FUSED_MAX_LQ or not DENSE_GPU or not _on_gpu():
             return
         kc, vc = self.codecs()
         b, h, n, _ = keys.shape
         rows = 2 * b * h * (self.offset + n) * (kc.padded_dim + vc.padded_dim)  # fp16 K and V
-        sync((keys, values), rows, budget, config.get("prefill_queue_every"))
+        sync((keys, values), rows, budget, self.queue_every)
 
     def _window_write(self, k: mx.array, v: mx.array) -> None:
         """Append centered fp32 (B, H_kv, n, D) tokens to the window, in its own buffers (grown
@@ -673,6 +697,7 @@ class TurboQuantCache:
         window = (list(self._rot_window) if self._rot_window is not None
                   else list(self.window) if self.window is not None else [])
         window += list(self.sink) if self.sink is not None else []
+        window += [self._anchor] if self._anchor is not None else []  # a pipeline stage's send
         return [*self.means, *window,
                 *(a for seg_k, seg_v, _ in segs for a in (*seg_k.values(), *seg_v.values()))]
 

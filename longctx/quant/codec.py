@@ -106,13 +106,13 @@ class VectorCodec:
         Returns:
             Named arrays as in the module docstring.
         """
-        if self._fused_encode():
+        if self.fused_encode():
             # One kernel instead of ~40 small MLX ops (a prefill chunk's encode on a GPU)
             from longctx.kernels.hadamard_quant import hadamard_quantize
 
             lead = x.shape[:-1]
             idx, norm = hadamard_quantize(x.reshape(-1, self.dim), self.rotation.signs,
-                                          self._boundaries)
+                                          self.boundaries)
             return {"idx": idx.reshape(*lead, idx.shape[-1]), "norm": norm.reshape(lead)}
         unit, norm = split_norm(x)  # (..., L, dim), (..., L)
         y = self.rotation.forward(unit)  # (..., L, P)
@@ -130,7 +130,7 @@ class VectorCodec:
             enc["qjl"], enc["rnorm"] = self.qjl.sketch(r)
         return enc
 
-    def _fused_encode(self) -> bool:
+    def fused_encode(self) -> bool:
         """Whether `encode` runs the fused GPU kernel (`kernels/hadamard_quant.py`): a GPU backend
         and a scalar spec (no RVQ, no QJL) of an unpadded dim the kernel takes (64/128/256).
         Its codes equal the MLX path's except for a coordinate within ~1e-6 of a boundary."""
@@ -140,7 +140,7 @@ class VectorCodec:
 
     @functools.cached_property
     def _fused_shape(self) -> bool:
-        # (the spec and dims of `_fused_encode`, once: a prefill chunk asks it at every layer)
+        # (the spec and dims of `fused_encode`, once: a prefill chunk asks it at every layer)
         from longctx.kernels.hadamard_quant import DIMS
 
         return (self.rvq is None and self.qjl is None and self.padded_dim == self.dim
@@ -154,7 +154,7 @@ class VectorCodec:
         return _KEYS.setdefault((self.dim, self.spec), len(_KEYS))
 
     @functools.cached_property
-    def _boundaries(self) -> mx.array:
+    def boundaries(self) -> mx.array:
         return mx.array(self.codebook.boundaries.astype(np.float32))
 
     def _decode_unit(self, i1: mx.array, i2: mx.array | None) -> mx.array:

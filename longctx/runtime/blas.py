@@ -27,17 +27,18 @@ def preload_openblas() -> str:
 
     Returns:
         "loaded:<path>", "not-linux", "already-imported" (too late to help), "disabled"
-        (LONGCTX_NO_OPENBLAS=1) or "missing" (no OpenBLAS found: CPU matmuls will be slow).
+        (LONGCTX_OPENBLAS=0) or "missing" (no OpenBLAS found: CPU matmuls will be slow).
     """
     if not sys.platform.startswith("linux"):
         return "not-linux"
     from longctx import config
 
-    if config.get("no_openblas"):
+    wanted = config.get("openblas")  # a path, None (search) or False (off)
+    if wanted is False:
         return "disabled"
     if "mlx.core" in sys.modules:
         return "already-imported"
-    paths = [config.get("openblas")] if config.get("openblas") else []
+    paths = [wanted] if wanted else []
     for path in paths + list(_CANDIDATES):
         if os.path.exists(path):
             try:

@@ -101,7 +101,10 @@ def load_model(path: Path) -> tuple[object, dict] | None:
                     mode=quant.get("mode", "affine"), class_predicate=predicate)
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
-    mx.eval(model.parameters())
+    from longctx.runtime import distributed
+
+    if not distributed.launched():  # a rank reads only its share, once split (`distributed.split`)
+        mx.eval(model.parameters())
     return model, config
 
 

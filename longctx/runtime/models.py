@@ -317,7 +317,7 @@ def _loaded(ref: ModelRef, model, tokenizer, config: dict, cpu: bool) -> LoadedM
 
     from longctx.runtime import distributed
 
-    distributed.shard(model, config)  # under mlx.launch: this rank's share of the heads
+    distributed.split(model, config)  # under mlx.launch: this rank's share (heads or layers)
 
     dtypes = {p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)}
     dtype = "float32" if cpu else ("bfloat16" if mx.bfloat16 in dtypes else "float16")
@@ -348,10 +348,13 @@ def _check_gpu_kernels(model) -> None:
 def _load(ref: ModelRef) -> LoadedModel:
     from mlx_lm.utils import load as mlx_load
 
+    from longctx.runtime import distributed
+
     cpu = on_cpu()
     try:
         path = _cpu_variant(ref) if cpu else ref.path
-        model, tokenizer, config = mlx_load(str(path), return_config=True)
+        # under mlx.launch weights stay lazy until split: a rank reads only its share
+        model, tokenizer, config = mlx_load(str(path), return_config=True, lazy=distributed.launched())
     except (OSError, ValueError, KeyError) as err:
         raise ModelError(f"Cannot load model from {ref.path}: {err}") from err
     if not cpu:

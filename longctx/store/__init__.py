@@ -24,96 +24,23 @@ entry's lock, so a live writer's files are never touched.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
-import re
-import shlex
 import sqlite3
 import time
 import zlib
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 from longctx.errors import CacheCorrupt, EntryNotFound, StoreError
 from longctx.paths import subdir
 from longctx.store import format as fmt
-from longctx.store import layout, locks
+from longctx.store import layout, locks, recovery
 from longctx.store.failpoints import failpoint
+from longctx.store.entry import ID_PATTERN, Entry, entry_id, rebuild_hint
 from longctx.store.index import IndexCorrupt, open_index
 
-_ID = re.compile(r"^[0-9a-f]{16}$")
-
-
-@dataclass(frozen=True)
-class Entry:
-    """What the index knows about one ingested document."""
-
-    id: str
-    name: str
-    path: str  # the document's path at ingest time
-    document_sha256: str
-    kind: str
-    pages: int
-    tokens: int
-    model_id: str
-    model_spec: str  # resolves to the model again (see runtime.models.resolve)
-    weights_sha256: str
-    tokenizer_sha256: str
-    kv_preset: str
-    file: str  # cache file name under caches/ (always `<id>.safetensors`)
-    bytes: int
-    created: float
-    prefill_seconds: float = 0.0
-    bits_per_channel: float = 0.0  # stored bits per key/value channel, all-in
-    # The chat template after the question, stored when the `tokenizers`-only tokenizer was
-    # checked to encode like the model's (see runtime.light); "" for transformers' path.
-    question_suffix: str = ""
-    group: str = ""  # the id of the group (segmented document, collection) it belongs to
-    segment: int = -1  # its index in that group
-    # "" for a single process; "tensor:N:r" for rank r's share of N (runtime.distributed)
-    topology: str = ""
-
-    @property
-    def bytes_per_token(self) -> float:
-        return self.bytes / self.tokens if self.tokens else 0.0
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, value: object) -> "Entry | None":
-        """An Entry from an index value, or None if the value is not one (unknown keys ignored)."""
-        if not isinstance(value, dict):
-            return None
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in value:
-                if f.default is dataclasses.MISSING:
-                    return None
-                continue
-            v = value[f.name]
-            ok = {"str": isinstance(v, str), "int": type(v) is int,
-                  "float": type(v) in (int, float)}.get(f.type, True)
-            if not ok:
-                return None
-            kwargs[f.name] = v
-        entry = cls(**kwargs)
-        return entry if _ID.match(entry.id) and entry.file == f"{entry.id}.safetensors" else None
-
-
-def entry_id(document_sha256: str, weights_sha256: str, tokenizer_sha256: str, preset: str,
-             layout_sha256: str) -> str:
-    """Content address of a cache: 16 hex chars of sha256 over everything that shapes it."""
-    key = "|".join((document_sha256, weights_sha256, tokenizer_sha256, preset, layout_sha256))
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def rebuild_hint(entry: Entry) -> str:
-    """The command that rebuilds an entry's cache, for error messages."""
-    return f"rebuild it with `longctx ingest --force {shlex.quote(entry.path)}`"
-
+__all__ = ["Entry", "Store", "entry_id", "rebuild_hint"]
 
 def _private_dir(path: Path) -> Path:
     """Create `path` 0700, or tighten it to 0700 if it is ours and looser."""
@@ -166,7 +93,7 @@ class Store:
 
     # -- index access: every failure becomes a StoreError ----------------------------------------
     @contextmanager
-    def _guard(self) -> Iterator[None]:
+    def guard(self) -> Iterator[None]:
         try:
             yield
         except sqlite3.OperationalError as err:
@@ -179,25 +106,25 @@ class Store:
                 f"The index in {self.root / 'index'} is damaged ({err}); move that directory "
                 "aside and ingest your documents again.") from err
 
-    def _get(self, key: str, default=None):
-        with self._guard():
+    def get_value(self, key: str, default=None):
+        with self.guard():
             return self.index.get(key, default)
 
-    def _set(self, key: str, value) -> None:
-        with self._guard():
+    def set_value(self, key: str, value) -> None:
+        with self.guard():
             self.index.set(key, value)
 
-    def _delete(self, key: str) -> None:
-        with self._guard():
+    def delete_value(self, key: str) -> None:
+        with self.guard():
             self.index.delete(key)
 
-    def _entry_keys(self, prefix: str = "entry:") -> list[str]:
-        with self._guard():
+    def entry_keys(self, prefix: str = "entry:") -> list[str]:
+        with self.guard():
             return [k for k in self.index.iterkeys() if k.startswith(prefix)]
 
     # -- locking (see locks.py) ----------------------------------------------------------------
     def _lock_dir(self, eid: str) -> Path:
-        if not _ID.match(eid):
+        if not ID_PATTERN.match(eid):
             raise StoreError(f"Invalid entry id {eid!r}.")
         return self.locks
 
@@ -216,16 +143,16 @@ class Store:
     # -- entries ------------------------------------------------------------------------------
     def cache_path(self, eid: str) -> Path:
         """The cache file of entry `eid` (ids are hex content addresses; nothing else is a path)."""
-        if not _ID.match(eid):
+        if not ID_PATTERN.match(eid):
             raise StoreError(f"Invalid entry id {eid!r}.")
         return self.caches / f"{eid}.safetensors"
 
     def get(self, eid: str) -> Entry | None:
-        return Entry.from_json(self._get(f"entry:{eid}")) if _ID.match(eid) else None
+        return Entry.from_json(self.get_value(f"entry:{eid}")) if ID_PATTERN.match(eid) else None
 
     def entries(self) -> list[Entry]:
         """All entries, newest first (unreadable ones are skipped; `cleanup` drops them)."""
-        found = [Entry.from_json(self._get(k)) for k in self._entry_keys()]
+        found = [Entry.from_json(self.get_value(k)) for k in self.entry_keys()]
         return sorted((e for e in found if e is not None), key=lambda e: e.created, reverse=True)
 
     def find(self, ref: str | None) -> Entry:
@@ -234,7 +161,7 @@ class Store:
         if not entries:
             raise EntryNotFound("No documents ingested yet; run `longctx ingest FILE` first.")
         if ref is None:
-            latest = self._get("latest")
+            latest = self.get_value("latest")
             return (self.get(latest) if isinstance(latest, str) else None) or entries[0]
         ref = ref.strip()
         matches = [e for e in entries if e.id == ref] or [e for e in entries if e.name == ref]
@@ -256,7 +183,7 @@ class Store:
         failpoint("save:written")
         entry = dataclasses.replace(entry, file=path.name, bytes=size, created=time.time())
         try:
-            self._set(f"entry:{entry.id}", entry.to_json())
+            self.set_value(f"entry:{entry.id}", entry.to_json())
         except StoreError:
             try:
                 known = self.get(entry.id) is not None
@@ -267,34 +194,34 @@ class Store:
             raise
         failpoint("save:indexed")
         self.record_use(entry.id, entry.created)
-        self._set("latest", entry.id)
+        self.set_value("latest", entry.id)
         failpoint("save:done")
         return entry
 
     def touch_latest(self, entry: Entry) -> None:
-        self._set("latest", entry.id)
+        self.set_value("latest", entry.id)
 
     def record_use(self, eid: str, when: float | None = None) -> bool:
         """Note that entry `eid` was just used (asked, reused, exported): the eviction order.
         Best effort: a store that cannot record it (disk full) still answers; returns whether
         it was recorded."""
         try:
-            self._set(f"used:{eid}", time.time() if when is None else when)
+            self.set_value(f"used:{eid}", time.time() if when is None else when)
             return True
         except StoreError:
             return False
 
     def last_used(self, ids: list[str] | None = None) -> dict[str, float]:
         """Entry id -> when it was last used, for `ids` (default: all); absent if never recorded."""
-        keys = self._entry_keys("used:") if ids is None else [f"used:{eid}" for eid in ids]
-        values = {key[5:]: self._get(key) for key in keys if _ID.match(key[5:])}
+        keys = self.entry_keys("used:") if ids is None else [f"used:{eid}" for eid in ids]
+        values = {key[5:]: self.get_value(key) for key in keys if ID_PATTERN.match(key[5:])}
         return {eid: float(v) for eid, v in values.items() if type(v) in (int, float)}
 
     def unindex(self, ids: list[str], group: str = "") -> None:
         """Drop entries (and the record of the group they make up, if any) from the index in one
         transaction (their files stay: delete them next; a crash in between leaves orphan files,
         which `cleanup` deletes)."""
-        with self._guard():
+        with self.guard():
             with self.index.transact():
                 if group:
                     self.index.delete(f"group:{group}")
@@ -309,23 +236,26 @@ class Store:
         """Raise StoreError unless the store's disk has room for `nbytes` more (plus a margin)."""
         fmt.check_free_space(self.caches, nbytes, what)
 
-    def load(self, entry: Entry, check: Callable[[dict], None] | None = None) -> tuple[dict, dict]:
+    def load(self, entry: Entry, check: Callable[[dict], None] | None = None,
+             checks: str = fmt.CHECKS) -> tuple[dict, dict]:
         """An entry's arrays and metadata, every byte verified.
 
         Args:
             entry: the entry.
             check: called with the (checksum-verified) metadata before any array is read; raises
                 to refuse the file (e.g. `CacheMismatch` for another model).
+            checks: when the checksum threads start: "overlap" (as MLX reads the arrays) or
+                "after" (`store.format.CHECKS`).
 
         Raises:
             CacheCorrupt: the file is missing, damaged, of another format, or not this entry's.
         """
-        arrays, meta, pending = self.load_verifying(entry, check)
+        arrays, meta, pending = self.load_verifying(entry, check, checks)
         pending.wait()
         return arrays, meta
 
-    def load_verifying(self, entry: Entry, check: Callable[[dict], None] | None = None
-                       ) -> tuple[dict, dict, fmt.PendingChecksums]:
+    def load_verifying(self, entry: Entry, check: Callable[[dict], None] | None = None,
+                       checks: str = fmt.CHECKS) -> tuple[dict, dict, fmt.PendingChecksums]:
         """`load`, handing the arrays out while their checksums are still being computed: the
         header, the metadata and every size are checked before this returns; call `wait()` on
         the third value (it raises CacheCorrupt) before anything computed from the arrays is
@@ -345,7 +275,7 @@ class Store:
                     check(dict(meta))
                 _check_is_entrys(reader, entry)
                 layout.check(reader.header, entry.name, hint)
-                arrays, pending = reader.arrays_verifying()
+                arrays, pending = reader.arrays_verifying(checks)
                 return arrays, dict(meta), pending
 
     def verify(self, entry: Entry) -> bool:
@@ -368,7 +298,7 @@ class Store:
             failpoint("remove:unindexed")
             self.cache_path(entry.id).unlink(missing_ok=True)
             if entry.group:
-                self._delete(f"segtext:{entry.id}")
+                self.delete_value(f"segtext:{entry.id}")
 
     # -- recovery -----------------------------------------------------------------------------
     def cleanup(self) -> dict[str, int]:
@@ -377,8 +307,6 @@ class Store:
         Returns:
             counts by kind ("temps", "orphans", "dangling", "invalid").
         """
-        from longctx.store import recovery
-
         return recovery.cleanup(self)
 
 

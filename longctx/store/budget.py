@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from longctx import config
-from longctx.store import _ID, Entry, Store
+from longctx.store import Entry, Store
+from longctx.store import groups as groups_
+from longctx.store.entry import ID_PATTERN
 from longctx.store.failpoints import failpoint
 
 DEFAULT_DISK_FRACTION = 0.25
@@ -113,8 +115,6 @@ class Usage:
 
 
 def usage(store: Store) -> Usage:
-    from longctx.store import groups as groups_
-
     entries = store.entries()
     used = store.last_used()
     when = {e.id: used.get(e.id, e.created) for e in entries}
@@ -163,7 +163,7 @@ def evict(store: Store, limit: int | None | str = SETTING, keep: tuple[str, ...]
 def _evict_unit(store: Store, unit: Unit) -> bool:
     """Remove one unit if none of it is in use; whether it was removed (or already gone)."""
     ids = [e.id for e in unit.entries]
-    names = ids + ([unit.key] if _ID.match(unit.key) and unit.key not in ids else [])
+    names = ids + ([unit.key] if ID_PATTERN.match(unit.key) and unit.key not in ids else [])
     with ExitStack() as held:
         if not all(held.enter_context(store.try_lock(n)) for n in names):
             return False

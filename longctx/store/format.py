@@ -46,7 +46,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from longctx import config
 from longctx.errors import CacheCorrupt, CacheFormatUnsupported, StoreError
 from longctx.store.failpoints import failpoint
 from longctx.units import human_bytes
@@ -62,11 +61,11 @@ FD_DIR = "/dev/fd"  # MLX's reader opens the already-opened file through it
 FREE_SPACE_MARGIN = 64 << 20  # left free after a write, for the index and everything else
 TEMP_PREFIX = ".tmp-"
 _ZERO_SHA = "0" * 64
-# When `arrays_verifying` starts the checksum threads: "overlap" (before MLX reads the arrays,
-# the checks running alongside; any value but "after" means this) or "after" (once the arrays are
-# in: the checks then run while the caller computes, not against the reader; measured no
-# steadier on a GPU: benchmarks/restore.py --checks, its results in git history):
-# the setting `checks` (LONGCTX_CHECKS).
+# When `arrays_verifying` starts the checksum threads (its `checks`): "overlap" (before MLX reads
+# the arrays, the checks running alongside; any value but "after" means this) or "after" (once the
+# arrays are in: the checks then run while the caller computes, not against the reader; measured
+# no steadier on a GPU: benchmarks/restore.py --checks, its results in git history).
+CHECKS = "overlap"
 
 # safetensors dtype -> (bytes per element, numpy dtype used to carry the bytes into MLX)
 DTYPES = {"BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"), "U16": (2, "uint16"),
@@ -402,7 +401,7 @@ class Reader:
         pending.wait()
         return arrays
 
-    def arrays_verifying(self) -> tuple[dict, "PendingChecksums"]:
+    def arrays_verifying(self, checks: str = CHECKS) -> tuple[dict, "PendingChecksums"]:
         """Every array as (evaluated) MLX arrays, in file order, while their checksums are
         still being checked on other threads: `wait()` on the second value before anything
         computed from the arrays is shown (checking then overlaps their first use).
@@ -411,8 +410,8 @@ class Reader:
         that memory is managed, and a copy through numpy costs twice the page faults), reading
         this very file through /dev/fd, after the header was validated here; its names, shapes
         and dtypes must match. The checksums cover the bytes as this reader reads them, from
-        the same file."""
-        after = config.get("checks") == "after"
+        the same file. `checks`: when the checksum threads start (`CHECKS`)."""
+        after = checks == "after"
         pending = None if after else self.checksums_running()
         try:
             out = self._load_mlx()

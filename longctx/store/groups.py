@@ -16,7 +16,7 @@ import hashlib
 import time
 from dataclasses import asdict, dataclass
 
-from longctx.store import Entry
+from longctx.store.entry import Entry
 
 _KEY = "group:"
 _TEXT = "segtext:"
@@ -89,23 +89,23 @@ def group_id(file_shas: list[str], weights_sha256: str, tokenizer_sha256: str, p
 
 
 def get(store, gid: str) -> Group | None:
-    return Group.from_json(store._get(_KEY + gid))
+    return Group.from_json(store.get_value(_KEY + gid))
 
 
 def groups(store) -> list[Group]:
     """Every group, newest first."""
-    with store._guard():
+    with store.guard():
         keys = [k for k in store.index.iterkeys() if k.startswith(_KEY)]
-    found = [Group.from_json(store._get(k)) for k in keys]
+    found = [Group.from_json(store.get_value(k)) for k in keys]
     return sorted((g for g in found if g is not None), key=lambda g: g.created, reverse=True)
 
 
 def save_text(store, eid: str, text: str) -> None:
-    store._set(_TEXT + eid, text)
+    store.set_value(_TEXT + eid, text)
 
 
 def text(store, eid: str) -> str:
-    value = store._get(_TEXT + eid)
+    value = store.get_value(_TEXT + eid)
     return value if isinstance(value, str) else ""
 
 
@@ -113,17 +113,17 @@ def save(store, group: Group, segments: list[Entry]) -> Group:
     """Record `group` (its segments already saved); it becomes the latest document."""
     group = dataclasses.replace(group, bytes=sum(e.bytes for e in segments),
                                 tokens=sum(e.tokens for e in segments), created=time.time())
-    store._set(_KEY + group.id, group.to_json())
-    store._set("latest", group.id)
+    store.set_value(_KEY + group.id, group.to_json())
+    store.set_value("latest", group.id)
     return group
 
 
 def remove(store, group: Group) -> None:
     """Unindex the group, then remove its segments (each under its own lock)."""
     with store.lock(group.id):
-        store._delete(_KEY + group.id)
-        if store._get("latest") == group.id:
-            store._delete("latest")
+        store.delete_value(_KEY + group.id)
+        if store.get_value("latest") == group.id:
+            store.delete_value("latest")
     for sid in group.segment_ids:
         entry = store.get(sid)
         if entry is not None:

@@ -14,7 +14,7 @@ import time
 import zlib
 from pathlib import Path
 
-from longctx.store import Entry, Store
+from longctx.store.entry import Entry
 from longctx.store import format as fmt
 
 _CACHE_NAME = re.compile(r"^([0-9a-f]{16})\.safetensors$")
@@ -22,7 +22,7 @@ _TEMP_NAME = re.compile(r"^\.tmp-(?:([0-9a-f]{16})-)?(\d+)-")
 STALE_TEMP_SECONDS = 60  # a temp file no lock vouches for, untouched this long, is abandoned
 
 
-def cleanup(store: Store) -> dict[str, int]:
+def cleanup(store) -> dict[str, int]:
     """Remove what crashed processes left: temp files, files no entry names, entries whose file
     is gone, unreadable entries. Only under the entry's lock, so live writers are untouched.
 
@@ -31,8 +31,8 @@ def cleanup(store: Store) -> dict[str, int]:
     """
     done = {"temps": 0, "orphans": 0, "dangling": 0, "invalid": 0}
     known: dict[str, Entry] = {}
-    for key in store._entry_keys():
-        with store._guard():
+    for key in store.entry_keys():
+        with store.guard():
             try:
                 value = store.index.get(key)
             except (ValueError, zlib.error):  # IndexCorrupt too: e.g. a row asking to be
@@ -41,7 +41,7 @@ def cleanup(store: Store) -> dict[str, int]:
         if entry is not None and key == f"entry:{entry.id}":
             known[entry.id] = entry
         elif value is not None:
-            store._delete(key)
+            store.delete_value(key)
             done["invalid"] += 1
     try:
         names = os.listdir(store.caches)
@@ -62,9 +62,9 @@ def cleanup(store: Store) -> dict[str, int]:
             with store.try_lock(cache.group(1)) as free:
                 if free and store.get(cache.group(1)) is None:
                     done["orphans"] += _unlink(path)
-    for key in store._entry_keys("used:"):  # a use recorded as its entry was evicted
+    for key in store.entry_keys("used:"):  # a use recorded as its entry was evicted
         if key[5:] not in known and store.get(key[5:]) is None:
-            store._delete(key)
+            store.delete_value(key)
     for eid in known:
         if not store.cache_path(eid).exists():
             with store.try_lock(eid) as free:
