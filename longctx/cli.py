@@ -45,6 +45,7 @@ RopeTypeOpt = typer.Option("ntk-by-parts", "--rope-type", help="RoPE scaling wit
 
 
 def _rope_model(model: Optional[str], scale: Optional[float], kind: str) -> Optional[str]:
+    # deferred: each command imports what it uses (the others start without it)
     from longctx.runtime import models
 
     return model if scale is None else models.with_rope_scale(model, scale, kind)
@@ -166,6 +167,7 @@ def ingest(files: list[str] = typer.Argument(..., help="PDF, text or markdown fi
 
     A document longer than the model's context is split into segments (one cache each); `ask`
     then answers from the segments that match the question."""
+    # deferred: each command imports what it uses (the others start without it)
     from longctx import multidoc
     from longctx.runtime import distributed, models
 
@@ -241,6 +243,7 @@ def ask(question: str = typer.Argument(..., help="The question."),
 
     Each answer is kept as a conversation: `ask -c "..."` asks a follow-up that sees the earlier
     questions and answers, in this or a later process."""
+    # deferred: each command imports what it uses (the others start without it)
     from longctx import session
     from longctx import asking
     from longctx.errors import ConfigError
@@ -285,6 +288,7 @@ def chat(doc: Optional[str] = typer.Option(None, "--doc", "-d", help="Document n
 
     Commands: /reset (a new conversation), /sources (where answers come from), /quit.
     Ctrl-C stops an answer; Ctrl-D or /quit leaves. The conversation is kept: `chat --resume`."""
+    # deferred: each command imports what it uses (the others start without it)
     from longctx import asking
     from longctx.conversation import Conversation
 
@@ -340,6 +344,7 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to bind 
           allowed_origins: Optional[List[str]] = typer.Option(None, "--allowed-origins", help="Browser origins allowed (CORS); repeat for several.")):
     """Serve the stored documents over an OpenAI-compatible HTTP API: each document is a model
     (GET /v1/models) to chat with (POST /v1/chat/completions, streaming or not)."""
+    # deferred: each command imports what it uses (the others start without it)
     from longctx import config, server
     from longctx.errors import ConfigError
 
@@ -354,6 +359,7 @@ def serve(host: str = typer.Option("127.0.0.1", "--host", help="Address to bind 
 
 
 def _duration(text: str) -> float:
+    # deferred: each command imports what it uses (the others start without it)
     from longctx.errors import ConfigError
 
     units = {"s": 1, "m": 60, "h": 3600}
@@ -370,6 +376,7 @@ def _duration(text: str) -> float:
 def merge(doc: str = typer.Argument(..., help="Document name or id.")):
     """Join a document's tensor- or pipeline-parallel shards (ingested under mlx.launch) into an ordinary entry
     that one process can answer from."""
+    # deferred: each command imports what it uses (the others start without it)
     from longctx import manage
 
     with _boundary():
@@ -382,10 +389,12 @@ def reshard(doc: str = typer.Argument(..., help="Document name or id."),
             ranks: int = typer.Option(..., "--ranks", min=2, help="Ranks to split the cache for."),
             parallel: str = typer.Option("tensor", "--parallel", help="tensor (each rank its KV heads) or pipeline (each rank a run of layers).")):
     """Split a document's cache into shards for `ranks` processes (mlx.launch -n RANKS, with the same --parallel)."""
+    # deferred: each command imports what it uses (the others start without it)
     from longctx import manage
 
     with _boundary():
         if parallel not in ("tensor", "pipeline"):
+            # deferred: each command imports what it uses (the others start without it)
             from longctx.errors import ConfigError
 
             raise ConfigError(f"Unknown parallelism '{parallel}' for reshard; choose tensor or pipeline.")
@@ -397,6 +406,7 @@ def reshard(doc: str = typer.Argument(..., help="Document name or id."),
 @app.command("list")
 def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     """List ingested documents, newest first."""
+    # deferred: each command imports what it uses (the others start without it)
     from longctx import manage
 
     with _boundary():
@@ -417,6 +427,7 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
 def info(doc: Optional[str] = typer.Argument(None, help="Document name or id (default: latest)."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
     """Show one ingested document's cache."""
+    # deferred: each command imports what it uses (the others start without it)
     from longctx import manage
 
     with _boundary():
@@ -445,6 +456,7 @@ def export(doc: Optional[str] = typer.Argument(None, help="Document name or id (
            fmt: str = typer.Option("mlx-lm", "--format", help="Only 'mlx-lm' for now."),
            kv: str = typer.Option("fp16", "--kv", help="Stock cache type: fp16, affine8 or affine4.")):
     """Write a stock mlx-lm prompt cache (`mlx_lm.generate --prompt-cache-file FILE`)."""
+    # deferred: each command imports what it uses (the others start without it)
     from longctx import manage
     from longctx.errors import ConfigError
 
@@ -459,6 +471,7 @@ def export(doc: Optional[str] = typer.Argument(None, help="Document name or id (
 @app.command()
 def rm(doc: str = typer.Argument(..., help="Document name or id.")):
     """Remove an ingested document's cache and index entry."""
+    # deferred: each command imports what it uses (the others start without it)
     from longctx import manage
 
     with _boundary():
@@ -471,6 +484,7 @@ def gc(max_size: Optional[str] = typer.Option(None, "--max-size", help="Evict do
        dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be removed; remove nothing."),
        as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout.")):
     """Evict least recently used documents down to the store's budget; clean crash leftovers."""
+    # deferred: each command imports what it uses (the others start without it)
     from longctx import manage
 
     with _boundary():
@@ -521,6 +535,7 @@ def bench_niah(lengths: list[str] = typer.Option(["1k,2k,4k,8k,16k,32k"], "--len
     literally and in paraphrase with each ranker (recall@1/@2 of the needle's segment, accuracy)."""
     from pathlib import Path
 
+    # deferred: each command imports what it uses (the others start without it)
     from longctx.bench import niah, niah_segments, plot
     from longctx.bench.env import safe_name
     from longctx.errors import ConfigError
@@ -556,6 +571,7 @@ def bench_niah(lengths: list[str] = typer.Option(["1k,2k,4k,8k,16k,32k"], "--len
 def _save_niah(res, folder, stem: str, draw, as_json: bool) -> None:
     """Write a NIAH run's JSON and its heatmaps (`draw`, a `bench.plot` function; skipped with a
     warning without matplotlib) under `folder`; `--json` prints the results too."""
+    # deferred: each command imports what it uses (the others start without it)
     from longctx.bench import niah
 
     path = niah.save(res, folder / f"{stem}.json")
@@ -602,6 +618,7 @@ def _niah_table(res) -> None:
 def _quiet_followers() -> None:
     """Under mlx.launch only rank 0 prints answers and progress (every rank still prints its
     own errors)."""
+    # deferred: each command imports what it uses (the others start without it)
     from longctx.runtime import distributed
 
     if distributed.launched() and os.environ.get("MLX_RANK", "0") != "0":
@@ -611,6 +628,7 @@ def _quiet_followers() -> None:
 
 def main() -> None:
     """The `longctx` process entry: answering starts without importing transformers."""
+    # deferred: each command imports what it uses (the others start without it)
     from longctx.runtime.blas import tune_malloc
     from longctx.runtime.light import defer_mlx_lm_init
 

@@ -5,7 +5,7 @@ experiments are keyword arguments of the functions they change, with defaults (a
 `generate_step` takes them). Nothing else in longctx reads the environment for its own settings.
 `get(key)` reads the variable when it is asked for (so a user or a test may change it after
 import), parses it to its type and refuses a bad value with a `ConfigError` naming the variable.
-docs/configuration.md holds the same table. This module imports only the standard library:
+docs/configuration.md holds the same table. This module imports only the standard library and `errors`:
 `longctx/__init__` consults it before mlx loads.
 """
 
@@ -15,6 +15,8 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from longctx.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,6 @@ def get(key: str) -> Any:
     try:
         return s.parse(raw)
     except ValueError as err:
-        from longctx.errors import ConfigError
-
         raise ConfigError(f"{s.env}={raw!r} is not valid ({err}); unset it or fix it.") from None
 
 

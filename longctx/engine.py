@@ -16,6 +16,8 @@ from typing import Callable, Iterator
 from longctx.chunking import (  # noqa: F401  (engine.chunk_at)
     DEFAULT_CHUNK, GROUP_TOKENS, INFLIGHT, LAYER_CALL_TOKENS, LAYER_INFLIGHT, MIN_CHUNK, ORDER,
     QUEUE_EVERY, chunk_at)
+from longctx import prefill_layers
+from longctx.runtime.distributed import pipelined
 
 Progress = Callable[[int, int], None]
 
@@ -76,7 +78,7 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
     """
     import mlx.core as mx
 
-    from longctx import prefill_layers
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache import turbo
 
     if chunk < 1:
@@ -131,10 +133,12 @@ def stepwise(tokens: list[int], cache: list, mode: str = "auto") -> bool:
     if mode == "0" or not 1 < len(tokens) <= STEPWISE_MAX:
         return False
     if mode == "auto":
+        # deferred: loads mlx.core (the light commands start without it)
         from longctx.kernels import backend
 
         if backend() != "cuda":
             return False
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache.turbo import TurboQuantCache
 
     return any(isinstance(c, TurboQuantCache) and c.offset > 0 for c in cache)
@@ -154,7 +158,6 @@ def token_stream(model, tokens: list[int], cache: list, max_tokens: int, tempera
     """
     import mlx.core as mx
 
-    from longctx.runtime.distributed import pipelined
 
     if not tokens:
         raise ValueError("token_stream needs at least one prompt token")

@@ -28,6 +28,11 @@ from longctx import kvcache
 from longctx.chunking import (ACTIVATIONS, FUSED_SDPA_DIMS, GROUP_TOKENS, INFLIGHT, LAYER_CALL_TOKENS,
                               LAYER_INFLIGHT, ORDER, chunk_at)
 from longctx.kvcache.presets import Preset, bits_per_channel
+from longctx.store import format as fmt
+from longctx.store import layout
+from longctx.units import human_bytes
+from longctx.runtime.models import on_cpu
+from longctx.errors import ResourceError
 
 @dataclass(frozen=True)
 class Shapes:
@@ -66,9 +71,6 @@ def cache_file_bytes(s: Shapes, preset: Preset, tokens: int, metadata: dict[str,
                      float_dtype: str = "F16") -> int:
     """Bytes of the cache file of `tokens` tokens (`metadata` as `session.build_entry` writes it,
     without kv_config, which is filled in here)."""
-    from longctx.store import format as fmt
-    from longctx.store import layout
-
     windows = {"windows": s.windows} if any(s.windows) else {}
     kv_config = {**preset.to_json(), "head_dims": s.head_dims, "kv_heads": s.kv_heads, **windows}
     meta = {**metadata, "tokens": str(tokens), "kv_config": json.dumps(kv_config),
@@ -201,8 +203,6 @@ def verdict(peak: int, memory: int) -> str:
 
 
 def describe(peak: int, memory: int) -> str:
-    from longctx.units import human_bytes
-
     return (f"it needs about {human_bytes(peak)} of memory at its peak and this machine has "
             f"{human_bytes(memory)}")
 
@@ -213,7 +213,6 @@ def for_ingest(ref, preset: Preset, token_counts: list[int], name: str,
     prompts of `token_counts` tokens (one per cache) with model `ref`."""
     from mlx_lm.utils import load_config
 
-    from longctx.runtime.models import on_cpu
 
     config = load_config(ref.path)
     s = shapes(config)
@@ -233,8 +232,6 @@ def for_ingest(ref, preset: Preset, token_counts: list[int], name: str,
 def check(ref, preset: Preset, token_counts: list[int], name: str, chunk: int) -> None:
     """Refuse (`ResourceError`) an ingest whose estimated peak exceeds this machine's memory;
     warn when it comes close."""
-    from longctx.errors import ResourceError
-
     try:
         est = for_ingest(ref, preset, token_counts, name, chunk)
     except (AttributeError, KeyError, TypeError, ValueError, IndexError):

@@ -15,6 +15,13 @@ from longctx.errors import ConfigError
 from longctx.runtime import models
 from longctx.session import check_same_model, restore
 from longctx.store import Store, budget
+from longctx import multidoc
+from longctx.store import groups
+from longctx.errors import LongctxError
+from longctx.errors import EntryNotFound
+from longctx.runtime import distributed
+from longctx import prompt
+from longctx.store import entry_id
 
 
 EXPORT_KV = {"fp16": 0, "affine8": 8, "affine4": 4}
@@ -41,7 +48,6 @@ def export(doc: str | None, out: str | Path, kv: str = "fp16") -> Path:
     out = Path(out)
     if out.suffix != ".safetensors":
         raise ConfigError(f"The export file must end in .safetensors (mlx-lm's format), not '{out.name}'.")
-    from longctx import multidoc
 
     store = Store()
     try:
@@ -85,8 +91,6 @@ def _opened(cleanup: bool = True) -> Iterator[Store]:
 def list_entries() -> list:
     """Ingested documents, newest first: entries and groups (segmented documents, collections);
     a group's segments are listed through it (`info`), not here."""
-    from longctx.store import groups
-
     with _opened() as store:
         items = [*groups.groups(store), *(e for e in store.entries() if not e.group)]
         return sorted(items, key=lambda t: t.created, reverse=True)
@@ -121,17 +125,12 @@ def gc(max_size: str | None = None, dry_run: bool = False) -> tuple[dict[str, in
 
 def find_entry(doc: str | None):
     """The entry or group named `doc` (None: the latest)."""
-    from longctx import multidoc
-
     with _opened() as store:
         return multidoc.find(store, doc)
 
 
 def remove_entry(doc: str):
     """Remove a document's cache(s) and index records; returns what was removed."""
-    from longctx import multidoc
-    from longctx.store import groups
-
     with _opened() as store:
         target = multidoc.find(store, doc)
         if isinstance(target, groups.Group):
@@ -146,8 +145,6 @@ def room(target) -> int | None:
     segmented document: what its longest segment leaves); None if the model is not at hand."""
     from mlx_lm.utils import load_config
 
-    from longctx.errors import LongctxError
-    from longctx.runtime import models
 
     try:
         cfg = load_config(models.resolve(target.model_spec).path)
@@ -167,8 +164,6 @@ def _gather(store: Store, doc: str):
 
     import mlx.core as mx
 
-    from longctx.errors import EntryNotFound
-    from longctx.runtime import distributed
 
     mine = [e for e in store.entries() if not e.group and (e.name == doc or e.id == doc)]
     if not mine:
@@ -265,10 +260,7 @@ def _save_as(store: Store, base, arrays: dict, meta: dict, topology: str):
     with that topology would give it."""
     import dataclasses
 
-    from longctx import prompt
-    from longctx.store import entry_id
 
-    from longctx.runtime import distributed
 
     ref = models.resolve(base.model_spec)
     at = f"@{distributed.place(topology)}" if topology else ""  # as `session.plan` addresses it
@@ -297,7 +289,6 @@ def reshard(doc: str, ranks: int, parallel: str = "tensor") -> list:
 
     import mlx.core as mx
 
-    from longctx.runtime import distributed
 
     if ranks < 2:
         raise ConfigError("--ranks must be at least 2 (`longctx merge` makes one ordinary entry).")

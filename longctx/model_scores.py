@@ -34,7 +34,9 @@ def body_mass(queries, kv, scale: float, head: int, tail: int):
     over the question's tokens; one compressed layer."""
     import mlx.core as mx
 
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache import dense_gpu
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache.attend_fused import kernel_table
 
     kc = kv.key_codec
@@ -65,6 +67,7 @@ def attention_mass(lm, cache: list, suffix: list[int], head: int, tail: int) -> 
     layer, how much of its attention goes to the segment's text; the mean over layers."""
     import mlx.core as mx
 
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache import attention
 
     shares = []

@@ -29,6 +29,8 @@ from longctx.errors import (ConfigError, ContextLengthError, DocumentError, Entr
 from longctx.runtime import models
 from longctx.store import Entry, Store, budget, entry_id, groups
 from longctx.store.groups import Group
+from longctx.runtime import distributed
+from longctx.errors import ResourceError
 
 SUFFIXES = (".pdf", *TEXT_SUFFIXES)
 _TAIL = 8  # tokens after a segment's text in its prompt ("</document>", "Question:")
@@ -168,7 +170,6 @@ def ingest_files(paths: Sequence[str | Path], name: str | None = None, model: st
     kind = "collection" if len(p.documents) > 1 else "segments"
     total = sum(len(t) for t in p.tokens)
     estimate.check(p.model, p.preset, [len(t) for t in p.tokens], p.name, chunk)
-    from longctx.runtime import distributed
 
     if distributed.group() is not None:
         if distributed.mode() == "data":
@@ -259,9 +260,6 @@ def _ingest_spread(p: SetPlan, files: list[Path], kind: str, empty: dict, force:
     (`agree`, a barrier), rank 0 writes the group record under the group's lock, and the others
     wait for it (a second barrier). The ranks must share one store (one machine, or one
     LONGCTX_HOME): rank 0 names segments it finds there."""
-    from longctx.errors import ResourceError
-    from longctx.runtime import distributed
-
     what = f" while ingesting '{p.name}'"
     mine = distributed.share(len(p.segments))
     leader = distributed.is_leader()
@@ -360,8 +358,6 @@ def _intact(store: Store, group: Group) -> bool:
 def find(store: Store, ref: str | None) -> Entry | Group:
     """The group or entry named `ref` (name, id or id prefix), or the latest if None. Segment
     entries are reached through their group only."""
-    from longctx.runtime import distributed
-
     here = distributed.tag()
     found = groups.groups(store)
     stored = store.entries()
@@ -489,8 +485,6 @@ def _cite(group: Group, i: int, text: str, query: str) -> str:
 
 def _topology_hint(entry: Entry, here: str) -> str:
     """One line saying how to ask a document stored for another topology."""
-    from longctx.runtime import distributed
-
     t = distributed.parse_tag(entry.topology)
     if t is None:
         return (f"'{entry.name}' was ingested in one process; ask it without mlx.launch, or split it for "

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from longctx.errors import StoreError
+from longctx import config
 
 
 def home() -> Path:
@@ -16,8 +17,6 @@ def home() -> Path:
         `$LONGCTX_HOME` if set, else `~/Library/Caches/longctx` on macOS, else
         `$XDG_CACHE_HOME/longctx` (default `~/.cache/longctx`).
     """
-    from longctx import config
-
     env = config.get("home")
     if env:
         path = Path(env).expanduser()

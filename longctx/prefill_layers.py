@@ -101,7 +101,9 @@ def applies(model, cache: list, order: str = ORDER) -> bool:
     `auto`: on a GPU; `engine.prefill`'s argument), an empty cache whose every layer is compressed
     (`TurboQuantCache`: sliding-window layers' masks depend on their own offsets) and a model
     with one `layers` entry per cache entry."""
+    # deferred: loads mlx.core (the light commands start without it)
     from longctx.kernels import backend
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache.turbo import TurboQuantCache
 
     if order not in ("auto", "layer", "token"):

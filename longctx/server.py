@@ -36,6 +36,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from longctx import __version__
 from longctx.errors import ContextLengthError, EntryNotFound, LongctxError
 from longctx.runtime import models
+from longctx.store import Store, groups
+from longctx import multidoc
+from longctx import session
+from longctx.conversation import Conversation
+from longctx import asking
+from longctx.session import Answer
 
 _log = logging.getLogger("longctx.server")
 KEEPALIVE_SECONDS = 5.0
@@ -178,8 +184,6 @@ class Engine:
 
     def documents(self) -> list:
         """Every stored document (entry or segmented group) of the served model, newest first."""
-        from longctx.store import Store, groups
-
         store = Store(cleanup=False)
         try:
             found = [*groups.groups(store), *(e for e in store.entries() if not e.group)]
@@ -189,9 +193,6 @@ class Engine:
         return sorted(mine, key=lambda t: t.created, reverse=True)
 
     def find(self, name: str):
-        from longctx import multidoc
-        from longctx.store import Store
-
         store = Store(cleanup=False)
         try:
             target = multidoc.find(store, name)
@@ -203,9 +204,6 @@ class Engine:
         return target
 
     def restore(self, entry) -> list:
-        from longctx import session
-        from longctx.store import Store
-
         def load():
             store = Store(cleanup=False)
             try:
@@ -219,8 +217,6 @@ class Engine:
     def conversation(self, entry, history: list[tuple[str, str]]):
         """A conversation holding `history`: a kept one (popped: it becomes this request's), or a
         new fork of the warm prefix with the history fed; and how many of its tokens were reused."""
-        from longctx.conversation import Conversation
-
         key = (entry.id, tuple(history))
         prefix = self.restore(entry)
         conv = self.conversations.pop(key, None)
@@ -240,8 +236,6 @@ class Engine:
     def answer(self, req: Request, emit, cancelled: threading.Event) -> dict:
         """Answer `req` on the worker thread: `emit(kind, value)` with "ready" (prefill done),
         "text" pieces; returns the final facts (finish reason, usage, sources)."""
-        from longctx import asking, multidoc, session
-
         target = self.find(req.model)
         sources = []
         if isinstance(target, multidoc.Group):  # segmented: one question at a time, from the best segment
@@ -272,7 +266,6 @@ class Engine:
         if max_tokens < 1:
             raise ApiError(400, f"The conversation fills the {self.lm.context_length:,}-token context after "
                            f"'{entry.name}'; start a new one.", code="context_length_exceeded", param="messages")
-        from longctx.session import Answer
 
         answer = Answer(entry=entry)
         stream = conv.ask(req.question, max_tokens, req.temperature, req.seed, answer)

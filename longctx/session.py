@@ -21,6 +21,9 @@ from longctx.runtime import models
 from longctx.store import Entry, Store, budget, entry_id, layout, rebuild_hint
 from longctx.store.failpoints import failpoint
 from longctx.store.format import CHECKS
+from longctx.runtime import distributed
+from longctx.runtime.light import PROBES, TextTokenizer
+from longctx import estimate
 
 if TYPE_CHECKING:
     from longctx.store.format import PendingChecksums
@@ -126,8 +129,6 @@ def plan(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAU
 
 def _at() -> str:
     """The topology part of a content address ("" in a single process: addresses unchanged)."""
-    from longctx.runtime import distributed
-
     tag = distributed.tag()
     return f"@{tag}" if tag else ""
 
@@ -135,8 +136,6 @@ def _at() -> str:
 def light_suffix(ref: models.ModelRef, tokenizer, lay: prompt.Layout) -> str:
     """The layout's question suffix if the `tokenizers`-only tokenizer encodes questions exactly as
     the model's tokenizer does (then `ask` needs no transformers); "" otherwise."""
-    from longctx.runtime.light import PROBES, TextTokenizer
-
     light = TextTokenizer.load(ref.path)
     texts = PROBES + tuple(p + lay.suffix_text for p in PROBES)
     return lay.suffix_text if light is not None and light.matches(tokenizer, texts) else ""
@@ -160,8 +159,6 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
         chunk: prefill chunk size in tokens.
         planned: `plan(path, model, preset, password)` when the caller has it already.
     """
-    from longctx import estimate
-
     p = planned or plan(path, model, preset, password)
     _check_fits(p)
     estimate.check(p.model, p.preset, [len(p.tokens)], p.document.name, chunk)
@@ -208,7 +205,6 @@ def build_entry(store: Store, lm: models.LoadedModel, preset: kvcache.Preset, to
     bpc = bits_per_channel(preset, dims[0], len(tokens))
     store.check_free_space(int(fp16_bytes_per_token * len(tokens) * bpc / 16),
                            f"the cache of '{name}'")
-    from longctx.runtime import distributed
 
     # a pipeline stage goes token-major: layer-major would depend on the stage's share of layers
     order = {"order": "token"} if distributed.pipelined(lm.model) else {}
@@ -249,7 +245,9 @@ def warm_answer_path(lm: models.LoadedModel, preset: kvcache.Preset, arrays: dic
     ran; it never fails the ingest (the entry is saved already)."""
     import mlx.core as mx
 
+    # deferred: loads mlx.core (the light commands start without it)
     from longctx.kernels import backend
+    # deferred: loads mlx.core (the light commands start without it)
     from longctx.runtime import cuda_kernels
 
     try:
@@ -385,8 +383,6 @@ def question_suffix(lm: models.LoadedModel, entry: Entry, question: str) -> list
 def _all_ranks_kept(store: Store, entry: Entry) -> None:
     """Under mlx.launch: keep this rank's share only if every rank saved its own (none left
     behind by a failed peer)."""
-    from longctx.runtime import distributed
-
     cleanup = ("from pathlib import Path\nfrom longctx.store import Store\n"
                f"s = Store(Path({str(store.root)!r}), cleanup=False); e = s.get({entry.id!r})\n"
                "e is not None and s.remove(e); s.close()")
@@ -399,6 +395,4 @@ def _all_ranks_kept(store: Store, entry: Entry) -> None:
 def _agree_reused() -> None:
     """Under mlx.launch: meet the other ranks' check (`_all_ranks_kept`) when this rank's share
     was there already."""
-    from longctx.runtime import distributed
-
     distributed.agree(True)

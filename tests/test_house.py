@@ -138,3 +138,34 @@ def test_no_module_reaches_into_another_modules_private_names():
                     and not node.attr.startswith("__")):
                 bad.append(f"{p.relative_to(ROOT)}:{node.lineno} reads {node.value.id}.{node.attr}")
     assert bad == []
+
+
+def test_function_level_imports_of_longctx_say_why_they_are_deferred():
+    """A longctx module imported inside a function defers start-up cost (MLX, FastAPI, or the
+    other commands' modules at the CLI): each such import, or the run of imports it is in, carries
+    a `# deferred: ...` comment saying what it defers. Every other import stands at the top."""
+    import ast
+
+    bad = []
+    for p in [*ROOT.glob("longctx/**/*.py"), *ROOT.glob("kernels/*.py")]:
+        lines = p.read_text().splitlines()
+        runs = {}  # first line of a run of consecutive function-level imports -> its lines
+
+        def visit(node, in_func):
+            for c in ast.iter_child_nodes(node):
+                if in_func and isinstance(c, (ast.Import, ast.ImportFrom)):
+                    mod = c.module or "" if isinstance(c, ast.ImportFrom) else c.names[0].name
+                    if getattr(c, "level", 0) or mod.startswith("longctx"):
+                        yield c
+                yield from visit(c, in_func or isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+        start = end = None
+        for n in sorted(visit(ast.parse("\n".join(lines)), False), key=lambda n: n.lineno):
+            if end is None or n.lineno != end + 1:
+                start = n.lineno
+            end = n.end_lineno
+            runs.setdefault(start, []).append(n.lineno)
+        for start, members in runs.items():
+            if not any("# deferred" in lines[i - 1] for i in (start - 1, *members) if i >= 1):
+                bad.append(f"{p.relative_to(ROOT)}:{start}")
+    assert bad == []

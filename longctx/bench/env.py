@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import sys
+import longctx
 
 
 def environment() -> dict:
@@ -14,7 +15,6 @@ def environment() -> dict:
 
     import mlx.core as mx
 
-    import longctx
 
     def version(pkg: str) -> str:
         try:

@@ -35,6 +35,7 @@ from longctx import kvcache, manage, prompt, session
 from longctx.bench import haystack as hay
 from longctx.errors import ConfigError
 from longctx.runtime import models
+from longctx.store import Store
 
 TASKS = ("single", "uuid", "multikey", "multivalue")
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -374,7 +375,6 @@ def restore_latest(entry_id: str | None) -> None:
     """Make the entry that was the latest before the run the latest again."""
     if entry_id is None:
         return
-    from longctx.store import Store
 
     store = Store()
     try:

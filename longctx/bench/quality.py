@@ -41,6 +41,7 @@ def compressed(model, exact: list, preset: str, chunk: int = engine.DEFAULT_CHUN
     `upto` tokens: the exact cache of a shorter prefix is a truncation of a longer one's)."""
     import mlx.core as mx
 
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache.turbo import TurboQuantCache
 
     cache = kvcache.make(model, kvcache.get_preset(preset))

@@ -24,6 +24,8 @@ from longctx.errors import ConfigError
 from longctx.kvcache import support
 from longctx.kvcache.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset
 from longctx.kvcache.support import attention_module
+from longctx.kvcache import routing
+from longctx.kvcache.kinds import Compressed, kind_of
 
 __all__ = ["ANSWER_EXACT", "DEFAULT_PRESET", "PRESETS", "Preset", "get_preset", "make", "to_arrays", "from_arrays",
            "split_layers", "fork", "first_layer", "head_dims", "kv_heads", "seal", "to_mlx_lm", "windows",
@@ -90,7 +92,7 @@ def make(model, preset: Preset) -> list:
         groups = [64 if d % 64 == 0 else 32 for d in head_dims(model)]
         return [QuantizedKVCache(group_size=g, bits=preset.affine_bits) if type(c) is KVCache else c
                 for c, g in zip(base, groups)]
-    from longctx.kvcache import routing
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache.turbo import TurboQuantCache
 
     routing.install()
@@ -120,6 +122,7 @@ def window_config(cache: list) -> dict:
 
 def seal(cache: list) -> None:
     """Compress every compressed layer's uncompressed window (what a persisted cache holds)."""
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache.turbo import TurboQuantCache
 
     for c in cache:
@@ -132,7 +135,6 @@ def to_arrays(cache: list, preset: Preset) -> dict:
     layer's kind writes its own (`kvcache.kinds`)."""
     import mlx.core as mx
 
-    from longctx.kvcache.kinds import Compressed, kind_of
 
     arrays = {}
     for i, c in enumerate(cache):
@@ -172,8 +174,6 @@ def from_arrays(arrays: dict, model, preset: Preset, dtype) -> list:
     is rebuilt by the kind of cache the model and preset ask for (`kvcache.kinds`).
 
     Sliding-window layers need the prefix length: `arrays["tokens"]` (as the store keeps it)."""
-    from longctx.kvcache.kinds import Compressed, kind_of
-
     template = make(model, preset)
     kinds = [kind_of(c) for c in template]
     per_layer = split_layers(arrays, [i for i, k in enumerate(kinds) if isinstance(k, Compressed)])
@@ -190,8 +190,6 @@ def to_mlx_lm(cache: list, affine_bits: int = 0) -> list:
     re-quantizes with mlx-lm's own `to_quantized` (group 64, or 32 for small head dims);
     sliding-window layers stay rotating fp16 caches.
     """
-    from longctx.kvcache.kinds import kind_of
-
     out = []
     for i, c in enumerate(cache):
         kind = kind_of(c)
@@ -203,8 +201,6 @@ def to_mlx_lm(cache: list, affine_bits: int = 0) -> list:
 
 def cache_heads(c) -> int:
     """The KV head count a filled per-layer cache holds."""
-    from longctx.kvcache.kinds import kind_of
-
     return kind_of(c).heads(c)
 
 
@@ -230,6 +226,7 @@ def decode_once(cache: list, max_bytes: int = DECODE_ONCE_MAX) -> int:
 
     import mlx.core as mx
 
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache.turbo import TurboQuantCache
 
     layers = [c for c in cache if isinstance(c, TurboQuantCache)]
@@ -264,8 +261,6 @@ def fork(cache: list, exact_new: int = ANSWER_EXACT) -> list:
     quality, since a question's and an answer's own tokens draw much of their attention.
     Memory: exact_new x H_kv x D x 8 bytes per layer (SmolLM2-135M: 46 MiB at 1024 tokens).
     """
-    from longctx.kvcache.kinds import kind_of
-
     out = []
     for c in cache:
         kind = kind_of(c)
@@ -283,6 +278,7 @@ def new_tokens(cache: list, start: int) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache.turbo import TurboQuantCache
 
     out = {}

@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from longctx.kvcache.turbo import CompressedKV
+from longctx.kernels.decode_attend import decode_attend
 
 BLOCK = 2048
 
@@ -207,8 +208,6 @@ def attend(queries: mx.array, kv: CompressedKV, kc, vc, tables, scale: float, ma
 def _fused_segment(kc, vc, tables, q_rot, q_proj, seg_k: dict, seg_v: dict, scale: float,
                    lq: int, causal_base):
     """(m, l, acc) of one compressed segment from the fused kernel."""
-    from longctx.kernels.decode_attend import decode_attend
-
     return decode_attend(q_rot, seg_k, seg_v, tables[0], tables[1],
                          key_bits=kc.spec.bits, key_bits2=kc.spec.bits2 if kc.rvq else 0,
                          value_bits=vc.spec.bits, scale=scale, q_proj=q_proj, lq=lq,

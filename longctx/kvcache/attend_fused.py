@@ -23,6 +23,8 @@ from longctx.kvcache import compiling
 from longctx.kvcache.attend_blocked import BLOCK, attend
 from longctx.kvcache.compiling import lookup, remember
 from longctx.kvcache.turbo import CompressedKV
+from longctx.kernels import backend
+from longctx.kernels import decode_attend as da
 
 _COMPILED: OrderedDict = OrderedDict()  # key -> compiled function, least recently used first
 
@@ -85,8 +87,6 @@ def compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask) 
     # Positions only matter to a mask; without one, every decode step shares the function (and
     # the traced view's offset, never read then, is the first call's).
     offset = kv.offset  # an int: the closure must not keep this call's arrays alive
-    from longctx.kernels import backend
-    from longctx.kernels import decode_attend as da
 
     key = (kc.dim, kc.spec, vc.dim, vc.spec, float(scale), mask, lq, lengths, has_sink,
            has_window, buffered, offset if mask is not None else None, queries.dtype, backend(),

@@ -29,6 +29,7 @@ from longctx.kernels import rotate as rt
 from longctx.kernels.dequant import dequant
 from longctx.kvcache import compiling
 from longctx.kvcache.turbo import CompressedKV
+from longctx.kvcache.attend_fused import kernel_table
 
 
 def applies(kv: CompressedKV, mask) -> bool:
@@ -66,8 +67,6 @@ def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.arr
 
     Scalar codecs whose rows the rotation kernel takes run as one compiled function (unless
     `compiling.COMPILE` is "0"), keyed by shapes and specs, so all layers of a chunk share one trace."""
-    from longctx.kvcache.attend_fused import kernel_table
-
     kc, vc = kv.key_codec, kv.value_codec
     D = queries.shape[3]
     sink = kv.sink if kv.sink is not None else (None, None)

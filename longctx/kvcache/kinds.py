@@ -135,6 +135,7 @@ class Affine(Kind):
 class Compressed(Kind):
     @staticmethod
     def cls():
+        # deferred: loads mlx.core, numpy (the light commands start without it)
         from longctx.kvcache.turbo import TurboQuantCache
 
         return TurboQuantCache
@@ -144,6 +145,7 @@ class Compressed(Kind):
         return {f"{i}.{k}": v for k, v in c.arrays().items()}
 
     def from_arrays(self, template, i, arrays, layer, ctx):
+        # deferred: loads mlx.core, numpy (the light commands start without it)
         from longctx.kvcache.turbo import TurboQuantCache
 
         return TurboQuantCache.from_arrays(ctx["preset"], template.layer, layer, ctx["head_dims"][i])

@@ -88,7 +88,9 @@ def bits_per_channel(preset: Preset, head_dim: int, tokens: int | None = None) -
     if preset.kind == "affine":
         group = 64 if head_dim % 64 == 0 else 32
         return preset.affine_bits + 32 / group
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.quant.bits import kv_bits
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.quant.codec import QuantSpec
 
     keys = QuantSpec(bits=preset.key_bits, bits2=preset.key_bits2, qjl=preset.key_qjl)

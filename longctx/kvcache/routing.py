@@ -10,13 +10,16 @@ function, unchanged. Gemma-2's attention, which computes its scores itself, is w
 from __future__ import annotations
 
 import sys
+from longctx.kvcache import softcap
 
 _ORIGINAL = "_longctx_original"
 
 
 def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
+        # deferred: loads mlx.core, numpy (the light commands start without it)
         from longctx.kvcache.attention import compressed_attention
+        # deferred: loads mlx.core, numpy (the light commands start without it)
         from longctx.kvcache.turbo import CompressedKV
 
         if isinstance(keys, CompressedKV):
@@ -39,7 +42,6 @@ def install() -> int:
     """
     from mlx_lm.models import base
 
-    from longctx.kvcache import softcap
 
     softcap.install()  # Gemma-2 computes its soft-capped scores itself: a shim of its own
     original = base.scaled_dot_product_attention

@@ -19,7 +19,9 @@ _MODULE = "mlx_lm.models.gemma2"
 
 def _wrap(original):
     def __call__(self, x, mask=None, cache=None):
+        # deferred: loads mlx.core, numpy (the light commands start without it)
         from longctx.kvcache.attention import compressed_attention
+        # deferred: loads mlx.core, numpy (the light commands start without it)
         from longctx.kvcache.turbo import TurboQuantCache
 
         if not isinstance(cache, TurboQuantCache):

@@ -37,6 +37,7 @@ from longctx.kvcache import compiling
 from longctx.kvcache.presets import Preset
 from longctx.quant.codec import QuantSpec, VectorCodec
 from longctx.runtime import cuda_kernels
+from longctx.quant import lut
 
 cuda_kernels.install()  # CUDA: compiled kernels kept on disk, loaded by MLX (runtime/cuda_kernels)
 
@@ -608,8 +609,6 @@ class TurboQuantCache:
         Returns:
             the bytes the decoded arrays hold.
         """
-        from longctx.quant import lut
-
         if not self.prefix_len:
             return 0
         kc, vc = self.codecs()

@@ -38,6 +38,10 @@ from longctx.quant.qjl import QJLSketch
 from longctx.quant.rotation import RandomHadamard
 from longctx.quant.rvq import ResidualQuantizer
 from longctx.quant.scalar import dequantize, quantize, split_norm
+from longctx.kernels.hadamard_quant import hadamard_quantize
+from longctx.kernels import backend
+from longctx.kernels.hadamard_quant import DIMS
+from longctx.quant import lut
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,6 @@ class VectorCodec:
         """
         if self.fused_encode():
             # One kernel instead of ~40 small MLX ops (a prefill chunk's encode on a GPU)
-            from longctx.kernels.hadamard_quant import hadamard_quantize
 
             lead = x.shape[:-1]
             idx, norm = hadamard_quantize(x.reshape(-1, self.dim), self.rotation.signs,
@@ -134,14 +137,11 @@ class VectorCodec:
         """Whether `encode` runs the fused GPU kernel (`kernels/hadamard_quant.py`): a GPU backend
         and a scalar spec (no RVQ, no QJL) of an unpadded dim the kernel takes (64/128/256).
         Its codes equal the MLX path's except for a coordinate within ~1e-6 of a boundary."""
-        from longctx.kernels import backend
-
         return self._fused_shape and backend() != "cpu"
 
     @functools.cached_property
     def _fused_shape(self) -> bool:
         # (the spec and dims of `fused_encode`, once: a prefill chunk asks it at every layer)
-        from longctx.kernels.hadamard_quant import DIMS
 
         return (self.rvq is None and self.qjl is None and self.padded_dim == self.dim
                 and self.dim in DIMS)
@@ -194,8 +194,6 @@ class VectorCodec:
         Returns:
             (..., S + L, padded_dim) float32.
         """
-        from longctx.quant import lut
-
         job = self.scoring_job(enc, head)
         return self.scoring_result(job, lut.finish(job))
 
@@ -203,8 +201,6 @@ class VectorCodec:
         """`decode_scoring` in two halves: this one reads what it needs out of MLX (call it on
         the thread that owns the arrays); `longctx.quant.lut.finish(job)` is numpy alone (any
         thread); `scoring_result(job, rows)` makes the MLX result."""
-        from longctx.quant import lut
-
         lead = None if head is None else np.asarray(head.astype(mx.float32))
         job = lut.prepare(self, enc, lead)
         job["enc"] = enc

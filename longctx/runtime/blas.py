@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from longctx import config
 
 # Debian/Ubuntu multiarch paths first (package libopenblas0-pthread), then generic ones.
 _CANDIDATES = (
@@ -31,7 +32,6 @@ def preload_openblas() -> str:
     """
     if not sys.platform.startswith("linux"):
         return "not-linux"
-    from longctx import config
 
     wanted = config.get("openblas")  # a path, None (search) or False (off)
     if wanted is False:

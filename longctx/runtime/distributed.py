@@ -33,6 +33,7 @@ import os
 from dataclasses import dataclass
 
 from longctx.errors import ConfigError, ResourceError
+from longctx import config
 
 
 
@@ -106,7 +107,6 @@ def group():
         return None
     import mlx.core as mx
 
-    from longctx import config
 
     backend = "ring" if "MLX_HOSTFILE" in os.environ else "any"
     timeout = config.get("peer_timeout")
@@ -275,7 +275,6 @@ def agree(ok: bool, cleanup: str = "", what: str = "") -> bool:
         return ok
     import mlx.core as mx
 
-    from longctx import config
 
     timeout = config.get("peer_timeout")
     message = f"error: rank {g.rank()}: another rank stopped answering{what}; nothing of it is kept."

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from longctx.runtime import distributed
 
 # Model types mlx-lm maps to another module (mlx_lm.utils.MODEL_REMAPPING, the common ones);
 # an unknown type that has no module of its own falls back to mlx-lm's loader.
@@ -101,7 +102,6 @@ def load_model(path: Path) -> tuple[object, dict] | None:
                     mode=quant.get("mode", "affine"), class_predicate=predicate)
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
-    from longctx.runtime import distributed
 
     if not distributed.launched():  # a rank reads only its share, once split (`distributed.split`)
         mx.eval(model.parameters())

@@ -31,6 +31,8 @@ from longctx.runtime import packaged
 from longctx.runtime.gguf_import import file_sha256
 from longctx.runtime.modeldir import write_model_dir
 from longctx.runtime.packaged import on_cpu, stamped_sha256
+from longctx.runtime import light
+from longctx.runtime import distributed
 
 DEFAULT_MODEL = packaged.QWEN.spec
 DEMO_MODEL = packaged.SMOLLM2.spec
@@ -285,8 +287,6 @@ def load_light(ref: ModelRef) -> LoadedModel | None:
     """Load for answering without transformers (`runtime.light`): the mlx-lm model class and a
     `tokenizers` tokenizer (no chat template). None where that path does not apply (no built
     CPU copy yet, a config mlx-lm must load itself, no tokenizer.json); then use `load`."""
-    from longctx.runtime import light
-
     if _LOADED is not None and ref in _LOADED:
         return _LOADED[ref]
     cpu = on_cpu()
@@ -315,7 +315,6 @@ def _loaded(ref: ModelRef, model, tokenizer, config: dict, cpu: bool) -> LoadedM
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from longctx.runtime import distributed
 
     distributed.split(model, config)  # under mlx.launch: this rank's share (heads or layers)
 
@@ -348,7 +347,6 @@ def _check_gpu_kernels(model) -> None:
 def _load(ref: ModelRef) -> LoadedModel:
     from mlx_lm.utils import load as mlx_load
 
-    from longctx.runtime import distributed
 
     cpu = on_cpu()
     try:

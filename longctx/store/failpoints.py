@@ -13,14 +13,13 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from longctx import config
 
 ENV = "LONGCTX_FAILPOINT"
 
 
 def failpoint(name: str) -> None:
     """Act as `$LONGCTX_FAILPOINT` says if it names this point; otherwise do nothing."""
-    from longctx import config
-
     spec = config.get("failpoint")
     if not spec:
         return

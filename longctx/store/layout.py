@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from longctx.errors import CacheCorrupt
 from longctx.store.format import Header
+from longctx.kvcache import stack_parts, stackable
 
 MAX_TOKENS = 1 << 24
 MAX_LAYERS = 1024
@@ -67,8 +68,11 @@ def kv_config(meta: dict[str, str]) -> dict:
 
 def _turbo_parts(cfg: dict, head_dim: int) -> tuple[dict, dict]:
     """(key parts, value parts): name -> (dtype, trailing shape), per `quant.codec`'s table."""
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.quant.packing import packed_words
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.quant.qjl import default_sketch_dim
+    # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.quant.rotation import supported_size
 
     p = supported_size(head_dim)  # the rotation's padded dim
@@ -91,7 +95,6 @@ def expected(meta: dict[str, str]) -> dict[str, tuple[tuple[str, ...], tuple]]:
     tokens = int(meta["tokens"]) if meta["tokens"].isdigit() else -1
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError("tokens is not a positive count")
-    from longctx.kvcache import stack_parts, stackable
 
     cfg = kv_config(meta)
     out: dict = {"tokens": (("I32",), (tokens,))}
