@@ -10,9 +10,9 @@ share of a token's time (timed alone, synchronously, over the same arrays after 
 pipeline's sends need their peer's receives, so they are not re-timed). On one 2-core machine the
 ranks share the cores: the times say what the protocol costs here, not what two machines gain.
 
-Results: benchmarks/results/distributed_<parallel>_<machine>.json.
+Results: benchmarks/results/distributed_<machine>.json (the single process, then each parallelism).
 
-Usage: python benchmarks/distributed.py [--parallel tensor|pipeline] [--model M] [--ranks 2]
+Usage: python benchmarks/distributed.py [--parallel tensor pipeline] [--model M] [--ranks 2]
        [--doc samples/report.pdf]
 """
 
@@ -106,7 +106,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--parallel", choices=("tensor", "pipeline"), default="tensor")
+    ap.add_argument("--parallel", nargs="+", choices=("tensor", "pipeline"), default=["tensor", "pipeline"])
     ap.add_argument("--doc", default=str(ROOT / "samples" / "report.pdf"))
     ap.add_argument("--answer", type=int, default=16)
     ap.add_argument("--worker", action="store_true")
@@ -116,32 +116,42 @@ def main() -> None:
         return worker(args)
     out = Path(tempfile.mkdtemp(prefix="longctx-dist-"))
     env = {**os.environ, "LONGCTX_HOME": str(out / "home")}
-    me = [sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out), "--doc", args.doc,
-          "--answer", str(args.answer), "--parallel", args.parallel] + (["--model", args.model] if args.model else [])
-    subprocess.run(me, env=env, check=True, timeout=7200)
-    launch = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", str(args.ranks),
-              "--starting-port", str(_port()), "--", *me]
-    subprocess.run(launch, env=env, check=True, timeout=7200)
-    rows = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-    single = next(r for r in rows if r["topology"] == "single")
-    ranks = [r for r in rows if r["topology"] != "single"]
-    if len(ranks) != args.ranks:
-        raise SystemExit(f"only {len(ranks)} of {args.ranks} ranks reported")
-    result = {"environment": environment(), "model": args.model or "default", "document": Path(args.doc).name,
-              "parallel": args.parallel, "ranks": args.ranks, "single": single, "per_rank": ranks,
-              "same_answer": all(r["answer"] == single["answer"] for r in ranks),
-              "ingest_vs_single": [r["ingest_seconds"] / single["ingest_seconds"] for r in ranks],
-              "peak_rss_vs_single": [r["peak_rss_bytes"] / single["peak_rss_bytes"] for r in ranks],
-              "cache_bytes_vs_single": [r["cache_bytes"] / single["cache_bytes"] for r in ranks]}
-    path = RESULTS / f"distributed_{args.parallel}_{machine_tag()}.json"
-    path.write_text(json.dumps(result, indent=1))
-    for r in [single, *ranks]:
-        print(f"{r['topology']:>12}: ingest {r['ingest_seconds']:.1f} s, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, "
-              f"cache {r['cache_bytes'] / 2**20:.1f} MiB, per answer token: "
-              + ", ".join(f"{v['calls']:.0f} {op} ({v['bytes'] / 1024:.1f} KiB)"
-                          for op, v in r["per_answer_token"].items() if v["calls"]))
-    print(f"same answer: {result['same_answer']}; wrote {path}")
 
+    def me(parallel: str, folder: Path) -> list[str]:
+        folder.mkdir(exist_ok=True)
+        return [sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(folder), "--doc", args.doc,
+                "--answer", str(args.answer), "--parallel", parallel] + (["--model", args.model] if args.model else [])
+
+    subprocess.run(me("tensor", out / "single"), env=env, check=True, timeout=7200)
+    single = json.loads(next((out / "single").glob("*.json")).read_text())
+    result = {"environment": environment(), "model": args.model or "default", "document": Path(args.doc).name,
+              "ranks": args.ranks, "single": single}
+    _report(single)
+    for parallel in args.parallel:
+        launch = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", str(args.ranks),
+                  "--starting-port", str(_port()), "--", *me(parallel, out / parallel)]
+        subprocess.run(launch, env=env, check=True, timeout=7200)
+        ranks = [json.loads(p.read_text()) for p in sorted((out / parallel).glob("*.json"))]
+        if len(ranks) != args.ranks:
+            raise SystemExit(f"{parallel}: only {len(ranks)} of {args.ranks} ranks reported")
+        result[parallel] = {"per_rank": ranks,
+                            "same_answer": all(r["answer"] == single["answer"] for r in ranks),
+                            "ingest_vs_single": [r["ingest_seconds"] / single["ingest_seconds"] for r in ranks],
+                            "peak_rss_vs_single": [r["peak_rss_bytes"] / single["peak_rss_bytes"] for r in ranks],
+                            "cache_bytes_vs_single": [r["cache_bytes"] / single["cache_bytes"] for r in ranks]}
+        for r in ranks:
+            _report(r)
+        print(f"{parallel}: same answer as one process: {result[parallel]['same_answer']}")
+    path = RESULTS / f"distributed_{machine_tag()}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
+def _report(r: dict) -> None:
+    print(f"{r['topology']:>12}: ingest {r['ingest_seconds']:.1f} s, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, "
+          f"cache {r['cache_bytes'] / 2**20:.1f} MiB, per answer token: "
+          + ", ".join(f"{v['calls']:.0f} {op} ({v['bytes'] / 1024:.1f} KiB)"
+                      for op, v in r["per_answer_token"].items() if v["calls"]), flush=True)
 
 if __name__ == "__main__":
     main()
