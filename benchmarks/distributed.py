@@ -45,7 +45,8 @@ def worker(args) -> None:
     from longctx import asking, session
     from longctx.runtime import distributed
 
-    distributed.use(args.parallel)
+    parallel = args.parallel[0]  # a worker runs one
+    distributed.use(parallel)
     counts = {op: [0, 0] for op in OPS}  # op -> [calls, bytes]
     arrays = []
     real = {op: getattr(mx.distributed, op) for op in OPS}
