@@ -112,11 +112,18 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=16)
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--home", default=None, help="the runs' LONGCTX_HOME (default: a new folder; "
+                    "one that holds the model's import saves it)")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     out = Path(tempfile.mkdtemp(prefix="longctx-dist-"))
-    env = {**os.environ, "LONGCTX_HOME": str(out / "home")}
+    home = Path(args.home) if args.home else out / "home"
+    env = {**os.environ, "LONGCTX_HOME": str(home)}
+    # the model's one-time import (a GGUF becomes an mlx-lm directory) before any timing
+    subprocess.run([sys.executable, "-c", "import sys; from longctx.runtime import models; "
+                    "models.resolve(sys.argv[1] if len(sys.argv) > 1 else None)", *([args.model] if args.model else [])],
+                   env=env, check=True, timeout=3600)
 
     def me(parallel: str, folder: Path) -> list[str]:
         folder.mkdir(exist_ok=True)
