@@ -17,7 +17,6 @@ Usage: python benchmarks/answer_shapes.py [--shape llama-3.1-8b] [--tokens 32768
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import statistics
 import sys
@@ -65,43 +64,35 @@ def run(model, ids, label, rng, profile=False):
     fused decode path without mx.compile / the blocked MLX path instead of the fused kernel / the
     portable decode-attend kernel, the one Metal runs, instead of the tensor-core one: where time
     goes)."""
-    import functools
-    from unittest import mock
-
-    from longctx.kvcache import attend_step, compiling, turbo
+    from longctx.kvcache.turbo import Paths
 
     preset_name, _, variant = label.partition(":")
-    # the attention's switches (module constants, read at every call) for the whole row
-    switch = {"nocompile": (compiling, "COMPILE", "0"),
-              "blocked": (turbo, "FUSED_MAX_LQ", 0)}.get(variant)
-    # the portable kernel: the model's attention reaches the step with no arguments of ours
-    if variant == "portable":
-        switch = (attend_step, "attention",
-                  functools.partial(attend_step.attention, tensor_cores=False))
-    with mock.patch.object(*switch) if switch else contextlib.nullcontext():
-        return _run(model, ids, preset_name, rng, profile) | {"kv": label}
+    # the caches' GPU paths for the whole row
+    paths = {"nocompile": Paths(compile="0"), "blocked": Paths(fused_max_lq=0),
+             "portable": Paths(tensor_cores=False)}.get(variant)
+    return _run(model, ids, preset_name, rng, profile, paths) | {"kv": label}
 
 
-def prefilled(model, ids, preset_name):
+def prefilled(model, ids, preset_name, paths=None):
     """(cache, prefill stats) after `ids`, as `ask` holds it: fp16 as prefilled; compressed
     presets sealed and rebuilt from their arrays (what a restore from disk yields)."""
     preset = kvcache.get_preset(preset_name)
-    cache = kvcache.make(model, preset)
+    cache = kvcache.make(model, preset, paths)
     stats = engine.prefill(model, ids, cache)
     if preset.kind != "fp16":
         kvcache.seal(cache)
         arrays = kvcache.to_arrays(cache, preset)
         mx.eval(arrays)
         del cache
-        cache = kvcache.from_arrays(arrays, model, preset, mx.bfloat16)
+        cache = kvcache.from_arrays(arrays, model, preset, mx.bfloat16, paths)
         del arrays
     gc.collect()
     return cache, stats
 
 
-def _run(model, ids, preset_name, rng, profile=False):
+def _run(model, ids, preset_name, rng, profile=False, paths=None):
     """`profile`: also cProfile one more warm answer (`host_profile`)."""
-    cache, stats = prefilled(model, ids, preset_name)
+    cache, stats = prefilled(model, ids, preset_name, paths)
     stored = sum(c.nbytes for c in cache)
     out = {"kv": preset_name, "tokens": len(ids), "prefill_seconds": stats.seconds,
            "prefill_tok_s": stats.tokens_per_second, "prefill_peak_bytes": stats.peak_bytes,

@@ -57,18 +57,14 @@ def prefill_once(model, ids, preset, chunk, settings: dict | None = None):
     """(seconds, peak bytes, longest evaluation s, host s inside the model calls) of one
     `engine.prefill` (which fills an empty compressed cache layer by layer on a GPU, its
     `order`), under a row's `settings` (`prefill_<name>`: `engine.prefill`'s argument <name>;
-    `dense_gpu`: `kvcache.turbo.DENSE_GPU`)."""
+    `dense_gpu`: the caches' `turbo.Paths.dense_gpu`)."""
     settings = dict(settings or {})
-    dense = settings.pop("dense_gpu", turbo.DENSE_GPU)
+    paths = turbo.Paths(dense_gpu=settings.pop("dense_gpu", turbo.DEFAULT_PATHS.dense_gpu))
     args = {k.removeprefix("prefill_"): v for k, v in settings.items()}
-    cache = kvcache.make(model, preset)
+    cache = kvcache.make(model, preset, paths)
     timed = _Timed(model)
     mx.synchronize()
-    turbo.DENSE_GPU, saved = dense, turbo.DENSE_GPU
-    try:
-        stats = engine.prefill(timed, ids, cache, chunk=chunk, **{"pairs": 0, **args})
-    finally:
-        turbo.DENSE_GPU = saved
+    stats = engine.prefill(timed, ids, cache, chunk=chunk, **{"pairs": 0, **args})
     del cache
     gc.collect()
     mx.clear_cache()

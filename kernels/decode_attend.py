@@ -70,7 +70,7 @@ from .split_combine import split_combine
 
 LOG2E = 1.4426950408889634
 NT = 128  # threads per threadgroup
-# Launch knobs (benchmarks/attend.py sweeps them on an H200).
+# Launch constants (chosen by the sweeps in git history; variants in docs/experiments/).
 SM_COUNT = 132  # multiprocessors to fill (MLX exposes no count; an H200 has 132)
 MIN_BLOCKS = 5  # CUDA, single-stage keys, <= 4 rows per threadgroup: threadgroups per SM to
 #                 fit (__launch_bounds__ caps registers: 5 -> 96); 0: the compiler's (128)

@@ -236,7 +236,7 @@ def build_entry(store: Store, lm: models.LoadedModel, preset: kvcache.Preset, to
 
 
 def warm_answer_path(lm: models.LoadedModel, preset: kvcache.Preset, arrays: dict) -> bool:
-    """On CUDA, with longctx's kernel files on (`runtime.cuda_kernels.ENABLED`): one decode step through a
+    """On CUDA, with longctx's kernel files on (`runtime.cuda_kernels.enabled()`): one decode step through a
     fork of the new cache rebuilt from its arrays, as `ask` restores and forks it, so that the
     kernels an answer launches (longctx's, whose compiled files `runtime.cuda_kernels` writes,
     and MLX's own, which MLX keeps on disk) compile here, inside the ingest, instead of before
@@ -251,7 +251,7 @@ def warm_answer_path(lm: models.LoadedModel, preset: kvcache.Preset, arrays: dic
     from longctx.runtime import cuda_kernels
 
     try:
-        if backend() != "cuda" or not cuda_kernels.ENABLED or preset.kind != "turbo":
+        if backend() != "cuda" or not cuda_kernels.enabled() or preset.kind != "turbo":
             return False
         cache = kvcache.fork(kvcache.from_arrays(arrays, lm.model, preset, getattr(mx, lm.dtype)))
         last = int(arrays["tokens"][-1].item())

@@ -6,6 +6,8 @@ with the blocked pure-MLX path (the oracle); the `gpu` tests run the kernel itse
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -13,7 +15,6 @@ from kernel_cases import preset_bits
 
 from longctx import kvcache
 from longctx.kernels import _prelude
-from longctx.kvcache import compiling
 from longctx.kernels import dequant as dq
 from longctx.kvcache import attention, dense_gpu, turbo
 from longctx.kvcache.attention import compressed_attention, kernel_table
@@ -88,8 +89,8 @@ def test_routing_takes_the_dense_path_for_many_rows_on_a_gpu(monkeypatch):
         assert dense_gpu.applies(view, "causal")
         compressed_attention(q, view, scale=0.125, mask="causal")
         assert attention.choose_path(view, "causal", 200)[0] == "dense-gpu"
-        monkeypatch.setattr(turbo, "DENSE_GPU", False)  # switched off: the blocked path
-        assert attention.choose_path(view, "causal", 200)[0] == "blocked"
+        off = dataclasses.replace(view, paths=turbo.Paths(dense_gpu=False))  # the blocked path
+        assert attention.choose_path(off, "causal", 200)[0] == "blocked"
     assert calls == [(1, 4, 200, 64)]
 
 
@@ -208,13 +209,10 @@ def _prefill(preset, chunks, fused, monkeypatch, hkv=2, d=64, hq=4, seed=0, refs
     k = (mx.random.normal((1, hkv, total, d)) * 2.0 + 0.5).astype(mx.bfloat16)
     v = mx.random.normal((1, hkv, total, d)).astype(mx.bfloat16)
     q = mx.random.normal((1, hq, total, d)).astype(mx.bfloat16)
-    cache = TurboQuantCache(preset, layer=1)
+    cache = TurboQuantCache(preset, layer=1, paths=turbo.Paths(
+        compile="1" if compiled else "0", compile_under_executor=refs and compiled))
     if not fused:
         monkeypatch.setattr(TurboQuantCache, "_fused_room", lambda self, n: None)
-    if refs:
-        monkeypatch.setattr(compiling, "COMPILE_UNDER_EXECUTOR", compiled)
-    if not compiled:
-        monkeypatch.setattr(compiling, "COMPILE", "0")
     outs, counts = [], []
     run, launched = _references()
     lo = 0

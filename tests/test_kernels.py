@@ -132,17 +132,16 @@ def test_compiled_path_serves_every_layer_with_its_own_arrays(monkeypatch, name,
     QJL projection, tables and segments, never those captured when the function was traced."""
     from collections import OrderedDict
 
-    from longctx.kvcache import attend_fused, compiling
+    from longctx.kvcache import attend_fused, turbo
 
     preset = kvcache.get_preset(name)
     views = [_two_segment_view(preset, 2, 64, seed=s, layer=layer)
              for s, layer in ((0, 0), (1, 5), (2, 0))]
     q = mx.random.normal((1, 6, lq, 64))
     mask = "causal" if lq > 1 else None
-    monkeypatch.setattr(compiling, "COMPILE", "0")
-    want = [compressed_attention(q, view, 0.125, mask=mask, fused=True) for view in views]
+    eager = [dataclasses.replace(view, paths=turbo.Paths(compile="0")) for view in views]
+    want = [compressed_attention(q, view, 0.125, mask=mask, fused=True) for view in eager]
     monkeypatch.setattr(attend_fused, "_COMPILED", OrderedDict())
-    monkeypatch.setattr(compiling, "COMPILE", "1")
     got = [compressed_attention(q, view, 0.125, mask=mask, fused=True) for view in views]
     assert len(attend_fused._COMPILED) == 1  # one function served all three layers
     for a, b in zip(want, got):
@@ -714,9 +713,9 @@ def test_decode_step_plan_replays_and_checks(monkeypatch):
             assert _rel(got, compressed_attention(q, view, 0.125, fused=False)) < 1e-2, step
             if replayed:
                 assert mx.array_equal(got, attend_step.attention(q, view, 0.125)), step
-                monkeypatch.setattr(turbo, "FUSED_MAX_LQ", 0)  # the blocked path is asked for
-                assert attend_step.replay(q, view, 0.125) is None
-                monkeypatch.setattr(turbo, "FUSED_MAX_LQ", 64)
+                # a view with other paths (the blocked path asked for) is not the kept one's
+                blocked = dataclasses.replace(view, paths=turbo.Paths(fused_max_lq=0))
+                assert attend_step.replay(q, blocked, 0.125) is None
                 assert attend_step.replay(q.astype(mx.float16), view, 0.125) is None
                 # the portable kernel's step (`tensor_cores=False`) is not the kept one
                 assert attend_step.replay(q, view, 0.125, tensor_cores=False) is None

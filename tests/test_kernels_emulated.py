@@ -711,7 +711,7 @@ def test_layer_major_prefill_through_the_fused_encode(tmp_path, monkeypatch):
     from conftest import make_tiny_model
 
     from longctx import engine, kvcache
-    from longctx.kvcache import compiling
+    from longctx.kvcache import turbo
     from longctx.runtime import models
 
     path = make_tiny_model(tmp_path / "tiny-2", layers=2, attn_gain=2.0, head_dim=64)
@@ -727,14 +727,14 @@ def test_layer_major_prefill_through_the_fused_encode(tmp_path, monkeypatch):
 
     # each layer called chunk by chunk (not on runs of chunks), so that its keys and values are
     # the fp16 prefill's bit for bit: the comparison is of the encode alone
-    monkeypatch.setattr(compiling, "COMPILE", "0")
+    eager = turbo.Paths(compile="0")
     with _prelude.executor(kernel_emu.emulator()):
-        layered = kvcache.make(model, preset)
+        layered = kvcache.make(model, preset, eager)
         engine.prefill(model, tokens, layered, chunk=chunk, layer_call_tokens=0)
         assert layered[0]._rot_window is not None  # the fused path's window
         exact = kvcache.make(model, kvcache.get_preset("fp16"))
         engine.prefill(model, tokens, exact, chunk=chunk)
-        oracle = kvcache.make(model, preset)
+        oracle = kvcache.make(model, preset, eager)
         for c, e in zip(oracle, exact):
             k, v = e.keys[..., :e.offset, :], e.values[..., :e.offset, :]
             for lo in range(0, len(tokens), chunk):

@@ -131,9 +131,9 @@ def test_ingest_warms_the_answer_path_on_cuda_only(tiny_model, text_doc, monkeyp
         assert session.warm_answer_path(lm, preset, arrays)
         prefix = first.entry.tokens
         assert calls == [([int(arrays["tokens"][-1].item())], [prefix] * len(calls[0][1]), 1)]
-        monkeypatch.setattr(cuda_kernels, "ENABLED", False)  # longctx's kernel files off
+        monkeypatch.setattr(cuda_kernels, "enabled", lambda: False)  # longctx's kernel files off
         assert not session.warm_answer_path(lm, preset, arrays)
-        monkeypatch.setattr(cuda_kernels, "ENABLED", True)
+        monkeypatch.undo()
         monkeypatch.setattr(engine, "token_stream", lambda *a, **k: (_ for _ in ()).throw(
             RuntimeError("kernel")))
         assert not session.warm_answer_path(lm, preset, arrays)

@@ -38,10 +38,10 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 from longctx.kernels import _prelude  # noqa: E402
-from longctx.kvcache import attend_step, compiling  # noqa: E402
+from longctx.kvcache import attend_step  # noqa: E402
 from longctx.kvcache.attention import compressed_attention  # noqa: E402
 from longctx.kvcache.presets import get_preset  # noqa: E402
-from longctx.kvcache.turbo import TurboQuantCache  # noqa: E402
+from longctx.kvcache.turbo import Paths, TurboQuantCache  # noqa: E402
 
 STEPS, SKIP, PASSES, QUESTION = 60, 5, 5, 16
 
@@ -90,6 +90,9 @@ def _fp16_caches(layers, hkv, d, prefix):
     return caches
 
 
+UNDER_EXECUTOR = Paths(compile_under_executor=True)
+
+
 def _tq_caches(preset, layers, hkv, d, prefix):
     kv = mx.random.normal((1, hkv, prefix, d)).astype(mx.bfloat16)
     question = mx.random.normal((1, hkv, QUESTION, d)).astype(mx.bfloat16)
@@ -98,7 +101,8 @@ def _tq_caches(preset, layers, hkv, d, prefix):
         c = TurboQuantCache(preset, i)
         c.update_and_fetch(kv, kv)
         c.seal()
-        fork = TurboQuantCache.from_arrays(preset, i, c.arrays(), d).fork(exact_new=1024)
+        # compiled under the zero-output executor too (`Paths.compile_under_executor`)
+        fork = TurboQuantCache.from_arrays(preset, i, c.arrays(), d, UNDER_EXECUTOR).fork(exact_new=1024)
         fork.update_and_fetch(question, question)
         caches.append(fork)
     mx.eval([c.state for c in caches])
@@ -122,21 +126,17 @@ def main() -> None:
         hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         times = {"fp16": [], args.preset: [], f"{args.preset}_no_plan": []}
         with _prelude.executor(_zeros, as_backend="cuda"):
-            compiling.COMPILE_UNDER_EXECUTOR = True
-            try:
-                for _ in range(PASSES):
-                    times["fp16"] += _steps(_fp16_caches(layers, hkv, d, args.prefix), _fp16,
-                                            hkv, hq, d)
-                    for label, fn in ((args.preset, replay),
-                                      (f"{args.preset}_no_plan", lambda *a: None)):
-                        attend_step.replay = fn
-                        try:
-                            times[label] += _steps(
-                                _tq_caches(preset, layers, hkv, d, args.prefix), _tq, hkv, hq, d)
-                        finally:
-                            attend_step.replay = replay
-            finally:
-                compiling.COMPILE_UNDER_EXECUTOR = False
+            for _ in range(PASSES):
+                times["fp16"] += _steps(_fp16_caches(layers, hkv, d, args.prefix), _fp16,
+                                        hkv, hq, d)
+                for label, fn in ((args.preset, replay),
+                                  (f"{args.preset}_no_plan", lambda *a: None)):
+                    attend_step.replay = fn
+                    try:
+                        times[label] += _steps(
+                            _tq_caches(preset, layers, hkv, d, args.prefix), _tq, hkv, hq, d)
+                    finally:
+                        attend_step.replay = replay
         row = {"shape": shape, "layers": layers, "heads": [hq, hkv], "head_dim": d,
                **{f"{k}_us": statistics.median(v) for k, v in times.items()}}
         row["vs_fp16"] = row[f"{args.preset}_us"] / row["fp16_us"]

@@ -3,7 +3,7 @@
 In-process benchmarks repeat the same question, so from the second run on they reuse whatever
 `mx.compile` traced (and MLX's kernel caches); a `longctx ask` process answers one question, so
 it traces once and decodes with a window that grows every step. This ingests one document, then
-for each compile mode (`kvcache.compiling.COMPILE`: "0", "question", "1") starts fresh processes (two per mode, in
+for each compile mode (`kvcache.turbo.Paths.compile`: "0", "question", "1") starts fresh processes (two per mode, in
 turn) that restore the cache and time the first answer token and the next `--steps` tokens.
 
 Usage: python benchmarks/diagnostics/first_call.py [--tokens 8000] [--model SPEC] [--runs 2]
@@ -31,16 +31,18 @@ from longctx.runtime.blas import tune_malloc
 tune_malloc()
 import mlx.core as mx
 from longctx import engine, kvcache, session
-from longctx.kvcache import compiling
+from longctx.kvcache.turbo import Paths, TurboQuantCache
 from longctx.runtime import models
 from longctx.store import Store
 entry_id, spec, steps, question = sys.argv[1], sys.argv[2] or None, int(sys.argv[3]), json.loads(sys.argv[4])
-compiling.COMPILE = sys.argv[5]
 lm = models.load(models.resolve(spec))
 store = Store()
 entry = store.find(entry_id)
 t = time.perf_counter()
 cache, pending = session.restore_verifying(entry, lm, store)
+for c in cache:  # the compile mode under test
+    if isinstance(c, TurboQuantCache):
+        c.paths = Paths(compile=sys.argv[5])
 store.close()
 stream = engine.token_stream(lm.model, question, kvcache.fork(cache), steps + 1)
 next(stream)

@@ -43,7 +43,8 @@ from longctx.kvcache.turbo import TurboQuantCache
 from longctx.runtime import cuda_kernels
 L, H, HQ, D = int(sys.argv[1]), 8, 32, 128
 stepwise = sys.argv[3] == "stepwise"
-cuda_kernels.ENABLED = sys.argv[4] == "1"  # longctx's kernel files on or off
+if sys.argv[4] != "1":  # longctx's kernel files off
+    cuda_kernels.disable()
 preset = get_preset("tq4")
 mx.random.seed(0)
 c = TurboQuantCache(preset, 0)

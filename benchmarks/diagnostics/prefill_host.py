@@ -9,7 +9,7 @@ kept alive so that freeing large CPU buffers is not timed), over the layers of a
 a few 512-token chunks. Rows, per layer-chunk, median of chunks 4..12 over three passes:
 
 - fp16: mlx-lm's KVCache update plus `mx.fast.scaled_dot_product_attention` (the anchor);
-- tq4 eager: `TurboQuantCache.update_and_fetch` + `compressed_attention`, `compiling.COMPILE` "0";
+- tq4 eager: `TurboQuantCache.update_and_fetch` + `compressed_attention`, `Paths.compile` "0";
 - tq4 compiled: the same with the compiled fused-chunk update and dense attention (default).
 
 What it leaves out: MLX's encoding of the launches at evaluation (a GPU cost of every path) and
@@ -33,10 +33,9 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 from longctx.kernels import _prelude  # noqa: E402
-from longctx.kvcache import compiling  # noqa: E402
 from longctx.kvcache.attention import compressed_attention  # noqa: E402
 from longctx.kvcache.presets import get_preset  # noqa: E402
-from longctx.kvcache.turbo import TurboQuantCache, drain  # noqa: E402
+from longctx.kvcache.turbo import Paths, TurboQuantCache, drain  # noqa: E402
 
 CHUNK, CHUNKS, PASSES, SKIP = 512, 12, 3, 3
 
@@ -94,15 +93,10 @@ def main() -> None:
         row = {"shape": shape, "layers": layers, "heads": [hq, hkv], "head_dim": d,
                "fp16_us": _time(lambda i: KVCache(), _fp16, layers, hkv, hq, d)}
         with _prelude.executor(_zeros, as_backend="cuda"):
-            compiling.COMPILE_UNDER_EXECUTOR = True
-            try:
-                for label, setting in (("eager", "0"), ("compiled", "1")):
-                    compiling.COMPILE = setting
-                    row[f"{args.preset}_{label}_us"] = _time(lambda i: TurboQuantCache(preset, i),
-                                                             _tq, layers, hkv, hq, d)
-            finally:
-                compiling.COMPILE_UNDER_EXECUTOR = False
-                compiling.COMPILE = "1"
+            for label, setting in (("eager", "0"), ("compiled", "1")):
+                paths = Paths(compile=setting, compile_under_executor=True)
+                row[f"{args.preset}_{label}_us"] = _time(lambda i: TurboQuantCache(preset, i, paths),
+                                                         _tq, layers, hkv, hq, d)
         row["compiled_vs_eager"] = row[f"{args.preset}_eager_us"] / row[f"{args.preset}_compiled_us"]
         row["compiled_vs_fp16"] = row[f"{args.preset}_compiled_us"] / row["fp16_us"]
         print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),

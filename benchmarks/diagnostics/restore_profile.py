@@ -13,6 +13,7 @@ Usage: python benchmarks/diagnostics/restore_profile.py --tokens 8000 32000 [--m
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sys
 import time
@@ -30,8 +31,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from longctx import kvcache, session  # noqa: E402
-from longctx.kvcache import attend_blocked, attend_fused, attention, compiling  # noqa: E402
-from longctx.kvcache.turbo import CompressedKV  # noqa: E402
+from longctx.kvcache import attend_blocked, attend_fused, attention  # noqa: E402
+from longctx.kvcache.turbo import CompressedKV, Paths, TurboQuantCache  # noqa: E402
 from longctx.store import Store  # noqa: E402
 from longctx.store import format as fmt  # noqa: E402
 
@@ -134,14 +135,10 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
                       win, kv.sink, None)
     res = {}
 
-    def shipped():
-        mx.eval(attention.compressed_attention(q, kv, scale, mask=mask))
     for mode in ("0", "1"):
-        compiling.COMPILE, saved = mode, compiling.COMPILE
-        try:
-            res[f"compressed_attention_compile{mode}"] = best(shipped, repeat)
-        finally:
-            compiling.COMPILE = saved
+        view = dataclasses.replace(kv, paths=Paths(compile=mode))
+        res[f"compressed_attention_compile{mode}"] = best(
+            lambda: mx.eval(attention.compressed_attention(q, view, scale, mask=mask)), repeat)
 
     kc, vc = kv.key_codec, kv.value_codec
     q_rot = kc.rotate(q.astype(mx.float32)).reshape(B, Hkv, -1, kc.padded_dim)
@@ -158,13 +155,12 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
     lengths = [n for _, _, n in kv.segments]
 
     def traced(q, segs, win, sink, mean):
+        # the whole function compiled from outside, as a check (its paths eager inside)
         view = CompressedKV(kc, vc, tuple((k, v, n) for (k, v), n in zip(segs, lengths)),
-                            kv.offset, mean, tuple(win), tuple(sink), None)
+                            kv.offset, mean, tuple(win), tuple(sink), None, paths=Paths(compile="0"))
         return attention.compressed_attention(q, view, scale, mask=mask)
 
     compiled = mx.compile(traced)
-    saved = compiling.COMPILE
-    compiling.COMPILE = "0"  # the whole function compiled from outside, as a check
     try:
         def run_compiled():
             mx.eval(compiled(q, segs, list(win), list(kv.sink), kv.value_mean))
@@ -175,8 +171,6 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
         res["compiled_max_abs_diff"] = float(diff.max())
     except Exception as err:  # compile may refuse the custom kernel: record why
         res["compiled_attention_error"] = f"{type(err).__name__}: {err}"
-    finally:
-        compiling.COMPILE = saved
 
     n = kv.offset
     r = n_q_heads // Hkv
@@ -198,18 +192,18 @@ def decode_variants(lm, cache: list, question: list[int], steps: int) -> dict:
     res = {}
     for mode in ("0", "question", "1"):
         attend_fused._COMPILED.clear()
-        compiling.COMPILE, saved = mode, compiling.COMPILE
-        try:
-            for attempt in range(2):  # the second run has every kernel built
-                t = time.perf_counter()
-                stream = engine.token_stream(lm.model, question, kvcache.fork(cache), steps + 1)
-                next(stream)
-                first = time.perf_counter() - t
-                t = time.perf_counter()
-                n = sum(1 for _ in stream)
-                per = (time.perf_counter() - t) / max(n, 1)
-        finally:
-            compiling.COMPILE = saved
+        for attempt in range(2):  # the second run has every kernel built
+            fork = kvcache.fork(cache)
+            for c in fork:  # the compile mode under test
+                if isinstance(c, TurboQuantCache):
+                    c.paths = Paths(compile=mode)
+            t = time.perf_counter()
+            stream = engine.token_stream(lm.model, question, fork, steps + 1)
+            next(stream)
+            first = time.perf_counter() - t
+            t = time.perf_counter()
+            n = sum(1 for _ in stream)
+            per = (time.perf_counter() - t) / max(n, 1)
         res[f"compile_{mode}"] = {"first_token_s": first, "per_token_s": per, "tokens": n}
     return res
 

@@ -54,9 +54,9 @@ def launches(length: int = 4096) -> dict:
     tokens (from `decode_step_mma.DYNAMIC_MIN_KEYS` the step hands keys out), tq4, on the CUDA
     path."""
     from longctx.kernels import _prelude
-    from longctx.kvcache import attend_step, compiling
+    from longctx.kvcache import attend_step
     from longctx.kvcache.presets import get_preset
-    from longctx.kvcache.turbo import TurboQuantCache
+    from longctx.kvcache.turbo import Paths, TurboQuantCache
 
     got = {}
 
@@ -69,16 +69,13 @@ def launches(length: int = 4096) -> dict:
     c = TurboQuantCache(preset, 0)
     c.update_and_fetch(k, k)
     c.seal()
-    fork = TurboQuantCache.from_arrays(preset, 0, c.arrays(), 128).fork(exact_new=1024)
+    fork = TurboQuantCache.from_arrays(preset, 0, c.arrays(), 128,
+                                       Paths(compile_under_executor=True)).fork(exact_new=1024)
     fork.update_and_fetch(k[:, :, :16], k[:, :, :16])
     with _prelude.executor(capture, as_backend="cuda"):
-        compiling.COMPILE_UNDER_EXECUTOR = True
-        try:
-            view, _ = fork.update_and_fetch(k[:, :, :1], k[:, :, :1])
-            mx.eval(attend_step.attention(mx.zeros((1, 32, 1, 128), dtype=mx.bfloat16), view,
-                                          128 ** -0.5))
-        finally:
-            compiling.COMPILE_UNDER_EXECUTOR = False
+        view, _ = fork.update_and_fetch(k[:, :, :1], k[:, :, :1])
+        mx.eval(attend_step.attention(mx.zeros((1, 32, 1, 128), dtype=mx.bfloat16), view,
+                                      128 ** -0.5))
     return got
 
 

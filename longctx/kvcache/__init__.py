@@ -70,11 +70,12 @@ def kv_heads(model) -> list[int | None]:
     return [int(n) if n is not None else None for n in heads]
 
 
-def make(model, preset: Preset) -> list:
+def make(model, preset: Preset, paths=None) -> list:
     """One cache object per layer for `model`, as the preset says.
 
     Full-attention layers get the preset's cache; layers for which the model asks for another kind
-    (e.g. sliding-window `RotatingKVCache`) keep it.
+    (e.g. sliding-window `RotatingKVCache`) keep it. `paths`: the compressed layers' GPU paths
+    (`turbo.Paths`; None: the product's), for experiments that compare them.
 
     Raises:
         UnsupportedModel: a layer kind or attention feature the preset cannot serve
@@ -97,7 +98,9 @@ def make(model, preset: Preset) -> list:
 
     routing.install()
     first = first_layer(model)  # codec seeds follow the layer's number in the whole model
-    return [TurboQuantCache(preset, first + i) if type(c) is KVCache else c for i, c in enumerate(base)]
+    extra = () if paths is None else (paths,)
+    return [TurboQuantCache(preset, first + i, *extra) if type(c) is KVCache else c
+            for i, c in enumerate(base)]
 
 
 def first_layer(model) -> int:
@@ -169,12 +172,13 @@ def split_layers(arrays: dict, turbo_layers: list[int]) -> dict[str, dict]:
     return per_layer
 
 
-def from_arrays(arrays: dict, model, preset: Preset, dtype) -> list:
+def from_arrays(arrays: dict, model, preset: Preset, dtype, paths=None) -> list:
     """Rebuild per-layer caches from `to_arrays` output; fp16 arrays become `dtype`. Each layer
-    is rebuilt by the kind of cache the model and preset ask for (`kvcache.kinds`).
+    is rebuilt by the kind of cache the model and preset ask for (`kvcache.kinds`); `paths` as
+    `make` takes it.
 
     Sliding-window layers need the prefix length: `arrays["tokens"]` (as the store keeps it)."""
-    template = make(model, preset)
+    template = make(model, preset, paths)
     kinds = [kind_of(c) for c in template]
     per_layer = split_layers(arrays, [i for i, k in enumerate(kinds) if isinstance(k, Compressed)])
     ctx = {"preset": preset, "head_dims": head_dims(model), "dtype": dtype,

@@ -19,7 +19,6 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
-from longctx.kvcache import compiling
 from longctx.kvcache.attend_blocked import BLOCK, attend
 from longctx.kvcache.compiling import lookup, remember
 from longctx.kvcache.turbo import CompressedKV
@@ -43,9 +42,9 @@ def kernel_table(codec) -> mx.array:
     return mx.array((c1[:, None] + c2).ravel())
 
 
-def compile_wanted(lq: int) -> bool:
-    """Whether `compiling.COMPILE` asks for the compiled path at this many query tokens."""
-    mode = compiling.COMPILE
+def compile_wanted(lq: int, mode: str) -> bool:
+    """Whether a cache's compile mode (`turbo.Paths.compile`) asks for the compiled path at this
+    many query tokens."""
     return mode == "1" or (mode == "question" and lq > 1)
 
 

@@ -38,7 +38,7 @@ from longctx.kernels import decode_attend_mma as dm
 from longctx.kernels import decode_attend_simdgroup as dsg
 from longctx.kernels import decode_finish as df
 from longctx.kernels import decode_step_mma as ds
-from longctx.kvcache import attend_fused, compiling, turbo
+from longctx.kvcache import attend_fused, compiling
 from longctx.kvcache.attend_fused import kernel_table
 from longctx.kvcache.turbo import CompressedKV
 
@@ -134,11 +134,9 @@ def _step(kc, vc, scale, dtype, mma, whole, sg, queries, seg_k, seg_v, k_arrays,
 
 def _env() -> tuple:
     """What a kept step (`_Plan`) was built under and must still hold: the backend, the kernels
-    failed so far, the switches that choose the path (`compiling.COMPILE`,
-    `turbo.FUSED_MAX_LQ`), and the generation of the executor and the forced backend: a few
-    reads, where reading the tunables themselves took a sizable share of a step's host time."""
-    return (_prelude.backend(), _prelude.GENERATION[0], _prelude.failure_count(),
-            compiling.COMPILE, turbo.FUSED_MAX_LQ)
+    failed so far, and the generation of the executor and the forced backend (the cache's
+    `Paths`, which also choose the path, are compared by identity in `_Plan.matches`)."""
+    return (_prelude.backend(), _prelude.GENERATION[0], _prelude.failure_count())
 
 
 class _Plan:
@@ -152,12 +150,12 @@ class _Plan:
     """
 
     __slots__ = ("fn", "shape", "dtype", "scale", "seg", "sink", "wbuf", "args", "mean", "env",
-                 "heads", "tensor_cores")
+                 "heads", "tensor_cores", "paths")
 
     def matches(self, queries, kv: CompressedKV, scale, tensor_cores: bool) -> bool:
         wb = kv.window_buffer
         return ((wb[0] if wb is not None else kv.window) is self.wbuf
-                and tensor_cores == self.tensor_cores
+                and tensor_cores == self.tensor_cores and kv.paths is self.paths
                 and kv.segments[0][0] is self.seg and kv.sink is self.sink
                 and kv.value_mean is self.mean and kv.dense is None and len(kv.segments) == 1
                 and queries.shape == self.shape and queries.dtype == self.dtype
@@ -188,7 +186,7 @@ def _keep_plan(kv: CompressedKV, fn, queries, scale, args, heads: int,
     p.wbuf = kv.window_buffer[0] if kv.window_buffer is not None else None
     # the compiled call's arguments between the queries and the count
     p.args, p.mean, p.env, p.heads = args[1:7], args[8], _env(), heads
-    p.tensor_cores = tensor_cores
+    p.tensor_cores, p.paths = tensor_cores, kv.paths
     kv.plan[0] = p
 
 
@@ -237,10 +235,10 @@ def attention(queries, kv: CompressedKV, scale: float, *, tensor_cores: bool = T
            tuple([a.shape for a in sink]), tuple([a.shape for a in window]), kv.sink is not None and
            kv.sink[0].dtype, mma, whole, sg, _prelude.failed(da.EXACT_NAME))
     dtype = queries.dtype  # the closure below must not keep this call's arrays alive
-    # An executor sees every launch (unless a test compiles under it), and `compiling.COMPILE`
-    # "0" / "question" ask for eager steps
-    eager = ((compiling.executor_installed() and not compiling.COMPILE_UNDER_EXECUTOR)
-             or not attend_fused.compile_wanted(1))
+    # An executor sees every launch (unless a test compiles under it), and the cache's compile
+    # mode "0" / "question" asks for eager steps
+    eager = ((compiling.executor_installed() and not kv.paths.compile_under_executor)
+             or not attend_fused.compile_wanted(1, kv.paths.compile))
     fn = None if eager else compiling.lookup(_COMPILED, key)
     if fn is None:
         out, counts = _step(kc, vc, scale, dtype, mma, whole, sg, *args)

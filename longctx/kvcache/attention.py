@@ -3,7 +3,7 @@
     path            where                          module
     fused-step      GPU, one query token, one      attend_step (two launches: decode-attend with
                     scalar-coded segment, no mask  q rotation inside, then the finish kernel)
-    fused-compiled  GPU, <= FUSED_MAX_LQ queries   attend_fused (fused kernel under mx.compile)
+    fused-compiled  GPU, <= fused_max_lq queries   attend_fused (fused kernel under mx.compile)
     fused           GPU, a test's kernel executor  attend_blocked.attend(fused=True), uncompiled
     dense-gpu       GPU, more queries (prefill)    dense_gpu (dequantize kernel + fp16 SDPA)
     cpu-dense       CPU, a prefix decoded once     attend_cpu (one softmax, numpy exponentials)
@@ -12,10 +12,9 @@
 Soft-capped scores (Gemma-2, `softcap`) always take the blocked path: it is the only one that
 caps. `choose_path` makes the decision and says why (logged at debug level by the logger
 `longctx.attention`); `compressed_attention` runs it. The blocked path is the oracle the tests
-hold every other path to. Switches: `turbo.FUSED_MAX_LQ`, `turbo.DENSE_GPU` and
-`compiling.COMPILE` (module constants: a model's forward pass reaches the attention with no
-arguments of ours), and the keyword argument `fused_step` of `choose_path` and
-`compressed_attention`.
+hold every other path to. Switches: the cache's `turbo.Paths` (each view carries them:
+`fused_max_lq`, `dense_gpu`, `compile`), and the keyword argument `fused_step` of `choose_path`
+and `compressed_attention`.
 """
 
 from __future__ import annotations
@@ -25,11 +24,11 @@ import logging
 import mlx.core as mx
 
 from longctx.kernels import _prelude
-from longctx.kvcache import attend_blocked, attend_cpu, attend_fused, attend_step, compiling, dense_gpu, turbo
+from longctx.kvcache import attend_blocked, attend_cpu, attend_fused, attend_step, compiling, dense_gpu
 from longctx.kvcache.attend_blocked import BLOCK
 from longctx.kvcache.attend_cpu import rotation_matrices
 from longctx.kvcache.attend_fused import kernel_table
-from longctx.kvcache.turbo import CompressedKV
+from longctx.kvcache.turbo import DEFAULT_PATHS, CompressedKV
 
 __all__ = ["compressed_attention", "choose_path", "kernel_table", "rotation_matrices", "BLOCK"]
 
@@ -40,10 +39,11 @@ def _kernel_mask(mask) -> bool:
     return mask is None or (isinstance(mask, str) and mask == "causal")
 
 
-def use_fused(mask, lq: int) -> bool:
-    """Whether compressed segments go to the fused kernel: on a GPU backend, few query tokens,
-    a mask the kernel expresses (none, or causal), and a kernel that has not failed here."""
-    return (_prelude.backend() != "cpu" and lq <= turbo.FUSED_MAX_LQ and _kernel_mask(mask)
+def use_fused(mask, lq: int, max_lq: int = DEFAULT_PATHS.fused_max_lq) -> bool:
+    """Whether compressed segments go to the fused kernel: on a GPU backend, at most `max_lq`
+    query tokens (`Paths.fused_max_lq`), a mask the kernel expresses (none, or causal), and a
+    kernel that has not failed here."""
+    return (_prelude.backend() != "cpu" and lq <= max_lq and _kernel_mask(mask)
             and not _prelude.failed("lc_decode_attend"))  # failed: the blocked path is its reference
 
 
@@ -66,9 +66,9 @@ def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
             raise ValueError("the fused kernel does not soft-cap scores")
         return "blocked", f"soft-capped scores (cap {softcap:g}): pure MLX only"
     if fused is None:
-        fused = use_fused(mask, lq)
-        if not fused and turbo.DENSE_GPU and dense_gpu.applies(kv, mask):
-            return "dense-gpu", f"GPU, {lq} query tokens > FUSED_MAX_LQ or a mask array"
+        fused = use_fused(mask, lq, kv.paths.fused_max_lq)
+        if not fused and kv.paths.dense_gpu and dense_gpu.applies(kv, mask):
+            return "dense-gpu", f"GPU, {lq} query tokens > fused_max_lq or a mask array"
     elif fused and not _kernel_mask(mask):
         raise ValueError("the fused kernel takes mask None or 'causal'")
     if fused:
@@ -76,9 +76,9 @@ def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
             return "fused-step", "GPU, one query token over one scalar-coded segment"
         if compiling.executor_installed():
             return "fused", "a kernel executor is installed: every launch must reach it"
-        if attend_fused.compile_wanted(lq):
+        if attend_fused.compile_wanted(lq, kv.paths.compile):
             return "fused-compiled", f"{_prelude.backend()} backend, {lq} query tokens"
-        return "fused", f"compiling.COMPILE {compiling.COMPILE!r}"
+        return "fused", f"the cache's compile mode {kv.paths.compile!r}"
     cpu = mx.default_device().type == mx.DeviceType.cpu
     if cpu and attend_cpu.applies(kv, mask, lq):
         return "cpu-dense", "CPU, the prefix is decoded once"
@@ -119,7 +119,7 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
     # a decode step whose layer kept its last step's launch (`attend_step._Plan`): replay it
     if (kv.plan is not None and lq == 1 and mask is None and fused is None and not softcap
             and fused_step):
-        out = attend_step.replay(queries, kv, scale)
+        out = attend_step.replay(queries, kv, scale, kv.paths.tensor_cores)
         if out is not None:
             return out
     path, why = choose_path(kv, mask, lq, fused, softcap,
@@ -127,7 +127,7 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("attention: %s (%s)", path, why)
     if path == "fused-step":
-        return attend_step.attention(queries, kv, scale)
+        return attend_step.attention(queries, kv, scale, tensor_cores=kv.paths.tensor_cores)
     if path == "dense-gpu":
         return dense_gpu.attention(queries, kv, scale, mask)
     if path == "fused-compiled":

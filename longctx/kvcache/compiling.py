@@ -15,12 +15,6 @@ from longctx.kernels import _prelude
 
 _COMPILED_MAX = 8
 
-# GPU: run the attention paths under mx.compile: always ("1"), for questions only ("question":
-# a decode step and the prefill run eagerly) or never ("0"). Read at every call (a model's
-# forward pass reaches the attention with no arguments of ours): tests and benchmarks set it.
-COMPILE = "1"
-
-
 def lookup(cache: OrderedDict, key):
     """The compiled function cached under `key` (now the most recently used), or None."""
     fn = cache.get(key)
@@ -71,13 +65,8 @@ def executor_installed() -> bool:
     return _prelude.executor_installed()
 
 
-# tests: compile the prefill paths with an executor installed too (its kernels' references then
-# run inside the traces, on the CPU)
-COMPILE_UNDER_EXECUTOR = False
-
-
-def prefill_compiled() -> bool:
+def prefill_compiled(paths) -> bool:
     """Whether the prefill paths (the fused chunk's update, the dense GPU attention) run
-    compiled: `COMPILE` is not "0" and no executor is installed (unless a test asks,
-    `COMPILE_UNDER_EXECUTOR`)."""
-    return COMPILE != "0" and (COMPILE_UNDER_EXECUTOR or not executor_installed())
+    compiled under a cache's `paths` (`turbo.Paths`): its `compile` is not "0" and no executor is
+    installed (unless it asks for `compile_under_executor`)."""
+    return paths.compile != "0" and (paths.compile_under_executor or not executor_installed())

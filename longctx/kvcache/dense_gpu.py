@@ -66,7 +66,7 @@ def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.arr
     """Softmax attention of `queries` (B, H_q, L_q, D) over the view, as `compressed_attention`.
 
     Scalar codecs whose rows the rotation kernel takes run as one compiled function (unless
-    `compiling.COMPILE` is "0"), keyed by shapes and specs, so all layers of a chunk share one trace."""
+    the cache's `Paths.compile` is "0"), keyed by shapes and specs, so all layers of a chunk share one trace."""
     kc, vc = kv.key_codec, kv.value_codec
     D = queries.shape[3]
     sink = kv.sink if kv.sink is not None else (None, None)
@@ -83,7 +83,7 @@ def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.arr
              and rt.applies(vc.padded_dim) and vc.padded_dim == D)
     statics = (kc, vc, head[0] is not None, after[0] is not None,
                mask if not isinstance(mask, mx.array) else None)
-    if not (plain and compiling.prefill_compiled()):
+    if not (plain and compiling.prefill_compiled(kv.paths)):
         return _attend(*args, *statics)
     key = ("dense", queries.shape, queries.dtype, kc.key, vc.key, float(scale),
            tuple((name, a.shape, a.dtype) for seg in (*args[1], *args[2]) for name, a in seg.items()),

@@ -148,7 +148,8 @@ class Compressed(Kind):
         # deferred: loads mlx.core, numpy (the light commands start without it)
         from longctx.kvcache.turbo import TurboQuantCache
 
-        return TurboQuantCache.from_arrays(ctx["preset"], template.layer, layer, ctx["head_dims"][i])
+        return TurboQuantCache.from_arrays(ctx["preset"], template.layer, layer, ctx["head_dims"][i],
+                                           template.paths)
 
     def heads(self, c):
         return int(c.means[0].shape[1])

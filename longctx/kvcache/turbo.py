@@ -46,13 +46,6 @@ def _on_gpu() -> bool:
     return _backend() != "cpu"
 
 
-# The GPU attention paths (`kvcache.attention`), read at every call (a model's forward pass
-# reaches the cache and its attention with no arguments of ours: tests and benchmarks set them):
-# query tokens up to which compressed attention takes the fused decode-attend kernel (more:
-# dequantize + SDPA; 0: the blocked path), and whether prefill chunks dequantize the cache and
-# run fp16 SDPA, their cache updates in `prefill_encode` (False: the blocked MLX path)
-FUSED_MAX_LQ = 64
-DENSE_GPU = True
 
 
 # (arrays, bytes) queued by earlier layers' `sync` and not yet waited for, oldest first
@@ -113,6 +106,37 @@ _queue, _wait = mx.async_eval, mx.eval  # (tests count them)
 
 
 @dataclass(frozen=True)
+class Paths:
+    """Which GPU paths a cache's updates and attention take (`kvcache.attention`). The defaults
+    are the product's; tests and benchmarks compare others, passed to `kvcache.make` or
+    `TurboQuantCache` (a model's forward pass reaches the cache with no arguments of ours, so
+    the cache carries them, and each view of it).
+
+    Attributes:
+        fused_max_lq: query tokens up to which attention takes the fused decode-attend kernel
+            (more: dequantize + SDPA; 0: the blocked path).
+        dense_gpu: prefill chunks dequantize the cache and run fp16 SDPA, their cache updates in
+            `prefill_encode` (False: the blocked MLX path).
+        compile: run the attention paths under mx.compile always ("1"), for questions only
+            ("question": a decode step and the prefill run eagerly) or never ("0").
+        compile_under_executor: compile the prefill paths with a test's kernel executor
+            installed too (its kernels' references then run inside the traces, on the CPU).
+        tensor_cores: a decode step takes the tensor-core kernel (CUDA) or the simdgroup-matrix
+            one (Metal) where it applies (False: the portable kernel, as `attend_step.attention`
+            takes it; the Mac-proxy rows of the GPU benchmarks).
+    """
+
+    fused_max_lq: int = 64
+    dense_gpu: bool = True
+    compile: str = "1"
+    compile_under_executor: bool = False
+    tensor_cores: bool = True
+
+
+DEFAULT_PATHS = Paths()
+
+
+@dataclass(frozen=True)
 class CompressedKV:
     """What attention reads: the codecs and the key/value segments (each a dict of arrays)."""
 
@@ -138,6 +162,7 @@ class CompressedKV:
     dtype: mx.Dtype = mx.float32  # of the keys and values the model handed to the cache
     # (keys, values) (B, H_kv, S, P) fp16: the sink in the codecs' rotated frames (made once)
     sink_rot: tuple | None = None
+    paths: Paths = DEFAULT_PATHS  # the cache's GPU paths
     # (keys, values) (B, H_kv, W, P) fp16: `window` in the rotated frames, made by a fused
     # prefill chunk's update (`kernels/prefill_encode.py`); set, it stands for `window` on the
     # dense GPU path
@@ -224,9 +249,10 @@ class TurboQuantCache:
     inflight = INFLIGHT
     queue_every = QUEUE_EVERY
 
-    def __init__(self, preset: Preset, layer: int):
+    def __init__(self, preset: Preset, layer: int, paths: Paths = DEFAULT_PATHS):
         self.preset = preset
         self.layer = layer
+        self.paths = paths  # which GPU paths its updates and attention take (`Paths`)
         self.prefix: tuple[dict, dict] | None = None
         self.prefix_len = 0
         self.tail: tuple[dict, dict] | None = None
@@ -410,7 +436,7 @@ class TurboQuantCache:
         by itself."""
         kc, vc = self.codecs()
         # a codec that encodes through `hadamard_quantize` fits `prefill_encode` too
-        if not (DENSE_GPU and kc.fused_encode() and vc.fused_encode()):
+        if not (self.paths.dense_gpu and kc.fused_encode() and vc.fused_encode()):
             return None
         room = self.preset.sink - self.sink_len if self.prefix_len + self.tail_len == 0 else 0
         room = max(0, min(room, n))
@@ -431,7 +457,7 @@ class TurboQuantCache:
         window. Aging tokens out of the window is then a count (`tail_len`). The view carries
         the same tokens as the unfused path's; its `window` (centered fp32, for the other
         attention paths) is left unevaluated unless one reads it. Past the first chunk the
-        update is one compiled function (`_encode_chunk`; `compiling.COMPILE`), shared by
+        update is one compiled function (`_encode_chunk`; `Paths.compile`), shared by
         every layer of the same shapes.
 
         Args:
@@ -459,7 +485,7 @@ class TurboQuantCache:
                 list(self._rot_window) if self._rot_window is not None else [],
                 [self.tail[i][name] for i in (0, 1) for name in ("idx", "norm")] if held else [],
                 list(self.window) if self.window is not None else [], held, w)
-        if room or not compiling.prefill_compiled():
+        if room or not compiling.prefill_compiled(self.paths):
             out = _encode_chunk(*args)
         else:
             key = ("encode", keys.shape, keys.dtype, values.shape, values.dtype,
@@ -487,7 +513,8 @@ class TurboQuantCache:
         budget = self.inflight
         # only chunks whose attention dequantizes the prefix (`dense_gpu`): a decode step past
         # the window's cap takes the fused kernel and must not wait
-        if not budget or keys.shape[2] <= FUSED_MAX_LQ or not DENSE_GPU or not _on_gpu():
+        paths = self.paths
+        if not budget or keys.shape[2] <= paths.fused_max_lq or not paths.dense_gpu or not _on_gpu():
             return
         kc, vc = self.codecs()
         b, h, n, _ = keys.shape
@@ -543,7 +570,7 @@ class TurboQuantCache:
                             self.dense_prefix, buffer, key_mean=self.means[0], dtype=self.dtype,
                             sink_rot=self.rotated_sink16(),
                             after_rot=after_rot if after_rot is not None else self._rot_window,
-                            plan=self._plan if buffer is not None else None)
+                            plan=self._plan if buffer is not None else None, paths=self.paths)
 
     def _forget_step(self) -> None:
         """Drop the decode step's kept view fields and launch (they hold the window's buffers and
@@ -722,9 +749,10 @@ class TurboQuantCache:
         return out
 
     @classmethod
-    def from_arrays(cls, preset: Preset, layer: int, arrays: dict, head_dim: int) -> "TurboQuantCache":
+    def from_arrays(cls, preset: Preset, layer: int, arrays: dict, head_dim: int,
+                    paths: Paths = DEFAULT_PATHS) -> "TurboQuantCache":
         """A cache whose read-only prefix is `arrays` (as produced by `arrays()`)."""
-        cache = cls(preset, layer)
+        cache = cls(preset, layer, paths)
         cache.head_dim = head_dim
         if not arrays:
             return cache
@@ -747,7 +775,8 @@ class TurboQuantCache:
                 and answer exact; they are never persisted, and `seal()` compresses them if they
                 ever are.
         """
-        child = TurboQuantCache.from_arrays(self.preset, self.layer, self.arrays(), self.head_dim)
+        child = TurboQuantCache.from_arrays(self.preset, self.layer, self.arrays(), self.head_dim,
+                                           self.paths)
         child.window_cap = max(self.preset.window, self.window_cap if exact_new is None else exact_new)
         child.means = self.means
         child.sink = self.sink

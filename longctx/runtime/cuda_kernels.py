@@ -25,8 +25,8 @@ cannot be written) skips the file: MLX compiles as it always did, and `prepare` 
 wrong guess of the name is harmless the same way (the file is never read). The files live in
 MLX's own folder (machine-local by default, so GPUs of other architectures on other machines
 never share them); the `.txt` carries the cubin's architecture on a line MLX ignores (no tab),
-and a file compiled for another architecture is compiled again. `ENABLED = False` turns it off
-(MLX then compiles the kernels in every process).
+and a file compiled for another architecture is compiled again. `disable()` turns it off
+(MLX then compiles the kernels in every process: benchmarks compare).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import mlx.core as mx
 
 from longctx.kernels import _prelude
 
-ENABLED = True  # False: MLX compiles longctx's kernels in every process (benchmarks compare)
+_ENABLED = [True]  # `disable()`
 
 # mlx versions whose custom-kernel source layout, module naming and NVRTC options this
 # reproduces (checked on an H100: tests/test_cuda_cache.py, test_cuda_kernel_cache_file_is_loaded)
@@ -81,7 +81,13 @@ _LOCK = threading.Lock()
 
 def enabled() -> bool:
     return (sys.platform.startswith("linux") and mx.__version__ in MLX_VERSIONS
-            and ENABLED)
+            and _ENABLED[0])
+
+
+def disable() -> None:
+    """Stop writing and loading longctx's kernel files in this process: MLX compiles the kernels
+    itself, as without longctx's files (`benchmarks/diagnostics/first_step.py` compares)."""
+    _ENABLED[0] = False
 
 
 def install() -> None:
@@ -273,7 +279,7 @@ _FAILED: set = set()  # modules this process could not compile or write (not tri
 
 def _prepare(name, header, body, input_names, output_names, launch) -> str:
     if not enabled():
-        return _skip("off (cuda_kernels.ENABLED), not Linux, or an mlx version other "
+        return _skip("off (cuda_kernels.disable()), not Linux, or an mlx version other "
                      f"than {', '.join(MLX_VERSIONS)}")
     template = list(launch.template)
     if any(isinstance(v, bool) or not isinstance(v, (int, mx.Dtype)) for _, v in template):
