@@ -692,8 +692,8 @@ def test_decode_step_plan_replays_and_checks(monkeypatch):
     parent.seal()
     fork = TurboQuantCache.from_arrays(preset, 0, parent.arrays(), 64).fork(exact_new=300)
     full = []
-    monkeypatch.setattr(attend_step, "attention", lambda *a, _f=attend_step.attention:
-                        full.append(1) or _f(*a))
+    monkeypatch.setattr(attend_step, "attention", lambda *a, _f=attend_step.attention, **k:
+                        full.append(1) or _f(*a, **k))
     attend_step._COMPILED.clear()
     with _prelude.force_backend("cuda"):
         question = mx.random.normal((2, 1, 2, 250, 64), key=mx.random.key(4)).astype(mx.bfloat16)
