@@ -14,7 +14,7 @@ GPL3 = Path("/usr/share/common-licenses/GPL-3")
 
 
 def device_kind() -> str:
-    """"cpu", "cuda" or "metal": the backend MLX runs on, for result file names."""
+    """ "cpu", "cuda" or "metal": the backend MLX runs on, for result file names."""
     import mlx.core as mx
 
     if mx.default_device().type == mx.DeviceType.cpu:
@@ -23,7 +23,7 @@ def device_kind() -> str:
 
 
 def machine_tag() -> str:
-    """"cpu", "h100", "h200" (the card's model, lower case) or "metal": the machine part of a
+    """ "cpu", "h100", "h200" (the card's model, lower case) or "metal": the machine part of a
     results file's name (benchmarks/results/<bench>_<machine>.json)."""
     kind = device_kind()
     if kind != "cuda":
@@ -31,8 +31,9 @@ def machine_tag() -> str:
     import subprocess
 
     try:
-        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30).stdout
+        name = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return "gpu"
     for card in ("H100", "H200", "A100", "L40S", "L4"):

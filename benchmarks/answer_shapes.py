@@ -68,8 +68,9 @@ def run(model, ids, label, rng, profile=False):
 
     preset_name, _, variant = label.partition(":")
     # the caches' GPU paths for the whole row
-    paths = {"nocompile": Paths(compile="0"), "blocked": Paths(fused_max_lq=0),
-             "portable": Paths(tensor_cores=False)}.get(variant)
+    paths = {"nocompile": Paths(compile="0"), "blocked": Paths(fused_max_lq=0), "portable": Paths(tensor_cores=False)}.get(
+        variant
+    )
     return _run(model, ids, preset_name, rng, profile, paths) | {"kv": label}
 
 
@@ -94,9 +95,14 @@ def _run(model, ids, preset_name, rng, profile=False, paths=None):
     """`profile`: also cProfile one more warm answer (`host_profile`)."""
     cache, stats = prefilled(model, ids, preset_name, paths)
     stored = sum(c.nbytes for c in cache)
-    out = {"kv": preset_name, "tokens": len(ids), "prefill_seconds": stats.seconds,
-           "prefill_tok_s": stats.tokens_per_second, "prefill_peak_bytes": stats.peak_bytes,
-           "cache_bytes": stored}
+    out = {
+        "kv": preset_name,
+        "tokens": len(ids),
+        "prefill_seconds": stats.seconds,
+        "prefill_tok_s": stats.tokens_per_second,
+        "prefill_peak_bytes": stats.peak_bytes,
+        "cache_bytes": stored,
+    }
     q1, *warm = [rng.randint(0, 32000, (QUESTION,)).tolist() for _ in range(1 + REPEATS)]
     mx.reset_peak_memory()
     first, _ = answer(model, kvcache.fork(cache), q1, 2)  # first use: traces, kernel builds
@@ -106,10 +112,16 @@ def _run(model, ids, preset_name, rng, profile=False, paths=None):
     if profile:
         host_profile(model, kvcache.fork(cache), warm[0], preset_name, len(ids))
     tok_s = statistics.median(r[1] for r in runs)
-    out.update({"first_token_first_use_s": first, "first_token_warm_s": warm_first,
-                "first_use_compile_s": max(0.0, first - warm_first), "decode_tok_s": tok_s,
-                "decode_tok_s_runs": [r[1] for r in runs],
-                "answer_peak_bytes": mx.get_peak_memory()})
+    out.update(
+        {
+            "first_token_first_use_s": first,
+            "first_token_warm_s": warm_first,
+            "first_use_compile_s": max(0.0, first - warm_first),
+            "decode_tok_s": tok_s,
+            "decode_tok_s_runs": [r[1] for r in runs],
+            "answer_peak_bytes": mx.get_peak_memory(),
+        }
+    )
     del cache
     gc.collect()
     mx.clear_cache()
@@ -122,12 +134,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--bits", type=int, nargs="+", default=[0, 4])
     ap.add_argument("--kv", nargs="+", default=["fp16", "tq4"])
-    ap.add_argument("--variants", nargs="*", default=[],
-                    help="extra tq4 rows: tq4:nocompile tq4:blocked tq4:portable")
-    ap.add_argument("--variants-at", type=int, nargs="*", default=None,
-                    help="the lengths the --variants rows run at (default: the shortest)")
-    ap.add_argument("--host-profile", action="store_true",
-                    help="cProfile one more warm answer per row and print its top functions")
+    ap.add_argument("--variants", nargs="*", default=[], help="extra tq4 rows: tq4:nocompile tq4:blocked tq4:portable")
+    ap.add_argument(
+        "--variants-at", type=int, nargs="*", default=None, help="the lengths the --variants rows run at (default: the shortest)"
+    )
+    ap.add_argument(
+        "--host-profile", action="store_true", help="cProfile one more warm answer per row and print its top functions"
+    )
     ap.add_argument("--name", default="answer_gpu")
     args = ap.parse_args()
     rows = []
@@ -140,14 +153,20 @@ def main() -> None:
             ids = mx.random.randint(0, 32000, (n,)).tolist()
             at = args.variants_at if args.variants_at is not None else [min(args.tokens)]
             for kv in args.kv + (args.variants if n in at else []):
-                r = {"shape": args.shape, "weights": f"{bits}-bit" if bits else "bf16",
-                     **run(model, ids, kv, mx.random, args.host_profile)}
+                r = {
+                    "shape": args.shape,
+                    "weights": f"{bits}-bit" if bits else "bf16",
+                    **run(model, ids, kv, mx.random, args.host_profile),
+                }
                 rows.append(r)
-                print(f"{r['weights']:>6} {kv:>5} N={n:>6}: prefill {r['prefill_tok_s']:7.0f} tok/s "
-                      f"peak {r['prefill_peak_bytes'] / 2**30:6.2f} GiB | first token "
-                      f"{r['first_token_warm_s']:.3f} s (first use +{r['first_use_compile_s']:.2f} s)"
-                      f" | decode {r['decode_tok_s']:6.1f} tok/s | cache "
-                      f"{r['cache_bytes'] / 2**30:.2f} GiB", flush=True)
+                print(
+                    f"{r['weights']:>6} {kv:>5} N={n:>6}: prefill {r['prefill_tok_s']:7.0f} tok/s "
+                    f"peak {r['prefill_peak_bytes'] / 2**30:6.2f} GiB | first token "
+                    f"{r['first_token_warm_s']:.3f} s (first use +{r['first_use_compile_s']:.2f} s)"
+                    f" | decode {r['decode_tok_s']:6.1f} tok/s | cache "
+                    f"{r['cache_bytes'] / 2**30:.2f} GiB",
+                    flush=True,
+                )
         del model
         gc.collect()
         mx.clear_cache()
@@ -155,15 +174,15 @@ def main() -> None:
     for r in rows:
         if r["kv"] == "fp16":
             continue
-        b = next((x for x in rows if x["kv"] == "fp16" and x["tokens"] == r["tokens"]
-                  and x["weights"] == r["weights"]), None)
+        b = next((x for x in rows if x["kv"] == "fp16" and x["tokens"] == r["tokens"] and x["weights"] == r["weights"]), None)
         if b is None:  # no fp16 row to compare with (--kv without fp16)
             continue
         ratios[f"{r['weights']} {r['kv']} {r['tokens']}"] = {
             "decode_vs_fp16": round(r["decode_tok_s"] / b["decode_tok_s"], 3),
             "prefill_vs_fp16": round(r["prefill_tok_s"] / b["prefill_tok_s"], 3),
             "prefill_peak_vs_fp16": round(r["prefill_peak_bytes"] / b["prefill_peak_bytes"], 3),
-            "first_token_vs_fp16": round(r["first_token_warm_s"] / b["first_token_warm_s"], 3)}
+            "first_token_vs_fp16": round(r["first_token_warm_s"] / b["first_token_warm_s"], 3),
+        }
     for k, v in ratios.items():
         print(f"{k}: {v}")
     print(f"wrote {write(args.name, {'question_tokens': QUESTION, 'answer_tokens': ANSWER, 'rows': rows, 'ratios': ratios})}")

@@ -58,11 +58,13 @@ from longctx.kvcache.turbo import CompressedKV, codecs_for  # noqa: E402
 HQ, HKV, D, B = 32, 8, 128, 1
 TQ = ("tq4", "tq3", "tq3+qjl", "rvq2+2")
 PEAK_GBS = 4800.0
-ANCHORS_MS = {"fp16_sdpa": {4096: 0.102, 8192: 0.095, 32768: 0.130, 131072: 0.221},
-              "mlxlm_qsdpa_a8": {4096: 0.186, 8192: 0.208, 32768: 0.585, 131072: 2.453},
-              "mlxlm_qsdpa_a4": {4096: 0.194, 8192: 0.345, 32768: 0.816, 131072: 2.974},
-              "dequant_sdpa_a8": {4096: 0.148, 8192: 0.163, 32768: 0.391, 131072: 1.303},
-              "dequant_sdpa_a4": {4096: 0.117, 8192: 0.151, 32768: 0.339, 131072: 0.908}}
+ANCHORS_MS = {
+    "fp16_sdpa": {4096: 0.102, 8192: 0.095, 32768: 0.130, 131072: 0.221},
+    "mlxlm_qsdpa_a8": {4096: 0.186, 8192: 0.208, 32768: 0.585, 131072: 2.453},
+    "mlxlm_qsdpa_a4": {4096: 0.194, 8192: 0.345, 32768: 0.816, 131072: 2.974},
+    "dequant_sdpa_a8": {4096: 0.148, 8192: 0.163, 32768: 0.391, 131072: 1.303},
+    "dequant_sdpa_a4": {4096: 0.117, 8192: 0.151, 32768: 0.339, 131072: 0.908},
+}
 
 
 def sync_ms(fn, warmup=10, iters=60) -> float:
@@ -117,9 +119,11 @@ def head_to_head(env, rounds: int = 9) -> dict:
     from longctx.kernels import decode_finish as df
     from longctx.kvcache import attend_step
 
-    q, k, v, view, scale = env["q"], env["k"], env["v"], env["tq4"], D ** -0.5
-    fns = {"fp16_sdpa": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
-           "fused_tq4": lambda: compressed_attention(q, view, scale)}
+    q, k, v, view, scale = env["q"], env["k"], env["v"], env["tq4"], D**-0.5
+    fns = {
+        "fp16_sdpa": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
+        "fused_tq4": lambda: compressed_attention(q, view, scale),
+    }
     replay, hits = attend_step.replay, [0, 0]
 
     def counted(*a):
@@ -154,11 +158,16 @@ def head_to_head(env, rounds: int = 9) -> dict:
     finally:
         attend_step.replay = replay
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    return {"rounds": rounds, "pipelined_ms": med, "speedup": med["fp16_sdpa"] / med["fused_tq4"],
-            "speedup_per_round": per_round(times, "fused_tq4"),
-            "tq4_build_us": 1e6 * statistics.median(build),
-            "tq4_compiled_call_us": 1e6 * statistics.median(call) if call else None,
-            "tq4_replayed": hits[1], "tq4_not_replayed": hits[0]}
+    return {
+        "rounds": rounds,
+        "pipelined_ms": med,
+        "speedup": med["fp16_sdpa"] / med["fused_tq4"],
+        "speedup_per_round": per_round(times, "fused_tq4"),
+        "tq4_build_us": 1e6 * statistics.median(build),
+        "tq4_compiled_call_us": 1e6 * statistics.median(call) if call else None,
+        "tq4_replayed": hits[1],
+        "tq4_not_replayed": hits[0],
+    }
 
 
 def chained(s: int, layers: int = 8, rounds: int = 5, steps: int = 10) -> dict:
@@ -169,7 +178,7 @@ def chained(s: int, layers: int = 8, rounds: int = 5, steps: int = 10) -> dict:
     host cost (~40 us on the H200's VM) bounds both contenders below 32k; in a token it is paid
     once for all layers, as `ask` pays it. Distinct caches, so that no layer reads another's from
     L2 (a 32k tq4 cache is ~36 MB)."""
-    scale = D ** -0.5
+    scale = D**-0.5
     caches = []
     for i in range(layers):
         k = mx.random.normal((B, HKV, s, D), key=mx.random.key(100 + 2 * i)).astype(mx.float16)
@@ -197,9 +206,13 @@ def chained(s: int, layers: int = 8, rounds: int = 5, steps: int = 10) -> dict:
             mx.eval(fn())
     times = alternating(fns, rounds, steps)
     med = {name: statistics.median(ts) / layers for name, ts in times.items()}
-    return {"layers": layers, "rounds": rounds, "per_layer_ms": med,
-            "speedup": med["fp16_sdpa"] / med["fused_tq4"],
-            "speedup_per_round": per_round(times, "fused_tq4")}
+    return {
+        "layers": layers,
+        "rounds": rounds,
+        "per_layer_ms": med,
+        "speedup": med["fp16_sdpa"] / med["fused_tq4"],
+        "speedup_per_round": per_round(times, "fused_tq4"),
+    }
 
 
 def nbytes(arrays) -> int:
@@ -214,12 +227,14 @@ def setup(s: int, seed: int = 0, presets=TQ, affine=True) -> dict:
     q = mx.random.normal((B, HQ, 1, D)).astype(mx.float16)
     env = {"q": q, "k": k, "v": v}
     for bits in (8, 4) if affine else ():
-        env[f"a{bits}"] = (mx.quantize(k, group_size=64, bits=bits),
-                           mx.quantize(v, group_size=64, bits=bits))
+        env[f"a{bits}"] = (mx.quantize(k, group_size=64, bits=bits), mx.quantize(v, group_size=64, bits=bits))
     for name in presets:
         env[name] = tq_view(k, v, name)
-    mx.eval([q, k, v] + [env[a] for a in ("a8", "a4") if a in env]
-            + [list(env[n].segments[0][i].values()) for n in presets for i in (0, 1)])
+    mx.eval(
+        [q, k, v]
+        + [env[a] for a in ("a8", "a4") if a in env]
+        + [list(env[n].segments[0][i].values()) for n in presets for i in (0, 1)]
+    )
     if "tq4" in presets and affine:
         env["answer_tq4"] = answer_view(k, v)
     return env
@@ -231,8 +246,7 @@ def tq_view(k, v, preset: str, layer: int = 0) -> CompressedKV:
     carries it."""
     s = k.shape[2]
     kc, vc = codecs_for(get_preset(preset), D, layer=layer)
-    return CompressedKV(kc, vc, ((kc.encode(k), vc.encode(v), s),), s,
-                        mx.zeros((B, HKV, 1, D), dtype=mx.float32), plan=[None])
+    return CompressedKV(kc, vc, ((kc.encode(k), vc.encode(v), s),), s, mx.zeros((B, HKV, 1, D), dtype=mx.float32), plan=[None])
 
 
 def answer_view(k, v, window: int = 256):
@@ -257,33 +271,32 @@ def methods(env: dict, s: int) -> dict:
     from mlx_lm.models.base import quantized_scaled_dot_product_attention as qsdpa
 
     q, k, v = env["q"], env["k"], env["v"]
-    scale = D ** -0.5
-    out = {"fp16_sdpa": (lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
-                         k.nbytes + v.nbytes)}
+    scale = D**-0.5
+    out = {"fp16_sdpa": (lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), k.nbytes + v.nbytes)}
     for bits in (8, 4):
         qk, qv = env[f"a{bits}"]
         out[f"mlxlm_qsdpa_a{bits}"] = (
             # mlx-lm scales its queries in place (queries *= scale): give it a fresh array.
             lambda qk=qk, qv=qv, bits=bits: qsdpa(q * 1.0, qk, qv, scale, None, 64, bits),
-            nbytes(qk) + nbytes(qv))
+            nbytes(qk) + nbytes(qv),
+        )
         out[f"dequant_sdpa_a{bits}"] = (
             lambda qk=qk, qv=qv, bits=bits: mx.fast.scaled_dot_product_attention(
-                q, mx.dequantize(*qk, group_size=64, bits=bits),
-                mx.dequantize(*qv, group_size=64, bits=bits), scale=scale),
-            nbytes(qk) + nbytes(qv))
+                q, mx.dequantize(*qk, group_size=64, bits=bits), mx.dequantize(*qv, group_size=64, bits=bits), scale=scale
+            ),
+            nbytes(qk) + nbytes(qv),
+        )
     for name in TQ:
         view = env[name]
         seg_k, seg_v, _ = view.segments[0]
         cache_bytes = nbytes(seg_k.values()) + nbytes(seg_v.values())
-        out[f"fused_{name}"] = (lambda view=view: compressed_attention(q, view, scale),
-                                cache_bytes)
+        out[f"fused_{name}"] = (lambda view=view: compressed_attention(q, view, scale), cache_bytes)
         if name == "tq4":  # the portable kernel, and the compiled fused path the two-launch
             # step replaced, side by side
             out["fused_tq4_portable"] = (lambda view=view: _portable(q, view, scale), cache_bytes)
             out["compiled_tq4"] = (lambda view=view: _compiled(q, view, scale), cache_bytes)
         if name in ("tq4", "tq3"):
-            out[f"dequant_sdpa_{name}"] = (lambda view=view: _dequant_sdpa(q, view, scale),
-                                           cache_bytes)
+            out[f"dequant_sdpa_{name}"] = (lambda view=view: _dequant_sdpa(q, view, scale), cache_bytes)
             out[f"kernel_{name}"] = (_kernel_only(q, view, scale), cache_bytes)
     if "answer_tq4" in env:  # a step while answering: the sink and a 256-token window as well
         view = env["answer_tq4"]
@@ -327,8 +340,8 @@ def _kernel_only(q, view, scale):
 def check(env) -> float:
     """Max relative difference of the fused step vs the pure-MLX path on the same cache."""
     view = env["tq4"]
-    a = compressed_attention(env["q"], view, D ** -0.5, fused=True)
-    b = compressed_attention(env["q"], view, D ** -0.5, fused=False)
+    a = compressed_attention(env["q"], view, D**-0.5, fused=True)
+    b = compressed_attention(env["q"], view, D**-0.5, fused=False)
     return float(mx.abs(a - b).max() / mx.abs(b).max())
 
 
@@ -337,16 +350,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 32768, 131072])
     ap.add_argument("--name", default=None, help="results file name (default attend_<backend>)")
-    ap.add_argument("--chained-layers", type=int, default=8, metavar="L",
-                    help="per length, also fp16 SDPA vs the tq4 step over L chained layers with "
-                         "caches of their own, one evaluation per token (`chained`; 0: none)")
-    ap.add_argument("--methods", nargs="+", metavar="NAME",
-                    help="time only these methods (plus torch's anchors); the other rows of the "
-                         "results file are kept, marked carried_over with their run's date")
-    ap.add_argument("--heads", nargs=2, type=int, default=[HQ, HKV], metavar=("Q", "KV"),
-                    help="query and KV heads (default Llama-3.1-8B's 32 8; Qwen2.5-7B: 28 4)")
-    ap.add_argument("--profile", action="store_true",
-                    help="only run the tq4 kernels at the largest length (for ncu), no output")
+    ap.add_argument(
+        "--chained-layers",
+        type=int,
+        default=8,
+        metavar="L",
+        help="per length, also fp16 SDPA vs the tq4 step over L chained layers with "
+        "caches of their own, one evaluation per token (`chained`; 0: none)",
+    )
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        metavar="NAME",
+        help="time only these methods (plus torch's anchors); the other rows of the "
+        "results file are kept, marked carried_over with their run's date",
+    )
+    ap.add_argument(
+        "--heads",
+        nargs=2,
+        type=int,
+        default=[HQ, HKV],
+        metavar=("Q", "KV"),
+        help="query and KV heads (default Llama-3.1-8B's 32 8; Qwen2.5-7B: 28 4)",
+    )
+    ap.add_argument("--profile", action="store_true", help="only run the tq4 kernels at the largest length (for ncu), no output")
     args = ap.parse_args()
     HQ, HKV = args.heads
     if HQ % HKV:
@@ -357,7 +384,7 @@ def main() -> None:
         view, q = env["tq4"], env["q"]
         for step in (compressed_attention, _portable):
             for _ in range(8):
-                mx.eval(step(q, view, D ** -0.5))
+                mx.eval(step(q, view, D**-0.5))
         return
     rows, checks, duels, chains = [], {}, {}, {}
     for s in args.lengths:
@@ -365,33 +392,49 @@ def main() -> None:
         if backend != "cpu":
             duels[s] = head_to_head(env)
             d = duels[s]
-            print(f"S={s:>6} head to head: fp16 {d['pipelined_ms']['fp16_sdpa']:.4f} ms, tq4 "
-                  f"{d['pipelined_ms']['fused_tq4']:.4f} ms: {d['speedup']:.2f}x (rounds "
-                  f"{d['speedup_per_round'][0]:.2f}-{d['speedup_per_round'][-1]:.2f}x); tq4 "
-                  f"build {d['tq4_build_us']:.1f} us (its compiled call "
-                  f"{d['tq4_compiled_call_us'] or 0:.1f}), replayed {d['tq4_replayed']} / "
-                  f"{d['tq4_replayed'] + d['tq4_not_replayed']}", flush=True)
+            print(
+                f"S={s:>6} head to head: fp16 {d['pipelined_ms']['fp16_sdpa']:.4f} ms, tq4 "
+                f"{d['pipelined_ms']['fused_tq4']:.4f} ms: {d['speedup']:.2f}x (rounds "
+                f"{d['speedup_per_round'][0]:.2f}-{d['speedup_per_round'][-1]:.2f}x); tq4 "
+                f"build {d['tq4_build_us']:.1f} us (its compiled call "
+                f"{d['tq4_compiled_call_us'] or 0:.1f}), replayed {d['tq4_replayed']} / "
+                f"{d['tq4_replayed'] + d['tq4_not_replayed']}",
+                flush=True,
+            )
         if backend != "cpu" and args.chained_layers:
             c = chains[s] = chained(s, args.chained_layers)
-            print(f"S={s:>6} {c['layers']} chained layers, one evaluation: per layer fp16 "
-                  f"{c['per_layer_ms']['fp16_sdpa']:.4f} ms, tq4 "
-                  f"{c['per_layer_ms']['fused_tq4']:.4f} ms: {c['speedup']:.2f}x (rounds "
-                  f"{c['speedup_per_round'][0]:.2f}-"
-                  f"{c['speedup_per_round'][-1]:.2f}x)", flush=True)
+            print(
+                f"S={s:>6} {c['layers']} chained layers, one evaluation: per layer fp16 "
+                f"{c['per_layer_ms']['fp16_sdpa']:.4f} ms, tq4 "
+                f"{c['per_layer_ms']['fused_tq4']:.4f} ms: {c['speedup']:.2f}x (rounds "
+                f"{c['speedup_per_round'][0]:.2f}-"
+                f"{c['speedup_per_round'][-1]:.2f}x)",
+                flush=True,
+            )
         checks[s] = check(env)
         for name, (fn, cache_bytes) in methods(env, s).items():
             if args.methods and name not in args.methods:
                 continue
             t_sync, t_pipe = sync_ms(fn), pipelined_ms(fn)
-            rows.append({"S": s, "method": name, "sync_ms": t_sync, "pipelined_ms": t_pipe,
-                         "cache_bytes": cache_bytes,
-                         "gbs_sync": cache_bytes / t_sync / 1e6,
-                         "gbs_pipelined": cache_bytes / t_pipe / 1e6,
-                         "anchor_ms": ANCHORS_MS.get(name, {}).get(s)})
+            rows.append(
+                {
+                    "S": s,
+                    "method": name,
+                    "sync_ms": t_sync,
+                    "pipelined_ms": t_pipe,
+                    "cache_bytes": cache_bytes,
+                    "gbs_sync": cache_bytes / t_sync / 1e6,
+                    "gbs_pipelined": cache_bytes / t_pipe / 1e6,
+                    "anchor_ms": ANCHORS_MS.get(name, {}).get(s),
+                }
+            )
             r = rows[-1]
-            print(f"S={s:>6} {name:<20} sync {t_sync:7.3f} ms  pipelined {t_pipe:7.3f} ms  "
-                  f"{r['gbs_pipelined']:7.0f} GB/s ({100 * r['gbs_pipelined'] / PEAK_GBS:4.1f}% "
-                  f"of {PEAK_GBS:.0f})", flush=True)
+            print(
+                f"S={s:>6} {name:<20} sync {t_sync:7.3f} ms  pipelined {t_pipe:7.3f} ms  "
+                f"{r['gbs_pipelined']:7.0f} GB/s ({100 * r['gbs_pipelined'] / PEAK_GBS:4.1f}% "
+                f"of {PEAK_GBS:.0f})",
+                flush=True,
+            )
         if backend == "cuda":
             rows += torch_rows(s)
         del env
@@ -399,15 +442,30 @@ def main() -> None:
         rows += _carried(args.name or f"attend_{backend}", rows)
     ratios = _ratios([r for r in rows if "carried_over" not in r])
     _table(rows, ratios)
-    path = write(args.name or f"attend_{backend}", {
-        "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "batch": B, "query_tokens": 1},
-        "kernel_backend": backend, "peak_gbs": PEAK_GBS, "rows": rows, "ratios": ratios,
-        "fused_vs_mlx_path_max_rel_diff": checks,
-        "head_to_head": duels or None, "chained": chains or None,
-        "knobs": {"TARGET_GROUPS": da.TARGET_GROUPS or "auto", "SM_COUNT": da.SM_COUNT,
-                  "NT": da.NT, "PREFETCH": da.PREFETCH, "MIN_SPLIT_TILES": da.MIN_SPLIT_TILES,
-                  "MIN_BLOCKS": da.MIN_BLOCKS, "STAGE_WORDS": da.STAGE_WORDS,
-                  "MMA_WARPS": dm.WARPS, "MMA_STAGES": dm.STAGES}})
+    path = write(
+        args.name or f"attend_{backend}",
+        {
+            "shapes": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "batch": B, "query_tokens": 1},
+            "kernel_backend": backend,
+            "peak_gbs": PEAK_GBS,
+            "rows": rows,
+            "ratios": ratios,
+            "fused_vs_mlx_path_max_rel_diff": checks,
+            "head_to_head": duels or None,
+            "chained": chains or None,
+            "knobs": {
+                "TARGET_GROUPS": da.TARGET_GROUPS or "auto",
+                "SM_COUNT": da.SM_COUNT,
+                "NT": da.NT,
+                "PREFETCH": da.PREFETCH,
+                "MIN_SPLIT_TILES": da.MIN_SPLIT_TILES,
+                "MIN_BLOCKS": da.MIN_BLOCKS,
+                "STAGE_WORDS": da.STAGE_WORDS,
+                "MMA_WARPS": dm.WARPS,
+                "MMA_STAGES": dm.STAGES,
+            },
+        },
+    )
     print(f"wrote {path}")
 
 
@@ -425,8 +483,7 @@ def _carried(name: str, rows: list) -> list:
     old = json.loads(path.read_text())
     done = {(r["S"], r["method"]) for r in rows}
     date = old.get("environment", {}).get("date", "unknown")
-    return [{**r, "carried_over": r.get("carried_over", date)} for r in old.get("rows", [])
-            if (r["S"], r["method"]) not in done]
+    return [{**r, "carried_over": r.get("carried_over", date)} for r in old.get("rows", []) if (r["S"], r["method"]) not in done]
 
 
 def torch_rows(s: int, steps: int = 30, reps: int = 7) -> list:
@@ -444,12 +501,12 @@ def torch_rows(s: int, steps: int = 30, reps: int = 7) -> list:
     k = torch.randn(B, HKV, s, D, device="cuda", dtype=torch.float16)
     v = torch.randn(B, HKV, s, D, device="cuda", dtype=torch.float16)
     rows = []
-    for label, backend in (("torch_cudnn_fp16", SDPBackend.CUDNN_ATTENTION),
-                           ("torch_flash_fp16", SDPBackend.FLASH_ATTENTION)):
+    for label, backend in (("torch_cudnn_fp16", SDPBackend.CUDNN_ATTENTION), ("torch_flash_fp16", SDPBackend.FLASH_ATTENTION)):
         try:
             with sdpa_kernel(backend):
                 f = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-                    q, k, v, enable_gqa=True)
+                    q, k, v, enable_gqa=True
+                )
                 f()
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -466,9 +523,19 @@ def torch_rows(s: int, steps: int = 30, reps: int = 7) -> list:
                 times.append(a.elapsed_time(b) / steps)
             ms = statistics.median(times)
             nb = k.numel() * 2 * 2
-            rows.append({"S": s, "method": label, "sync_ms": ms, "pipelined_ms": ms,
-                         "cache_bytes": nb, "gbs_sync": nb / ms / 1e6, "gbs_pipelined": nb / ms / 1e6,
-                         "anchor_ms": None, "timing": "torch CUDA graph replay"})
+            rows.append(
+                {
+                    "S": s,
+                    "method": label,
+                    "sync_ms": ms,
+                    "pipelined_ms": ms,
+                    "cache_bytes": nb,
+                    "gbs_sync": nb / ms / 1e6,
+                    "gbs_pipelined": nb / ms / 1e6,
+                    "anchor_ms": None,
+                    "timing": "torch CUDA graph replay",
+                }
+            )
             print(f"S={s:>6} {label:<20} {ms:7.3f} ms (graph replay)", flush=True)
         except Exception as err:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
             print(f"S={s:>6} {label:<20} unavailable: {type(err).__name__}: {err}", flush=True)
@@ -482,15 +549,28 @@ def _ratios(rows) -> list:
     for (s, name), r in t.items():
         if not name.startswith("fused_tq"):
             continue
-        for other, target in (("fp16_sdpa", 2.0), ("torch_cudnn_fp16", 1.0),
-                              ("mlxlm_qsdpa_a8", 5.0), ("mlxlm_qsdpa_a4", 5.0),
-                              ("dequant_sdpa_a8", 1.5), ("dequant_sdpa_a4", 1.5),
-                              (f"dequant_sdpa_{name[6:]}", 1.5)):
+        for other, target in (
+            ("fp16_sdpa", 2.0),
+            ("torch_cudnn_fp16", 1.0),
+            ("mlxlm_qsdpa_a8", 5.0),
+            ("mlxlm_qsdpa_a4", 5.0),
+            ("dequant_sdpa_a8", 1.5),
+            ("dequant_sdpa_a4", 1.5),
+            (f"dequant_sdpa_{name[6:]}", 1.5),
+        ):
             if (s, other) not in t:
                 continue
             for mode in ("sync_ms", "pipelined_ms"):
-                out.append({"S": s, "fused": name, "vs": other, "mode": mode[:-3],
-                            "speedup": t[(s, other)][mode] / r[mode], "target": target})
+                out.append(
+                    {
+                        "S": s,
+                        "fused": name,
+                        "vs": other,
+                        "mode": mode[:-3],
+                        "speedup": t[(s, other)][mode] / r[mode],
+                        "target": target,
+                    }
+                )
     return out
 
 
@@ -498,16 +578,14 @@ def _table(rows, ratios) -> None:
     print("\n| S | method | sync ms | pipelined ms | GB/s (pipelined) |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['S']} | {r['method']} | {r['sync_ms']:.3f} | {r['pipelined_ms']:.3f} | "
-              f"{r['gbs_pipelined']:.0f} |")
+        print(f"| {r['S']} | {r['method']} | {r['sync_ms']:.3f} | {r['pipelined_ms']:.3f} | {r['gbs_pipelined']:.0f} |")
     print("\n| S | fused | vs | sync speedup | pipelined speedup | target |")
     print("|---|---|---|---|---|---|")
     pairs = {}
     for x in ratios:
         pairs.setdefault((x["S"], x["fused"], x["vs"], x["target"]), {})[x["mode"]] = x["speedup"]
     for (s, f, vs, target), v in pairs.items():
-        print(f"| {s} | {f} | {vs} | {v.get('sync', 0):.2f}x | {v.get('pipelined', 0):.2f}x | "
-              f">= {target}x |")
+        print(f"| {s} | {f} | {vs} | {v.get('sync', 0):.2f}x | {v.get('pipelined', 0):.2f}x | >= {target}x |")
 
 
 if __name__ == "__main__":

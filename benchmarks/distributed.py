@@ -58,6 +58,7 @@ def worker(args) -> None:
             if op == "all_sum" and len(arrays) < 64:
                 arrays.append((x, k.get("group")))
             return real[op](x, *a, **k)
+
         return call
 
     for op in OPS:
@@ -72,8 +73,9 @@ def worker(args) -> None:
     answer_s = time.perf_counter() - t0 - answer.first_token_seconds
     tokens = max(1, len(answer.tokens) if answer.tokens else args.answer)
     steps = max(1, tokens - 1)
-    per_token = {op: {"calls": (counts[op][0] - base[op][0]) / tokens, "bytes": (counts[op][1] - base[op][1]) / tokens}
-                 for op in OPS}
+    per_token = {
+        op: {"calls": (counts[op][0] - base[op][0]) / tokens, "bytes": (counts[op][1] - base[op][1]) / tokens} for op in OPS
+    }
     reduce_s = 0.0
     if arrays and distributed.group() is not None:  # the all-reduces of one token, timed alone
         per = int(round(per_token["all_sum"]["calls"])) or 1
@@ -83,17 +85,24 @@ def worker(args) -> None:
         for _ in range(10):
             mx.eval([real["all_sum"](s, group=g) for s, g in sample])
         reduce_s = (time.perf_counter() - t) / 10
-    row = {"rank": int(os.environ.get("MLX_RANK", "0")), "topology": result.entry.topology or "single",
-           "tokens": result.entry.tokens, "ingest_seconds": ingest_s, "cache_bytes": result.entry.bytes,
-           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-           "answer": text, "answer_tokens": tokens, "decode_tok_s": steps / answer_s if answer_s > 0 else None,
-           "per_answer_token": per_token,
-           "collective_calls_per_token": sum(v["calls"] for v in per_token.values()),
-           "collective_bytes_per_token": sum(v["bytes"] for v in per_token.values()),
-           "all_reduce_calls_per_token": per_token["all_sum"]["calls"],
-           "all_reduce_bytes_per_token": per_token["all_sum"]["bytes"],
-           "all_reduce_seconds_per_token": reduce_s,
-           "all_reduce_share_of_token": reduce_s * steps / answer_s if answer_s > 0 and reduce_s else None}
+    row = {
+        "rank": int(os.environ.get("MLX_RANK", "0")),
+        "topology": result.entry.topology or "single",
+        "tokens": result.entry.tokens,
+        "ingest_seconds": ingest_s,
+        "cache_bytes": result.entry.bytes,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "answer": text,
+        "answer_tokens": tokens,
+        "decode_tok_s": steps / answer_s if answer_s > 0 else None,
+        "per_answer_token": per_token,
+        "collective_calls_per_token": sum(v["calls"] for v in per_token.values()),
+        "collective_bytes_per_token": sum(v["bytes"] for v in per_token.values()),
+        "all_reduce_calls_per_token": per_token["all_sum"]["calls"],
+        "all_reduce_bytes_per_token": per_token["all_sum"]["bytes"],
+        "all_reduce_seconds_per_token": reduce_s,
+        "all_reduce_share_of_token": reduce_s * steps / answer_s if answer_s > 0 and reduce_s else None,
+    }
     Path(args.out).joinpath(f"{row['topology'].replace(':', '_')}.json").write_text(json.dumps(row))
 
 
@@ -112,8 +121,9 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=16)
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--home", default=None, help="the runs' LONGCTX_HOME (default: a new folder; "
-                    "one that holds the model's import saves it)")
+    ap.add_argument(
+        "--home", default=None, help="the runs' LONGCTX_HOME (default: a new folder; one that holds the model's import saves it)"
+    )
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -121,32 +131,67 @@ def main() -> None:
     home = Path(args.home) if args.home else out / "home"
     env = {**os.environ, "LONGCTX_HOME": str(home)}
     # the model's one-time import (a GGUF becomes an mlx-lm directory) before any timing
-    subprocess.run([sys.executable, "-c", "import sys; from longctx.runtime import models; "
-                    "models.resolve(sys.argv[1] if len(sys.argv) > 1 else None)", *([args.model] if args.model else [])],
-                   env=env, check=True, timeout=3600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from longctx.runtime import models; models.resolve(sys.argv[1] if len(sys.argv) > 1 else None)",
+            *([args.model] if args.model else []),
+        ],
+        env=env,
+        check=True,
+        timeout=3600,
+    )
 
     def me(parallel: str, folder: Path) -> list[str]:
         folder.mkdir(exist_ok=True)
-        return [sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(folder), "--doc", args.doc,
-                "--answer", str(args.answer), "--parallel", parallel] + (["--model", args.model] if args.model else [])
+        return [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--out",
+            str(folder),
+            "--doc",
+            args.doc,
+            "--answer",
+            str(args.answer),
+            "--parallel",
+            parallel,
+        ] + (["--model", args.model] if args.model else [])
 
     subprocess.run(me("tensor", out / "single"), env=env, check=True, timeout=7200)
     single = json.loads(next((out / "single").glob("*.json")).read_text())
-    result = {"environment": environment(), "model": args.model or "default", "document": Path(args.doc).name,
-              "ranks": args.ranks, "single": single}
+    result = {
+        "environment": environment(),
+        "model": args.model or "default",
+        "document": Path(args.doc).name,
+        "ranks": args.ranks,
+        "single": single,
+    }
     _report(single)
     for parallel in args.parallel:
-        launch = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", str(args.ranks),
-                  "--starting-port", str(_port()), "--", *me(parallel, out / parallel)]
+        launch = [
+            str(Path(sys.executable).parent / "mlx.launch"),
+            "--backend",
+            "ring",
+            "-n",
+            str(args.ranks),
+            "--starting-port",
+            str(_port()),
+            "--",
+            *me(parallel, out / parallel),
+        ]
         subprocess.run(launch, env=env, check=True, timeout=7200)
         ranks = [json.loads(p.read_text()) for p in sorted((out / parallel).glob("*.json"))]
         if len(ranks) != args.ranks:
             raise SystemExit(f"{parallel}: only {len(ranks)} of {args.ranks} ranks reported")
-        result[parallel] = {"per_rank": ranks,
-                            "same_answer": all(r["answer"] == single["answer"] for r in ranks),
-                            "ingest_vs_single": [r["ingest_seconds"] / single["ingest_seconds"] for r in ranks],
-                            "peak_rss_vs_single": [r["peak_rss_bytes"] / single["peak_rss_bytes"] for r in ranks],
-                            "cache_bytes_vs_single": [r["cache_bytes"] / single["cache_bytes"] for r in ranks]}
+        result[parallel] = {
+            "per_rank": ranks,
+            "same_answer": all(r["answer"] == single["answer"] for r in ranks),
+            "ingest_vs_single": [r["ingest_seconds"] / single["ingest_seconds"] for r in ranks],
+            "peak_rss_vs_single": [r["peak_rss_bytes"] / single["peak_rss_bytes"] for r in ranks],
+            "cache_bytes_vs_single": [r["cache_bytes"] / single["cache_bytes"] for r in ranks],
+        }
         for r in ranks:
             _report(r)
         print(f"{parallel}: same answer as one process: {result[parallel]['same_answer']}")
@@ -156,10 +201,15 @@ def main() -> None:
 
 
 def _report(r: dict) -> None:
-    print(f"{r['topology']:>12}: ingest {r['ingest_seconds']:.1f} s, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, "
-          f"cache {r['cache_bytes'] / 2**20:.1f} MiB, per answer token: "
-          + ", ".join(f"{v['calls']:.0f} {op} ({v['bytes'] / 1024:.1f} KiB)"
-                      for op, v in r["per_answer_token"].items() if v["calls"]), flush=True)
+    print(
+        f"{r['topology']:>12}: ingest {r['ingest_seconds']:.1f} s, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, "
+        f"cache {r['cache_bytes'] / 2**20:.1f} MiB, per answer token: "
+        + ", ".join(
+            f"{v['calls']:.0f} {op} ({v['bytes'] / 1024:.1f} KiB)" for op, v in r["per_answer_token"].items() if v["calls"]
+        ),
+        flush=True,
+    )
+
 
 if __name__ == "__main__":
     main()

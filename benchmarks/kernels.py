@@ -58,6 +58,7 @@ def _gpu(fn, *args):
 
 # numpy versions ------------------------------------------------------------------------------
 
+
 def np_pack(v: np.ndarray, bits: int) -> np.ndarray:
     """Word k of a group holds bits [32k, 32k + 32) of the group's little-endian bit stream."""
     rows, n = v.shape
@@ -106,8 +107,7 @@ def np_fwht(x: np.ndarray) -> np.ndarray:
 def np_hadamard_quantize(x, signs, bounds, bits):
     nrm = np.sqrt((x * x).sum(-1))
     y = np_fwht(x / np.maximum(nrm, 1e-30)[:, None] * signs) / np.sqrt(x.shape[-1])
-    return np_pack(np.searchsorted(bounds, y, side="left").astype(np.uint8), bits), \
-        np.minimum(nrm, 65504).astype(np.float16)
+    return np_pack(np.searchsorted(bounds, y, side="left").astype(np.uint8), bits), np.minimum(nrm, 65504).astype(np.float16)
 
 
 def np_qjl(r, st):
@@ -116,6 +116,7 @@ def np_qjl(r, st):
 
 
 # ---------------------------------------------------------------------------------------------
+
 
 def cases(n: int) -> dict:
     """op -> (kernel fn, reference fn, numpy fn), for n values."""
@@ -140,21 +141,24 @@ def cases(n: int) -> dict:
     st_np = np.array(st)
     mx.eval(codes_mx, words_mx, x_mx, idx_mx, v_mx, signs, st)
     return {
-        "pack_b3": (_gpu(kp.pack, codes_mx, BITS), _gpu(kp.pack_reference, codes_mx, BITS),
-                    lambda: np_pack(codes, BITS)),
-        "unpack_b3": (_gpu(kp.unpack, words_mx, BITS, 128),
-                      _gpu(kp.unpack_reference, words_mx, BITS, 128),
-                      lambda: np_unpack(words_np, BITS, 128)),
-        "quantize_b4": (_gpu(sq.quantize, x_mx, bounds), _gpu(sq.quantize_reference, x_mx, bounds),
-                        lambda: np.searchsorted(b_np, x_np, side="left").astype(np.uint8)),
-        "dequantize_b4": (_gpu(sq.dequantize, idx_mx, cents),
-                          _gpu(sq.dequantize_reference, idx_mx, cents), lambda: c_np[idx_np]),
+        "pack_b3": (_gpu(kp.pack, codes_mx, BITS), _gpu(kp.pack_reference, codes_mx, BITS), lambda: np_pack(codes, BITS)),
+        "unpack_b3": (
+            _gpu(kp.unpack, words_mx, BITS, 128),
+            _gpu(kp.unpack_reference, words_mx, BITS, 128),
+            lambda: np_unpack(words_np, BITS, 128),
+        ),
+        "quantize_b4": (
+            _gpu(sq.quantize, x_mx, bounds),
+            _gpu(sq.quantize_reference, x_mx, bounds),
+            lambda: np.searchsorted(b_np, x_np, side="left").astype(np.uint8),
+        ),
+        "dequantize_b4": (_gpu(sq.dequantize, idx_mx, cents), _gpu(sq.dequantize_reference, idx_mx, cents), lambda: c_np[idx_np]),
         "hadamard_quantize_d128_b4": (
             _gpu(hq.hadamard_quantize, v_mx, signs, bounds),
             _gpu(hq.hadamard_quantize_reference, v_mx, signs, bounds),
-            lambda: np_hadamard_quantize(v_np, signs_np, b_np, 4)),
-        "qjl_encode_d128": (_gpu(qe.qjl_encode, v_mx, st), _gpu(qe.qjl_encode_reference, v_mx, st),
-                            lambda: np_qjl(v_np, st_np)),
+            lambda: np_hadamard_quantize(v_np, signs_np, b_np, 4),
+        ),
+        "qjl_encode_d128": (_gpu(qe.qjl_encode, v_mx, st), _gpu(qe.qjl_encode_reference, v_mx, st), lambda: np_qjl(v_np, st_np)),
     }
 
 
@@ -181,20 +185,30 @@ def main() -> None:
         n = 1 << lg
         reps = 30 if lg <= 18 else 8
         for op, (kern, ref, npy) in cases(n).items():
-            row = {"n": n, "kernel_ms": _median_ms(kern, reps), "mlx_ref_ms": _median_ms(ref, reps),
-                   "numpy_ms": _median_ms(npy, max(3, reps // 3))}
+            row = {
+                "n": n,
+                "kernel_ms": _median_ms(kern, reps),
+                "mlx_ref_ms": _median_ms(ref, reps),
+                "numpy_ms": _median_ms(npy, max(3, reps // 3)),
+            }
             results.setdefault(op, []).append(row)
-            print(f"{op:<26} n=2^{lg:<2} kernel {row['kernel_ms']:8.3f} ms  mlx_ref "
-                  f"{row['mlx_ref_ms']:8.3f} ms  numpy {row['numpy_ms']:9.3f} ms", flush=True)
-    summary = {op: {"kernel_beats_numpy_from": crossover(rows, "kernel_ms", "numpy_ms"),
-                    "kernel_beats_mlx_ref_from": crossover(rows, "kernel_ms", "mlx_ref_ms")}
-               for op, rows in results.items()}
+            print(
+                f"{op:<26} n=2^{lg:<2} kernel {row['kernel_ms']:8.3f} ms  mlx_ref "
+                f"{row['mlx_ref_ms']:8.3f} ms  numpy {row['numpy_ms']:9.3f} ms",
+                flush=True,
+            )
+    summary = {
+        op: {
+            "kernel_beats_numpy_from": crossover(rows, "kernel_ms", "numpy_ms"),
+            "kernel_beats_mlx_ref_from": crossover(rows, "kernel_ms", "mlx_ref_ms"),
+        }
+        for op, rows in results.items()
+    }
     print("\n| op | kernel beats numpy from n = | kernel beats MLX reference from n = |")
     print("|---|---|---|")
     for op, s in summary.items():
         print(f"| {op} | {s['kernel_beats_numpy_from']} | {s['kernel_beats_mlx_ref_from']} |")
-    path = write(args.name or f"kernels_{backend}", {"kernel_backend": backend,
-                                                      "results": results, "crossover": summary})
+    path = write(args.name or f"kernels_{backend}", {"kernel_backend": backend, "results": results, "crossover": summary})
     print(f"wrote {path}")
 
 

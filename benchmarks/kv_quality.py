@@ -68,12 +68,17 @@ def run_length(lm, n: int, presets: list[str], needles: int, answer: int, essays
     print(f"[{n}] prefix {len(ids)} tokens, {needles} needles; exact prefill...", file=sys.stderr, flush=True)
     exact, prefill_s = quality.prefill_exact(lm.model, ids)
     head = len(ids) - answer
-    row = {"tokens": len(ids), "answer_tokens": answer, "prefill_seconds": round(prefill_s, 1),
-           "depths": list(case.needle_depths), "presets": {}}
+    row = {
+        "tokens": len(ids),
+        "answer_tokens": answer,
+        "prefill_seconds": round(prefill_s, 1),
+        "depths": list(case.needle_depths),
+        "presets": {},
+    }
     truncated = {}
     for p in presets:
         truncated[p] = quality.compressed(lm.model, exact, p, upto=head)
-    scores = quality.answer_scores(lm.model, truncated, ids[head - 1:])
+    scores = quality.answer_scores(lm.model, truncated, ids[head - 1 :])
     del truncated
     for p in presets:
         full = quality.compressed(lm.model, exact, p)
@@ -86,14 +91,22 @@ def run_length(lm, n: int, presets: list[str], needles: int, answer: int, essays
         s = scores[p]
         row["presets"][p] = {
             "bits_per_channel": round(bits_per_channel(kvcache.get_preset(p), kvcache.head_dims(lm.model)[0], len(ids)), 3),
-            "answer_kl": s["kl"], "answer_ppl": s["ppl"],
-            "ppl_delta_pct": 100 * (s["ppl"] / scores["fp16"]["ppl"] - 1), "top1": s["top1"],
-            "niah": found, "niah_score": sum(found) / len(found), "answers": answers,
+            "answer_kl": s["kl"],
+            "answer_ppl": s["ppl"],
+            "ppl_delta_pct": 100 * (s["ppl"] / scores["fp16"]["ppl"] - 1),
+            "top1": s["top1"],
+            "niah": found,
+            "niah_score": sum(found) / len(found),
+            "answers": answers,
         }
         r = row["presets"][p]
-        print(f"[{n}] {p:>8} {r['bits_per_channel']:6.2f} b/ch  KL {r['answer_kl']:.5f}  "
-              f"dppl {r['ppl_delta_pct']:+6.2f}%  top1 {100 * r['top1']:5.1f}%  "
-              f"NIAH {sum(found):g}/{len(found)}", file=sys.stderr, flush=True)
+        print(
+            f"[{n}] {p:>8} {r['bits_per_channel']:6.2f} b/ch  KL {r['answer_kl']:.5f}  "
+            f"dppl {r['ppl_delta_pct']:+6.2f}%  top1 {100 * r['top1']:5.1f}%  "
+            f"NIAH {sum(found):g}/{len(found)}",
+            file=sys.stderr,
+            flush=True,
+        )
         del full
     row["expected"] = [list(p.answers) for p in case.probes]
     return row
@@ -113,9 +126,13 @@ def main() -> None:
     lm = models.load(models.resolve(args.model))
     presets = ["fp16"] + [p for p in args.presets if p != "fp16"]
     out = RESULTS / f"{args.name or 'kv_quality_' + machine_tag()}.json"
-    data = {"model": lm.ref.model_id, "dtype": lm.dtype, "text": "Debian common-licenses: " + ", ".join(TEXTS),
-            "method": "one exact prefill per length; each preset's cache = the compression ingest stores",
-            "runs": []}
+    data = {
+        "model": lm.ref.model_id,
+        "dtype": lm.dtype,
+        "text": "Debian common-licenses: " + ", ".join(TEXTS),
+        "method": "one exact prefill per length; each preset's cache = the compression ingest stores",
+        "runs": [],
+    }
     if out.exists():  # a run of other lengths adds to the file (one file per machine)
         old = json.loads(out.read_text())
         if old.get("model") == data["model"]:

@@ -78,10 +78,13 @@ def main() -> None:
     cells_file.unlink(missing_ok=True)
 
     def on_cell(cell: niah.Cell) -> None:
-        print(f"{cell.task} {cell.preset:>7} {cell.length:>6} d={cell.depth:.2f} "
-              f"tok={cell.tokens} score={cell.score:.2f} answer={cell.answer[:48]!r} "
-              f"t={cell.answer_seconds:.2f}s ingest={cell.ingest_seconds:.2f}s", file=sys.stderr,
-              flush=True)
+        print(
+            f"{cell.task} {cell.preset:>7} {cell.length:>6} d={cell.depth:.2f} "
+            f"tok={cell.tokens} score={cell.score:.2f} answer={cell.answer[:48]!r} "
+            f"t={cell.answer_seconds:.2f}s ingest={cell.ingest_seconds:.2f}s",
+            file=sys.stderr,
+            flush=True,
+        )
         with open(cells_file, "a") as f:
             f.write(json.dumps(asdict(cell)) + "\n")
 
@@ -91,17 +94,30 @@ def main() -> None:
         if left is not None and left <= 0:
             print(f"budget spent; skipping task {task}", file=sys.stderr)
             continue
-        res = niah.run(args.model, task, lengths, depths, split_list(args.kv), args.samples, args.seed,
-                       workdir=Path("/tmp") / f"{name}-docs", shared=args.shared,
-                       on_cell=on_cell, budget_seconds=left)
+        res = niah.run(
+            args.model,
+            task,
+            lengths,
+            depths,
+            split_list(args.kv),
+            args.samples,
+            args.seed,
+            workdir=Path("/tmp") / f"{name}-docs",
+            shared=args.shared,
+            on_cell=on_cell,
+            budget_seconds=left,
+        )
         runs.append(res.to_json())
         for p, s in res.summary().items():
-            print(f"{task} {p}: score {s['score']:.3f} over {s['cells']} cells, "
-                  f"{s['bits_per_channel']:.2f} bits/channel, {s['cache_bytes_per_token']:,.0f} B/token, "
-                  f"answer {s['mean_answer_seconds']:.2f} s, ingest {s['mean_ingest_seconds']:.2f} s")
+            print(
+                f"{task} {p}: score {s['score']:.3f} over {s['cells']} cells, "
+                f"{s['bits_per_channel']:.2f} bits/channel, {s['cache_bytes_per_token']:,.0f} B/token, "
+                f"answer {s['mean_answer_seconds']:.2f} s, ingest {s['mean_ingest_seconds']:.2f} s"
+            )
     path = out / f"{name}.json"
-    path.write_text(json.dumps({"environment": environment(), "seconds": round(time.perf_counter() - start, 1),
-                                "runs": runs}, indent=1))
+    path.write_text(
+        json.dumps({"environment": environment(), "seconds": round(time.perf_counter() - start, 1), "runs": runs}, indent=1)
+    )
     print(f"wrote {path}")
     try:
         for p in plot(path):

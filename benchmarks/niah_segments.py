@@ -68,28 +68,43 @@ def main() -> None:
     cells_file.unlink(missing_ok=True)
 
     def on_cell(c: niah_segments.Cell) -> None:
-        print(f"{c.task:>10} {c.ranker:>5} {c.length:>6} d={c.depth:.2f} seg={c.needle_segment}/"
-              f"{c.segments} rank={c.ranking[:4]} r@1={c.recall_at_1:.0f} score={c.score:.2f} "
-              f"answer={c.answer[:40]!r} restore={c.restore_seconds:.2f}s "
-              f"first={c.first_token_seconds:.2f}s ingest={c.ingest_seconds:.2f}s",
-              file=sys.stderr, flush=True)
+        print(
+            f"{c.task:>10} {c.ranker:>5} {c.length:>6} d={c.depth:.2f} seg={c.needle_segment}/"
+            f"{c.segments} rank={c.ranking[:4]} r@1={c.recall_at_1:.0f} score={c.score:.2f} "
+            f"answer={c.answer[:40]!r} restore={c.restore_seconds:.2f}s "
+            f"first={c.first_token_seconds:.2f}s ingest={c.ingest_seconds:.2f}s",
+            file=sys.stderr,
+            flush=True,
+        )
         with open(cells_file, "a") as f:
             f.write(json.dumps(asdict(c)) + "\n")
 
-    res = niah_segments.run(args.model, [niah.parse_length(n) for n in split_list(args.lengths)],
-                            [float(d) / 100 for d in split_list(args.depths)], split_list(args.rankers),
-                            split_list(args.tasks), preset=args.kv, seed=args.seed,
-                            workdir=Path("/tmp") / f"{name}-docs", on_cell=on_cell,
-                            budget_seconds=args.budget_s)
+    res = niah_segments.run(
+        args.model,
+        [niah.parse_length(n) for n in split_list(args.lengths)],
+        [float(d) / 100 for d in split_list(args.depths)],
+        split_list(args.rankers),
+        split_list(args.tasks),
+        preset=args.kv,
+        seed=args.seed,
+        workdir=Path("/tmp") / f"{name}-docs",
+        on_cell=on_cell,
+        budget_seconds=args.budget_s,
+    )
     res.environment = environment()
     for task, per_ranker in res.summary().items():
         for ranker, per in per_ranker.items():
-            cols = "  ".join(f"{n}: {per[str(n)]['recall_at_1']:.2f}/{per[str(n)]['recall_at_2']:.2f}/"
-                             f"{per[str(n)]['accuracy']:.2f}" for n in res.lengths if per.get(str(n)))
+            cols = "  ".join(
+                f"{n}: {per[str(n)]['recall_at_1']:.2f}/{per[str(n)]['recall_at_2']:.2f}/{per[str(n)]['accuracy']:.2f}"
+                for n in res.lengths
+                if per.get(str(n))
+            )
             a = per["all"]
-            print(f"{task:>10} {ranker:>5}  recall@1 {a['recall_at_1']:.2f}  recall@2 "
-                  f"{a['recall_at_2']:.2f}  accuracy {a['accuracy']:.2f}  ({a['cells']} q)  "
-                  f"per length r@1/r@2/acc  {cols}")
+            print(
+                f"{task:>10} {ranker:>5}  recall@1 {a['recall_at_1']:.2f}  recall@2 "
+                f"{a['recall_at_2']:.2f}  accuracy {a['accuracy']:.2f}  ({a['cells']} q)  "
+                f"per length r@1/r@2/acc  {cols}"
+            )
     print(f"segments per document: {res.segments}; {time.perf_counter() - start:.0f} s")
     path = niah_segments.save(res, out / f"{name}.json")
     print(f"wrote {path}")

@@ -66,16 +66,16 @@ CONTEXT = 131072 + 4096  # 128k of document plus room for the question and answe
 SMOKE_SHAPE = {"num_hidden_layers": 4}  # smollm2-135m with 4 of its 30 layers: seconds on a CPU
 NOTES = {
     "vocab": "vocab_size 49,152 (SmolLM2's tokenizer: real text without a download), not 128,256 /"
-             " 152,064: embeddings and LM head are smaller, decode reads ~4% fewer weight bytes; "
-             "attention, MLP and KV shapes are the real models'.",
+    " 152,064: embeddings and LM head are smaller, decode reads ~4% fewer weight bytes; "
+    "attention, MLP and KV shapes are the real models'.",
     "eos": "random weights emit EOS at arbitrary steps: the ask process wraps engine.token_stream "
-           "without stop ids so every answer decodes exactly answer_tokens tokens.",
+    "without stop ids so every answer decodes exactly answer_tokens tokens.",
     "peak": "ingest_peak_bytes: mx.get_peak_memory from the prefill's start (weights included) to "
-            "the cache file written; prefill_peak_bytes: during the prefill only; "
-            "ingest_peak_over_weights subtracts weights_bytes (the 4-bit file; GPUs run it as is, "
-            "the CPU dequantizes to fp32, so not meaningful there).",
+    "the cache file written; prefill_peak_bytes: during the prefill only; "
+    "ingest_peak_over_weights subtracts weights_bytes (the 4-bit file; GPUs run it as is, "
+    "the CPU dequantizes to fp32, so not meaningful there).",
     "first_token": "ask.first: a fresh process (model load, restore, first use); ask.second: the "
-                   "same process asking again; first_token_s counts from the ask call.",
+    "same process asking again; first_token_s counts from the ask call.",
 }
 
 
@@ -91,8 +91,7 @@ def emit(result: dict) -> None:
 def child(*argv: str, timeout: float = 3600) -> tuple[dict, float]:
     """Run this script in a new process (`argv`: an internal command); (its RESULT, wall seconds)."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, *argv], stdout=subprocess.PIPE, text=True,
-                          timeout=timeout)
+    proc = subprocess.run([sys.executable, __file__, *argv], stdout=subprocess.PIPE, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -101,6 +100,7 @@ def child(*argv: str, timeout: float = 3600) -> tuple[dict, float]:
 
 
 # ---- child processes ---------------------------------------------------------------------------
+
 
 def build_model(shape: str, out: str, smoke: bool) -> None:
     """Write the random 4-bit model directory `out` (atomically; longctx.json last, the marker)."""
@@ -119,15 +119,23 @@ def build_model(shape: str, out: str, smoke: bool) -> None:
     extra = dict(SMOKE_SHAPE, max_position_embeddings=4096) if smoke else {}
     model, cfg = random_model(shape, bits=4, vocab_size=vocab, **{"max_position_embeddings": CONTEXT, **extra})
     tok_cfg = json.loads((tok_dir / "config.json").read_text())
-    cfg |= {"quantization": {"group_size": 64, "bits": 4}, "torch_dtype": "bfloat16",
-            "bos_token_id": tok_cfg.get("bos_token_id"), "eos_token_id": tok_cfg.get("eos_token_id")}
+    cfg |= {
+        "quantization": {"group_size": 64, "bits": 4},
+        "torch_dtype": "bfloat16",
+        "bos_token_id": tok_cfg.get("bos_token_id"),
+        "eos_token_id": tok_cfg.get("eos_token_id"),
+    }
     path = Path(out)
     copies = tuple(f for f in tok_dir.iterdir() if f.name.startswith("tokenizer") or f.suffix == ".jinja")
     write_model_dir(path, dict(tree_flatten(model.parameters())), {"config.json": cfg}, copies)
     del model
-    meta = {"model_id": f"random-{shape}{'-smoke' if smoke else ''}-4bit",
-            "weights_sha256": file_sha256(path / "model.safetensors"), "shape": shape,
-            "vocab_size": vocab, "weights_bytes": (path / "model.safetensors").stat().st_size}
+    meta = {
+        "model_id": f"random-{shape}{'-smoke' if smoke else ''}-4bit",
+        "weights_sha256": file_sha256(path / "model.safetensors"),
+        "shape": shape,
+        "vocab_size": vocab,
+        "weights_bytes": (path / "model.safetensors").stat().st_size,
+    }
     tmp = path / ".longctx.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, path / "longctx.json")
@@ -147,11 +155,21 @@ def run_ingest(doc: str, model_dir: str, kv: str) -> None:
     res = session.ingest(doc, model_dir, kv, force=True)
     wall = time.perf_counter() - t0
     s, e = res.stats, res.entry
-    emit({"entry_id": e.id, "tokens": e.tokens, "file_bytes": e.bytes, "ingest_s": wall,
-          "prefill_s": s.seconds, "prefill_tok_s": s.tokens_per_second,
-          "prefill_peak_bytes": s.peak_bytes, "ingest_peak_bytes": mx.get_peak_memory(),
-          "max_eval_s": s.max_eval_seconds, "max_steady_eval_s": s.max_steady_eval_seconds,
-          "max_rss_bytes": _max_rss()})
+    emit(
+        {
+            "entry_id": e.id,
+            "tokens": e.tokens,
+            "file_bytes": e.bytes,
+            "ingest_s": wall,
+            "prefill_s": s.seconds,
+            "prefill_tok_s": s.tokens_per_second,
+            "prefill_peak_bytes": s.peak_bytes,
+            "ingest_peak_bytes": mx.get_peak_memory(),
+            "max_eval_s": s.max_eval_seconds,
+            "max_steady_eval_s": s.max_steady_eval_seconds,
+            "max_rss_bytes": _max_rss(),
+        }
+    )
 
 
 def run_ask(entry_id: str, n: int) -> None:
@@ -184,11 +202,14 @@ def run_ask(entry_id: str, n: int) -> None:
             t0 = time.perf_counter()
             for _ in session.ask(QUESTION, entry_id, max_tokens=n, answer=answer):
                 pass
-            out[label] = {"restore_s": answer.restore_seconds,
-                          "first_token_s": answer.first_token_seconds or stamps[0] - t0,
-                          "first_token_id_s": stamps[0] - t0, "tokens": len(stamps),
-                          "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
-                          "peak_bytes": mx.get_peak_memory()}
+            out[label] = {
+                "restore_s": answer.restore_seconds,
+                "first_token_s": answer.first_token_seconds or stamps[0] - t0,
+                "first_token_id_s": stamps[0] - t0,
+                "tokens": len(stamps),
+                "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+                "peak_bytes": mx.get_peak_memory(),
+            }
     emit(out | {"max_rss_bytes": _max_rss()})
 
 
@@ -197,6 +218,7 @@ def _max_rss() -> int:
 
 
 # ---- the parent ---------------------------------------------------------------------------------
+
 
 def ensure_model(cache: Path, shape: str, smoke: bool) -> tuple[Path, dict]:
     path = cache / "models" / f"{shape}{'-smoke' if smoke else ''}-4bit-v49k"
@@ -225,8 +247,10 @@ def ensure_doc(cache: Path, model_dir: Path, n: int) -> Path:
 def cli_check(model_dir: Path, doc: Path, kv: str, n: int) -> dict:
     """`python -m longctx ingest` then `ask`, as a user runs them; wall times and their JSON."""
     row = {"kv": kv}
-    steps = {"ingest": ["ingest", str(doc), "--model", str(model_dir), "--kv", kv, "--force", "--json"],
-             "ask": ["ask", QUESTION, "--max-tokens", str(n), "--json", "--doc"]}
+    steps = {
+        "ingest": ["ingest", str(doc), "--model", str(model_dir), "--kv", kv, "--force", "--json"],
+        "ask": ["ask", QUESTION, "--max-tokens", str(n), "--json", "--doc"],
+    }
     for step, argv in steps.items():
         if step == "ask":
             argv.append(row["ingest_id"])
@@ -237,8 +261,7 @@ def cli_check(model_dir: Path, doc: Path, kv: str, n: int) -> dict:
             row[f"{step}_error"] = proc.stderr[-500:]
             return row
         got = json.loads(proc.stdout)
-        keep = ("id", "tokens", "bytes", "prefill_seconds") if step == "ingest" else (
-            "restore_seconds", "first_token_seconds")
+        keep = ("id", "tokens", "bytes", "prefill_seconds") if step == "ingest" else ("restore_seconds", "first_token_seconds")
         row |= {f"{step}_{k}": got[k] for k in keep}
     return row
 
@@ -259,8 +282,16 @@ def ratios_of(rows: list[dict]) -> dict:
     """tq4 (any compressed preset) over fp16 for each (shape, tokens) measured with both."""
     out = {}
     for r in rows:
-        base = next((b for b in rows if b["kv"] == "fp16" and b["kv"] != r["kv"]
-                     and (b["shape"], b["tokens_requested"]) == (r["shape"], r["tokens_requested"])), None)
+        base = next(
+            (
+                b
+                for b in rows
+                if b["kv"] == "fp16"
+                and b["kv"] != r["kv"]
+                and (b["shape"], b["tokens_requested"]) == (r["shape"], r["tokens_requested"])
+            ),
+            None,
+        )
         if base is None:
             continue
         i, bi, a, ba = r["ingest"], base["ingest"], r["ask"], base["ask"]
@@ -269,8 +300,9 @@ def ratios_of(rows: list[dict]) -> dict:
             "ingest_peak_vs_fp16": round(peak, 3),
             "ingest_peak_goal_le_0.5": peak <= 0.5,
             # the same without the weights (the file's bytes): what the cache and its work cost
-            "ingest_peak_over_weights_vs_fp16": round((i["ingest_peak_bytes"] - r["weights_bytes"])
-                                                      / (bi["ingest_peak_bytes"] - r["weights_bytes"]), 3),
+            "ingest_peak_over_weights_vs_fp16": round(
+                (i["ingest_peak_bytes"] - r["weights_bytes"]) / (bi["ingest_peak_bytes"] - r["weights_bytes"]), 3
+            ),
             "prefill_peak_vs_fp16": round(i["prefill_peak_bytes"] / bi["prefill_peak_bytes"], 3),
             "file_bytes_vs_fp16": round(i["file_bytes"] / bi["file_bytes"], 3),
             "prefill_tok_s_vs_fp16": round(i["prefill_tok_s"] / bi["prefill_tok_s"], 3),
@@ -281,7 +313,8 @@ def ratios_of(rows: list[dict]) -> dict:
             # chunks 3.. but the last: the first uses of new shapes (kernel compilation) excluded
             "max_steady_eval_s": round(i.get("max_steady_eval_s", i["max_eval_s"]), 3),
             "max_eval_goal_le_1s": i.get("max_steady_eval_s", i["max_eval_s"]) <= 1.0,
-            "same_run": r["run"] == base["run"]}
+            "same_run": r["run"] == base["run"],
+        }
     return out
 
 
@@ -312,14 +345,19 @@ def machine_tag() -> str:
 
 
 def table(rows: list[dict]) -> None:
-    print(f"{'shape':>14} {'kv':>5} {'tokens':>7} {'ingest s':>8} {'prefill t/s':>11} {'peak GiB':>8}"
-          f" {'max eval':>8} {'file GiB':>8} {'1st tok s':>9} {'warm s':>6} {'decode t/s':>10}")
+    print(
+        f"{'shape':>14} {'kv':>5} {'tokens':>7} {'ingest s':>8} {'prefill t/s':>11} {'peak GiB':>8}"
+        f" {'max eval':>8} {'file GiB':>8} {'1st tok s':>9} {'warm s':>6} {'decode t/s':>10}"
+    )
     for r in rows:
         i, a = r["ingest"], r["ask"]
-        print(f"{r['shape']:>14} {r['kv']:>5} {i['tokens']:>7} {i['process_s']:>8.1f} "
-              f"{i['prefill_tok_s']:>11.0f} {i['ingest_peak_bytes'] / 2**30:>8.2f} {i['max_eval_s']:>8.3f} "
-              f"{i['file_bytes'] / 2**30:>8.3f} {a['first']['first_token_s']:>9.2f} "
-              f"{a['second']['first_token_s']:>6.2f} {a['second']['decode_tok_s']:>10.1f}", flush=True)
+        print(
+            f"{r['shape']:>14} {r['kv']:>5} {i['tokens']:>7} {i['process_s']:>8.1f} "
+            f"{i['prefill_tok_s']:>11.0f} {i['ingest_peak_bytes'] / 2**30:>8.2f} {i['max_eval_s']:>8.3f} "
+            f"{i['file_bytes'] / 2**30:>8.3f} {a['first']['first_token_s']:>9.2f} "
+            f"{a['second']['first_token_s']:>6.2f} {a['second']['decode_tok_s']:>10.1f}",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -333,9 +371,12 @@ def main() -> None:
     ap.add_argument("--results-dir", type=Path, default=_common.RESULTS)
     ap.add_argument("--merge", nargs="*", type=Path, default=[], help="more earlier results to keep")
     ap.add_argument("--resume", action="store_true", help="skip rows the results already hold")
-    ap.add_argument("--budget-s", type=float, default=0,
-                    help="start no row that would end past S seconds, judged by the last row "
-                         "measured (scaled by length); 0: no limit")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=0,
+        help="start no row that would end past S seconds, judged by the last row measured (scaled by length); 0: no limit",
+    )
     ap.add_argument("--no-cli", action="store_true", help="skip the CLI check (the warm-up)")
     ap.add_argument("--smoke", action="store_true", help="4-layer SmolLM2 shape, 1k tokens (CPU)")
     args = ap.parse_args()
@@ -355,8 +396,10 @@ def main() -> None:
 
     def save() -> Path:
         ordered = sorted(rows.values(), key=lambda r: (r["shape"], r["tokens_requested"], r["kv"]))
-        return _common.write(name, {"notes": NOTES, "question": QUESTION, "models": built,
-                                    "cli": cli, "rows": ordered, "ratios": ratios_of(ordered)})
+        return _common.write(
+            name,
+            {"notes": NOTES, "question": QUESTION, "models": built, "cli": cli, "rows": ordered, "ratios": ratios_of(ordered)},
+        )
 
     for shape in args.shapes:
         if args.resume and all((shape, n, kv) in rows for n in args.lengths for kv in args.kv):
@@ -367,9 +410,15 @@ def main() -> None:
             short = ensure_doc(args.cache_dir, model_dir, 512)
             checks = [cli_check(model_dir, short, kv, 8) for kv in args.kv]
             cli[shape] = {"run": run, "checks": checks}
-            print(f"CLI {shape}: " + "; ".join(
-                f"{c['kv']} ingest rc {c['ingest_rc']} {c['ingest_wall_s']:.1f} s, ask rc "
-                f"{c.get('ask_rc', '-')} {c.get('ask_wall_s', 0):.1f} s" for c in checks), flush=True)
+            print(
+                f"CLI {shape}: "
+                + "; ".join(
+                    f"{c['kv']} ingest rc {c['ingest_rc']} {c['ingest_wall_s']:.1f} s, ask rc "
+                    f"{c.get('ask_rc', '-')} {c.get('ask_wall_s', 0):.1f} s"
+                    for c in checks
+                ),
+                flush=True,
+            )
         for n in args.lengths:
             doc = ensure_doc(args.cache_dir, model_dir, n)
             for kv in args.kv:
@@ -380,8 +429,15 @@ def main() -> None:
                     print(f"budget: {shape} {kv} {n} left for a later call", flush=True)
                     continue
                 t0 = time.perf_counter()
-                r = {"shape": shape, "kv": kv, "tokens_requested": n, "weights": "4-bit g64",
-                     "weights_bytes": meta["weights_bytes"], "run": run, **measure(model_dir, doc, kv, args.answer_tokens)}
+                r = {
+                    "shape": shape,
+                    "kv": kv,
+                    "tokens_requested": n,
+                    "weights": "4-bit g64",
+                    "weights_bytes": meta["weights_bytes"],
+                    "run": run,
+                    **measure(model_dir, doc, kv, args.answer_tokens),
+                }
                 rows[(shape, n, kv)] = r
                 took[n] = time.perf_counter() - t0
                 table([r])

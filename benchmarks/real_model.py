@@ -53,8 +53,7 @@ def document(tokens: int, facts: int, count) -> str:
 
 
 def cli(env: dict, *args: str, timeout: int = 14400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "longctx", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "longctx", *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def ask(env: dict, question: str, doc: str) -> dict:
@@ -63,8 +62,13 @@ def ask(env: dict, question: str, doc: str) -> dict:
     import re
 
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "longctx", "ask", question, "--doc", doc, "--max-tokens", "48"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "longctx", "ask", question, "--doc", doc, "--max-tokens", "48"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        bufsize=0,
+    )
     first = proc.stdout.read(1)  # unbuffered: communicate() below reads the pipes' descriptors
     first_byte = time.perf_counter() - start
     rest, err = proc.communicate(timeout=1800)
@@ -72,9 +76,13 @@ def ask(env: dict, question: str, doc: str) -> dict:
     if proc.returncode:
         raise SystemExit(f"ask failed: {err.decode()}")
     m = re.search(r"restored in ([0-9.]+) s, first token after ([0-9.]+) s", err.decode())
-    return {"answer": (first + rest).decode().strip(), "first_byte_seconds": first_byte, "process_seconds": total,
-            "restore_seconds": float(m.group(1)) if m else None,
-            "first_token_seconds": float(m.group(2)) if m else None}
+    return {
+        "answer": (first + rest).decode().strip(),
+        "first_byte_seconds": first_byte,
+        "process_seconds": total,
+        "restore_seconds": float(m.group(1)) if m else None,
+        "first_token_seconds": float(m.group(2)) if m else None,
+    }
 
 
 def profile(lm, ids: list[int], preset: str) -> dict:
@@ -83,8 +91,12 @@ def profile(lm, ids: list[int], preset: str) -> dict:
 
     cache = kvcache.make(lm.model, kvcache.get_preset(preset))
     st = engine.prefill(lm.model, ids, cache)
-    return {"tokens": len(ids), "seconds": st.seconds, "tok_s": st.tokens_per_second,
-            "chunk_seconds": [round(x, 3) for x in st.chunk_seconds]}
+    return {
+        "tokens": len(ids),
+        "seconds": st.seconds,
+        "tok_s": st.tokens_per_second,
+        "chunk_seconds": [round(x, 3) for x in st.chunk_seconds],
+    }
 
 
 def main() -> None:
@@ -108,8 +120,13 @@ def main() -> None:
     text = document(args.tokens, args.facts, lambda s: len(tok.encode(s, add_special_tokens=False)))
     path = home / "licenses.txt"
     path.write_text(text)
-    result = {"environment": environment(), "model": ref.model_id, "document": "Debian common-licenses + planted facts",
-              "facts": [f for f, _, _ in FACTS[: args.facts]], "runs": []}
+    result = {
+        "environment": environment(),
+        "model": ref.model_id,
+        "document": "Debian common-licenses + planted facts",
+        "facts": [f for f, _, _ in FACTS[: args.facts]],
+        "runs": [],
+    }
     out = RESULTS / f"{args.name or 'real_model_' + machine_tag()}.json"
     for kv in args.kv:
         start = time.perf_counter()
@@ -118,24 +135,37 @@ def main() -> None:
             raise SystemExit(res.stderr)
         info = json.loads(res.stdout)
         wall = time.perf_counter() - start
-        run = {"kv": kv, "tokens": info["tokens"], "ingest_process_seconds": wall,
-               "prefill_seconds": info["prefill_seconds"], "ingest_tok_s": info["tokens"] / info["prefill_seconds"],
-               "cache_bytes": info["bytes"], "questions": []}
+        run = {
+            "kv": kv,
+            "tokens": info["tokens"],
+            "ingest_process_seconds": wall,
+            "prefill_seconds": info["prefill_seconds"],
+            "ingest_tok_s": info["tokens"] / info["prefill_seconds"],
+            "cache_bytes": info["bytes"],
+            "questions": [],
+        }
         for _, question, want in FACTS[: args.facts]:
             q = ask(env, question, f"licenses-{kv}")
             q.update(question=question, expected=want, correct=want.lower() in q["answer"].lower())
             run["questions"].append(q)
-            print(f"[{kv}] {question} -> {q['answer']!r} ({'ok' if q['correct'] else 'MISS'}; first byte "
-                  f"{q['first_byte_seconds']:.1f} s)", flush=True)
+            print(
+                f"[{kv}] {question} -> {q['answer']!r} ({'ok' if q['correct'] else 'MISS'}; first byte "
+                f"{q['first_byte_seconds']:.1f} s)",
+                flush=True,
+            )
         run["correct"] = sum(q["correct"] for q in run["questions"])
         run["median_first_byte_s"] = sorted(q["first_byte_seconds"] for q in run["questions"])[len(run["questions"]) // 2]
         result["runs"].append(run)
-        print(f"[{kv}] {run['tokens']:,} tokens ingested at {run['ingest_tok_s']:.1f} tok/s; "
-              f"{run['correct']}/{len(run['questions'])} facts", flush=True)
+        print(
+            f"[{kv}] {run['tokens']:,} tokens ingested at {run['ingest_tok_s']:.1f} tok/s; "
+            f"{run['correct']}/{len(run['questions'])} facts",
+            flush=True,
+        )
         out.write_text(json.dumps(result, indent=1))
     main_run = result["runs"][0]
-    result.update(tokens=main_run["tokens"], ingest_tok_s=main_run["ingest_tok_s"],
-                  median_first_token_s=main_run["median_first_byte_s"])
+    result.update(
+        tokens=main_run["tokens"], ingest_tok_s=main_run["ingest_tok_s"], median_first_token_s=main_run["median_first_byte_s"]
+    )
     if args.profile_tokens:
         lm = models.load(ref)
         ids = tok.encode(text, add_special_tokens=False)[: args.profile_tokens]

@@ -68,8 +68,12 @@ def process_first_token(home: Path, doc: str) -> float:
     """Wall time from starting `longctx ask` to its first answer byte on stdout."""
     env = {**os.environ, "LONGCTX_HOME": str(home)}
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "longctx", "ask", QUESTION, "--doc", doc,
-                             "--max-tokens", "8"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "longctx", "ask", QUESTION, "--doc", doc, "--max-tokens", "8"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     proc.stdout.read(1)
     elapsed = time.perf_counter() - start
     proc.stdout.read()
@@ -84,13 +88,21 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--process", action="store_true", help="also time whole `longctx ask` processes")
     ap.add_argument("--name", default=None)
-    ap.add_argument("--model", default=None, help="model spec (default: the default model); e.g. "
-                    "a `#rope=ntk-by-parts:4` spec to time contexts past the model's own")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="model spec (default: the default model); e.g. a `#rope=ntk-by-parts:4` spec to time contexts past the model's own",
+    )
     ap.add_argument("--no-reprefill", action="store_true", help="skip (a)")
-    ap.add_argument("--checks", nargs="+", default=None, choices=["overlap", "after"],
-                    help="time (c) with the checksum threads started at each of these points "
-                    "(longctx.store.format.CHECKS; default: the shipped one); variants after the "
-                    "first are named c_<preset>@<checks>")
+    ap.add_argument(
+        "--checks",
+        nargs="+",
+        default=None,
+        choices=["overlap", "after"],
+        help="time (c) with the checksum threads started at each of these points "
+        "(longctx.store.format.CHECKS; default: the shipped one); variants after the "
+        "first are named c_<preset>@<checks>",
+    )
     args = ap.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="longctx-bench-"))
@@ -174,31 +186,38 @@ def main() -> None:
             row[key[:-2] + "_median_s"] = sorted(ts)[len(ts) // 2]
         row["all_s"] = times
         rows.append(row)
-        b8 = (f", affine8 {row['b_affine8_s']:.3f}s ({row['b_affine8_bytes'] / 2**20:.1f} MiB)"
-              if "b_affine8_s" in row else "")
-        b8 += (f", fp16 {row['b_fp16_s']:.3f}s ({row['b_fp16_bytes'] / 2**20:.1f} MiB)"
-               if "b_fp16_s" in row else "")
+        b8 = f", affine8 {row['b_affine8_s']:.3f}s ({row['b_affine8_bytes'] / 2**20:.1f} MiB)" if "b_affine8_s" in row else ""
+        b8 += f", fp16 {row['b_fp16_s']:.3f}s ({row['b_fp16_bytes'] / 2**20:.1f} MiB)" if "b_fp16_s" in row else ""
         a = row.get("a_reprefill_s", float("nan"))
-        print(f"N={row['tokens']}: re-prefill {a:.2f}s | mlx-lm native {row['b_native_s']:.3f}s "
-              f"(its file through longctx's loop {row['b_native_engine_s']:.3f}s; "
-              f"{row['b_native_bytes'] / 2**20:.1f} MiB){b8}")
+        print(
+            f"N={row['tokens']}: re-prefill {a:.2f}s | mlx-lm native {row['b_native_s']:.3f}s "
+            f"(its file through longctx's loop {row['b_native_engine_s']:.3f}s; "
+            f"{row['b_native_bytes'] / 2**20:.1f} MiB){b8}"
+        )
         for name in args.presets:
             for when in (args.checks or [None])[1:]:
-                print(f"   longctx {name} checks {when}: {row[f'c_{name}@{when}_s']:.3f}s "
-                      f"(median {row[f'c_{name}@{when}_median_s']:.3f}s)")
+                print(
+                    f"   longctx {name} checks {when}: {row[f'c_{name}@{when}_s']:.3f}s "
+                    f"(median {row[f'c_{name}@{when}_median_s']:.3f}s)"
+                )
             c = row[f"c_{name}_s"]
-            print(f"   (medians: b_fp16 {row.get('b_fp16_median_s', float('nan')):.3f}s, "
-                  f"c_{name} {row[f'c_{name}_median_s']:.3f}s)")
+            print(
+                f"   (medians: b_fp16 {row.get('b_fp16_median_s', float('nan')):.3f}s, c_{name} {row[f'c_{name}_median_s']:.3f}s)"
+            )
             proc = f", process {row[f'c_{name}_process_s']:.2f}s" if args.process else ""
-            print(f"   longctx {name:>8}: {c:.3f}s ({row[f'c_{name}_bytes'] / 2**20:.1f} MiB, "
-                  f"{row[f'c_{name}_bits_per_channel']:.2f} b/ch) a/c {a / c:.0f}x, "
-                  f"b_native/c {row['b_native_s'] / c:.2f}x (engine {row['b_native_engine_s'] / c:.2f}x)"
-                  + (f", b_affine8/c {row['b_affine8_s'] / c:.2f}x" if "b_affine8_s" in row else "")
-                  + (f", b_fp16/c {row['b_fp16_s'] / c:.2f}x" if "b_fp16_s" in row else "") + proc)
+            print(
+                f"   longctx {name:>8}: {c:.3f}s ({row[f'c_{name}_bytes'] / 2**20:.1f} MiB, "
+                f"{row[f'c_{name}_bits_per_channel']:.2f} b/ch) a/c {a / c:.0f}x, "
+                f"b_native/c {row['b_native_s'] / c:.2f}x (engine {row['b_native_engine_s'] / c:.2f}x)"
+                + (f", b_affine8/c {row['b_affine8_s'] / c:.2f}x" if "b_affine8_s" in row else "")
+                + (f", b_fp16/c {row['b_fp16_s'] / c:.2f}x" if "b_fp16_s" in row else "")
+                + proc
+            )
     device = "cpu" if lm.dtype == "float32" else "gpu"
-    out = write(args.name or f"restore_{device}", {"model": lm.ref.model_id, "model_spec": args.model,
-                                                  "dtype": lm.dtype,
-                                                  "question": QUESTION, "rows": rows})
+    out = write(
+        args.name or f"restore_{device}",
+        {"model": lm.ref.model_id, "model_spec": args.model, "dtype": lm.dtype, "question": QUESTION, "rows": rows},
+    )
     print(f"wrote {out}")
 
 

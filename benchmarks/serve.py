@@ -50,8 +50,7 @@ def _rss(pid: int) -> int:
 def _first_token(client, doc: str, messages: list) -> tuple[float, str]:
     start = time.perf_counter()
     first, text = None, ""
-    for chunk in client.chat.completions.create(model=doc, messages=messages, stream=True, max_tokens=48,
-                                                temperature=0):
+    for chunk in client.chat.completions.create(model=doc, messages=messages, stream=True, max_tokens=48, temperature=0):
         piece = chunk.choices[0].delta.content if chunk.choices else None
         if piece and first is None:
             first = time.perf_counter() - start
@@ -82,11 +81,17 @@ def main() -> None:
     # (a) fresh processes: ask, then ask -c (the follow-up), timed by the CLI's own JSON
     fresh = []
     for _ in range(args.repeat):
-        subprocess.run([*cli, "ask", FIRST, "--doc", names[0], "--max-tokens", "48"], env=env, check=True,
-                       capture_output=True, timeout=600)
+        subprocess.run(
+            [*cli, "ask", FIRST, "--doc", names[0], "--max-tokens", "48"], env=env, check=True, capture_output=True, timeout=600
+        )
         start = time.perf_counter()  # process start to the first byte of the answer on stdout
-        proc = subprocess.Popen([*cli, "ask", "-c", FOLLOW, "--doc", names[0], "--max-tokens", "48"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+        proc = subprocess.Popen(
+            [*cli, "ask", "-c", FOLLOW, "--doc", names[0], "--max-tokens", "48"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            bufsize=0,
+        )
         proc.stdout.read(1)
         fresh.append(time.perf_counter() - start)
         proc.stdout.read()
@@ -94,8 +99,12 @@ def main() -> None:
 
     # (b) the server: the first turn once, then the follow-up (the conversation is kept between them)
     port = _port()
-    server = subprocess.Popen([*cli, "serve", "--port", str(port), "--cache-bytes", args.cache_bytes],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [*cli, "serve", "--port", str(port), "--cache-bytes", args.cache_bytes],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
         deadline = time.time() + 600
@@ -110,9 +119,11 @@ def main() -> None:
         served = []
         for _ in range(args.repeat):
             _, a1 = _first_token(client, names[0], [{"role": "user", "content": FIRST}])
-            t, _ = _first_token(client, names[0], [{"role": "user", "content": FIRST},
-                                                   {"role": "assistant", "content": a1},
-                                                   {"role": "user", "content": FOLLOW}])
+            t, _ = _first_token(
+                client,
+                names[0],
+                [{"role": "user", "content": FIRST}, {"role": "assistant", "content": a1}, {"role": "user", "content": FOLLOW}],
+            )
             served.append(t)
         rss_one = _rss(server.pid)
         for name in names[1:]:
@@ -123,17 +134,27 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=60)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    result = {"environment": environment(), "model": health["model"], "documents": names,
-              "fresh_ask_follow_up_first_token_s": fresh, "served_follow_up_first_token_s": served,
-              "median_fresh_s": med(fresh), "median_served_s": med(served),
-              "speedup": med(fresh) / med(served), "rss_one_document_bytes": rss_one,
-              f"rss_{len(names)}_documents_bytes": rss_all, "warm_bytes": health["warm_bytes"],
-              "cache_bytes_limit": args.cache_bytes}
+    result = {
+        "environment": environment(),
+        "model": health["model"],
+        "documents": names,
+        "fresh_ask_follow_up_first_token_s": fresh,
+        "served_follow_up_first_token_s": served,
+        "median_fresh_s": med(fresh),
+        "median_served_s": med(served),
+        "speedup": med(fresh) / med(served),
+        "rss_one_document_bytes": rss_one,
+        f"rss_{len(names)}_documents_bytes": rss_all,
+        "warm_bytes": health["warm_bytes"],
+        "cache_bytes_limit": args.cache_bytes,
+    }
     out = RESULTS / f"serve_{machine_tag()}.json"
     out.write_text(json.dumps(result, indent=1))
-    print(f"follow-up first token: fresh ask {med(fresh):.2f} s, served {med(served):.3f} s "
-          f"({result['speedup']:.1f}x); RSS {rss_one / 2**30:.2f} GiB with 1 document warm, "
-          f"{rss_all / 2**30:.2f} GiB with {len(names)}")
+    print(
+        f"follow-up first token: fresh ask {med(fresh):.2f} s, served {med(served):.3f} s "
+        f"({result['speedup']:.1f}x); RSS {rss_one / 2**30:.2f} GiB with 1 document warm, "
+        f"{rss_all / 2**30:.2f} GiB with {len(names)}"
+    )
     print(f"wrote {out}")
 
 

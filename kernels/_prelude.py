@@ -230,7 +230,7 @@ def strip_source(src: str) -> str:
             j = i + 1
             while j < n and src[j] != c and src[j] != "\n":
                 j += 2 if src[j] == "\\" else 1
-            out.append(src[i:j + 1])
+            out.append(src[i : j + 1])
             i = j + 1
         elif src.startswith("//", i):  # to the end of the line, and of lines it splices on
             j = src.find("\n", i)
@@ -262,7 +262,8 @@ def strip_source(src: str) -> str:
 
 
 CUDA_HEADER, CUDA_IDS, METAL_HEADER, METAL_IDS, COMMON = map(
-    strip_source, (CUDA_HEADER, CUDA_IDS, METAL_HEADER, METAL_IDS, COMMON))
+    strip_source, (CUDA_HEADER, CUDA_IDS, METAL_HEADER, METAL_IDS, COMMON)
+)
 PRELUDES = {"cuda": (CUDA_HEADER, CUDA_IDS), "metal": (METAL_HEADER, METAL_IDS)}
 
 
@@ -272,7 +273,9 @@ GENERATION = [0]
 
 
 _GPU_KIND: list = []
-_GPU_TYPE = mx.DeviceType.gpu  # (a nanobind enum's attribute lookups: ~0.3 us a call)  # what the GPU device is, asked once: "metal", "cuda" or "cpu"
+_GPU_TYPE = (
+    mx.DeviceType.gpu
+)  # (a nanobind enum's attribute lookups: ~0.3 us a call)  # what the GPU device is, asked once: "metal", "cuda" or "cpu"
 
 
 def backend() -> str:
@@ -284,8 +287,7 @@ def backend() -> str:
         return "cpu"
     if not _GPU_KIND:
         cuda = getattr(mx, "cuda", None)
-        _GPU_KIND.append("metal" if mx.metal.is_available() else
-                         "cuda" if cuda is not None and cuda.is_available() else "cpu")
+        _GPU_KIND.append("metal" if mx.metal.is_available() else "cuda" if cuda is not None and cuda.is_available() else "cpu")
     return _GPU_KIND[0]
 
 
@@ -354,9 +356,15 @@ def _mlx_kernel(spec: KernelSpec, which: str):
     if key not in _KERNELS:
         extra = {"shared_memory": spec.shared_memory} if spec.shared_memory else {}
         make = mx.fast.metal_kernel if which == "metal" else mx.fast.cuda_kernel
-        _KERNELS[key] = make(name=f"{spec.name}_{digest}", input_names=list(spec.inputs),
-                             output_names=list(spec.outputs), source=body, header=header,
-                             ensure_row_contiguous=spec.row_contiguous, **extra)
+        _KERNELS[key] = make(
+            name=f"{spec.name}_{digest}",
+            input_names=list(spec.inputs),
+            output_names=list(spec.outputs),
+            source=body,
+            header=header,
+            ensure_row_contiguous=spec.row_contiguous,
+            **extra,
+        )
     _SOURCES[(which, spec)] = (f"{spec.name}_{digest}", header, body)  # (before the fast path)
     _BY_SPEC[(which, spec)] = _KERNELS[key]
     return _KERNELS[key]
@@ -398,9 +406,16 @@ def executor_installed() -> bool:
 
 def _variant(spec: KernelSpec, which: str, launch: Launch) -> tuple:
     """What MLX compiles one module per: template values, dtypes, address-space classes."""
-    return (which, spec.name, spec.header, spec.shared_memory, tuple(launch.template),
-            tuple([(a.dtype, a.size < 8) for a in launch.inputs]),
-            tuple(launch.output_dtypes), id(_EXECUTOR))
+    return (
+        which,
+        spec.name,
+        spec.header,
+        spec.shared_memory,
+        tuple(launch.template),
+        tuple([(a.dtype, a.size < 8) for a in launch.inputs]),
+        tuple(launch.output_dtypes),
+        id(_EXECUTOR),
+    )
 
 
 def _in_transformation(arrays: list) -> bool:
@@ -418,8 +433,11 @@ def _in_transformation(arrays: list) -> bool:
 def _fall_back(spec: KernelSpec, which: str, err: Exception) -> None:
     first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
     _FAILED[spec.name] = (which, first)
-    warnings.warn(f"kernel {spec.name} failed on {which} ({first}); using its MLX reference "
-                  f"for the rest of this process", KernelFallbackWarning, stacklevel=3)
+    warnings.warn(
+        f"kernel {spec.name} failed on {which} ({first}); using its MLX reference for the rest of this process",
+        KernelFallbackWarning,
+        stacklevel=3,
+    )
 
 
 def run(spec: KernelSpec, launch: Launch, reference=None) -> list:
@@ -442,9 +460,13 @@ def run(spec: KernelSpec, launch: Launch, reference=None) -> list:
         if _EXECUTOR is not None:
             return _EXECUTOR(spec, launch)
         return _mlx_kernel(spec, which)(
-            inputs=launch.inputs, template=launch.template, grid=launch.grid,
-            threadgroup=launch.threadgroup, output_shapes=launch.output_shapes,
-            output_dtypes=launch.output_dtypes)
+            inputs=launch.inputs,
+            template=launch.template,
+            grid=launch.grid,
+            threadgroup=launch.threadgroup,
+            output_shapes=launch.output_shapes,
+            output_dtypes=launch.output_dtypes,
+        )
 
     prepare = CUDA_PREPARE is not None and which == "cuda" and _EXECUTOR is None
     if reference is None:

@@ -84,8 +84,22 @@ EXACT_IN_SPLITS = True
 
 _SPEC = KernelSpec(
     name="lc_decode_attend",
-    inputs=("q", "qp", "k_idx", "k_idx2", "k_norm", "k_qjl", "k_rnorm", "v_idx", "v_norm",
-            "k_table", "v_table", "params", "scales", "q_signs"),
+    inputs=(
+        "q",
+        "qp",
+        "k_idx",
+        "k_idx2",
+        "k_norm",
+        "k_qjl",
+        "k_rnorm",
+        "v_idx",
+        "v_norm",
+        "k_table",
+        "v_table",
+        "params",
+        "scales",
+        "q_signs",
+    ),
     outputs=("m_out", "l_out", "acc_out"),
     row_contiguous=False,
     source=r"""
@@ -580,15 +594,16 @@ def _min_blocks_header(min_blocks: int, nt: int = NT) -> str:
     nt threads per SM)."""
     if not min_blocks:
         return ""
-    return ("#ifdef LC_CUDA\n#undef __global__\n#define __global__ __attribute__((global)) "
-            f"__launch_bounds__({nt}, {min_blocks})\n#endif\n")
+    return (
+        "#ifdef LC_CUDA\n#undef __global__\n#define __global__ __attribute__((global)) "
+        f"__launch_bounds__({nt}, {min_blocks})\n#endif\n"
+    )
 
 
 _SPECS: dict = {}
 
 
-_MARK = ("  // Sum the G key groups' accumulators and the threads' partial l; write this split's "
-         "state.\n")
+_MARK = "  // Sum the G key groups' accumulators and the threads' partial l; write this split's state.\n"
 
 
 def _spec(min_blocks: int, exact: bool = False) -> KernelSpec:
@@ -600,8 +615,7 @@ def _spec(min_blocks: int, exact: bool = False) -> KernelSpec:
         if exact:
             head, tail = _SPEC.source.split(_MARK)
             inputs = tuple(n for n in _SPEC.inputs if n not in _EXACT_DROPPED) + _EXACT_INPUTS
-            extra = dict(name=EXACT_NAME, inputs=inputs,
-                         source=_EXACT_ALIASES + head + _EXACT + _MARK + tail + _EXACT_UNALIASES)
+            extra = dict(name=EXACT_NAME, inputs=inputs, source=_EXACT_ALIASES + head + _EXACT + _MARK + tail + _EXACT_UNALIASES)
         _SPECS[key] = dataclasses.replace(_SPEC, header=_min_blocks_header(min_blocks), **extra)
     return _SPECS[key]
 
@@ -614,8 +628,22 @@ def _unpack_codes(keys: dict, p: int, key_bits: int, key_bits2: int, lo: int, hi
     return c  # (B, H, n, P)
 
 
-def decode_attend_reference(q_rot, keys, values, key_table, value_table, *, key_bits, value_bits,
-                            scale, key_bits2=0, q_proj=None, lq=1, causal_base=None, block=4096):
+def decode_attend_reference(
+    q_rot,
+    keys,
+    values,
+    key_table,
+    value_table,
+    *,
+    key_bits,
+    value_bits,
+    scale,
+    key_bits2=0,
+    q_proj=None,
+    lq=1,
+    causal_base=None,
+    block=4096,
+):
     """Pure-MLX oracle (and CPU path): the same function, blocked over keys with an online softmax.
 
     Arguments and returns as `decode_attend`.
@@ -636,8 +664,7 @@ def decode_attend_reference(q_rot, keys, values, key_table, value_table, *, key_
             mq = q_proj.shape[-1]
             signs = unpack_reference(keys["qjl"][:, :, lo:hi], 1, mq).astype(mx.float32) * 2 - 1
             rn = keys["rnorm"][:, :, lo:hi].astype(mx.float32)
-            s = s + (q_proj.astype(mx.float32) @ signs.swapaxes(-1, -2)) * (
-                math.sqrt(math.pi / 2) / mq * rn)[:, :, None, :]
+            s = s + (q_proj.astype(mx.float32) @ signs.swapaxes(-1, -2)) * (math.sqrt(math.pi / 2) / mq * rn)[:, :, None, :]
         s = s * scale
         if causal_base is not None:
             allowed = mx.arange(lo, hi)[None, :] <= (causal_base + rows_t)[:, None]  # (R, n)
@@ -696,12 +723,19 @@ def _splits(length: int, bh: int, tk: int = NT, min_blocks: int = 0) -> tuple[in
 
 
 def _supported(p: int, key_bits: int, key_bits2: int, value_bits: int, m_qjl: int) -> bool:
-    return (p in (32, 64, 128, 256) and 1 <= key_bits and key_bits + key_bits2 <= 8
-            and 1 <= value_bits <= 8 and m_qjl % 32 == 0 and m_qjl <= 1024)
+    return (
+        p in (32, 64, 128, 256)
+        and 1 <= key_bits
+        and key_bits + key_bits2 <= 8
+        and 1 <= value_bits <= 8
+        and m_qjl % 32 == 0
+        and m_qjl <= 1024
+    )
 
 
-def decode_attend(q_rot, keys, values, key_table, value_table, *, key_bits, value_bits, scale,
-                  key_bits2=0, q_proj=None, lq=1, causal_base=None):
+def decode_attend(
+    q_rot, keys, values, key_table, value_table, *, key_bits, value_bits, scale, key_bits2=0, q_proj=None, lq=1, causal_base=None
+):
     """Softmax state of a few query rows over one compressed segment (fused GPU kernel).
 
     Args:
@@ -725,8 +759,9 @@ def decode_attend(q_rot, keys, values, key_table, value_table, *, key_bits, valu
     B, H, R, P = q_rot.shape
     L = keys["norm"].shape[2]
     _check(q_rot, keys, values, key_table, value_table, key_bits, key_bits2, value_bits, q_proj)
-    kw = dict(key_bits=key_bits, value_bits=value_bits, scale=scale, key_bits2=key_bits2,
-              q_proj=q_proj, lq=lq, causal_base=causal_base)
+    kw = dict(
+        key_bits=key_bits, value_bits=value_bits, scale=scale, key_bits2=key_bits2, q_proj=q_proj, lq=lq, causal_base=causal_base
+    )
     m_qjl = q_proj.shape[-1] if q_proj is not None else 32
     if backend() == "cpu" or L == 0 or not _supported(P, key_bits, key_bits2, value_bits, m_qjl):
         return decode_attend_reference(q_rot, keys, values, key_table, value_table, **kw)
@@ -734,11 +769,24 @@ def decode_attend(q_rot, keys, values, key_table, value_table, *, key_bits, valu
     scales = constant((c, c * math.sqrt(math.pi / 2) / m_qjl, 1.0), mx.float32)
     q = _as(q_rot, mx.float32)
     qp = _as(q_proj, mx.float32) if q_proj is not None else None
-    ref = dict(kw, q_rot=q_rot, keys=keys, values=values, key_table=key_table,
-               value_table=value_table)
-    m_p, l_p, acc_p = _launch(q, qp, None, scales, keys, values, key_table, value_table, key_bits,
-                              key_bits2, value_bits, m_qjl, lq, causal_base,
-                              lambda splits: _reference_partials(splits, **ref))
+    ref = dict(kw, q_rot=q_rot, keys=keys, values=values, key_table=key_table, value_table=value_table)
+    m_p, l_p, acc_p = _launch(
+        q,
+        qp,
+        None,
+        scales,
+        keys,
+        values,
+        key_table,
+        value_table,
+        key_bits,
+        key_bits2,
+        value_bits,
+        m_qjl,
+        lq,
+        causal_base,
+        lambda splits: _reference_partials(splits, **ref),
+    )
     m, l, acc = split_combine(m_p, l_p, acc_p)
     return m.reshape(B, H, R, 1), l.reshape(B, H, R, 1), acc.reshape(B, H, R, P)
 
@@ -768,9 +816,22 @@ def exact_fits(p: int, rows: int, value_bits: int) -> bool:
     return dpt is not None and NT * per_block * dpt >= 2 * p + per_block
 
 
-def decode_attend_partials(queries, keys, values, key_table, value_table, signs, *, key_bits,
-                           value_bits, scale, sink=None, window=None, v_signs=None,
-                           valid_array=None):
+def decode_attend_partials(
+    queries,
+    keys,
+    values,
+    key_table,
+    value_table,
+    signs,
+    *,
+    key_bits,
+    value_bits,
+    scale,
+    sink=None,
+    window=None,
+    v_signs=None,
+    valid_array=None,
+):
     """The kernel's per-split softmax states for unrotated queries (one decode step), unmerged.
 
     The queries are rotated in the kernel (signs, then the Walsh-Hadamard transform at 1/sqrt(P)),
@@ -803,31 +864,29 @@ def decode_attend_partials(queries, keys, values, key_table, value_table, signs,
         valid_array = count(window[0].shape[2] if window is not None else 0)
 
     def with_exact(parts):
-        return (exact_into_partials(*parts, queries, sink, window, v_signs, scale, valid_array)
-                if exact else parts)
+        return exact_into_partials(*parts, queries, sink, window, v_signs, scale, valid_array) if exact else parts
 
     if backend() == "cpu" or L == 0 or not rotates_queries(P, R, value_bits):
-        m, l, acc = decode_attend_reference(_rotate_reference(queries, signs), keys, values,
-                                            key_table, value_table, **kw)
-        return with_exact((m.reshape(B * H, 1, R), l.reshape(B * H, 1, R),
-                           acc.reshape(B * H, 1, R, P)))
+        m, l, acc = decode_attend_reference(_rotate_reference(queries, signs), keys, values, key_table, value_table, **kw)
+        return with_exact((m.reshape(B * H, 1, R), l.reshape(B * H, 1, R), acc.reshape(B * H, 1, R, P)))
     if exact and v_signs is None:
-        raise ValueError("decode_attend_partials takes the exact tokens with v_signs, the value "
-                         "rotation's signs")
+        raise ValueError("decode_attend_partials takes the exact tokens with v_signs, the value rotation's signs")
     if exact and not exact_fits(P, R, value_bits):
-        raise ValueError(f"decode_attend_partials cannot take exact tokens at q {queries.shape}, "
-                         f"{value_bits}-bit values (exact_fits)")
+        raise ValueError(
+            f"decode_attend_partials cannot take exact tokens at q {queries.shape}, {value_bits}-bit values (exact_fits)"
+        )
     c = scale * LOG2E
     scales = constant((c, c, 1.0 / math.sqrt(P)), mx.float32)
 
     def reference(splits):
-        return with_exact(_reference_partials(splits, _rotate_reference(queries, signs), keys,
-                                              values, key_table, value_table, **kw))
+        return with_exact(
+            _reference_partials(splits, _rotate_reference(queries, signs), keys, values, key_table, value_table, **kw)
+        )
 
-    extra = (list(exact_arrays) + [valid_array, _as(v_signs, mx.float32)], exact_template
-             + [("XE", 1)]) if exact else None
-    return _launch(queries, None, signs, scales, keys, values, key_table, value_table, key_bits,
-                   0, value_bits, 32, 1, None, reference, extra)
+    extra = (list(exact_arrays) + [valid_array, _as(v_signs, mx.float32)], exact_template + [("XE", 1)]) if exact else None
+    return _launch(
+        queries, None, signs, scales, keys, values, key_table, value_table, key_bits, 0, value_bits, 32, 1, None, reference, extra
+    )
 
 
 def _check(q_rot, keys, values, key_table, value_table, key_bits, key_bits2, value_bits, q_proj):
@@ -849,8 +908,9 @@ def _check(q_rot, keys, values, key_table, value_table, key_bits, key_bits2, val
         if tuple(values[name].shape) != shape:
             raise ValueError(f"values[{name!r}]: expected {shape}, got {values[name].shape}")
     if key_table.shape != (1 << (key_bits + key_bits2),) or value_table.shape != (1 << value_bits,):
-        raise ValueError(f"tables: expected ({1 << (key_bits + key_bits2)},), ({1 << value_bits},);"
-                         f" got {key_table.shape}, {value_table.shape}")
+        raise ValueError(
+            f"tables: expected ({1 << (key_bits + key_bits2)},), ({1 << value_bits},); got {key_table.shape}, {value_table.shape}"
+        )
 
 
 def _as(a: mx.array, dtype) -> mx.array:
@@ -863,10 +923,14 @@ _DUMMIES: list = []
 def _dummies():
     """Stand-ins for absent inputs (idx2 / qjl / rnorm / q_proj / q_signs), made once."""
     if not _DUMMIES:
-        _DUMMIES.extend([mx.zeros((1, 1, 1, 1), dtype=mx.uint32),
-                         mx.zeros((1, 1, 1), dtype=mx.float16),
-                         mx.zeros((1, 1, 1, 1), dtype=mx.float32),
-                         mx.zeros((1,), dtype=mx.float32)])
+        _DUMMIES.extend(
+            [
+                mx.zeros((1, 1, 1, 1), dtype=mx.uint32),
+                mx.zeros((1, 1, 1), dtype=mx.float16),
+                mx.zeros((1, 1, 1, 1), dtype=mx.float32),
+                mx.zeros((1,), dtype=mx.float32),
+            ]
+        )
     return _DUMMIES
 
 
@@ -889,8 +953,24 @@ def _reference_partials(splits: int, q_rot, keys, values, key_table, value_table
     return m_p, l_p, acc_p
 
 
-def _launch(q, qp, signs, scales, keys, values, key_table, value_table, key_bits, key_bits2,
-            value_bits, m_qjl, lq, causal_base, reference, exact=None):
+def _launch(
+    q,
+    qp,
+    signs,
+    scales,
+    keys,
+    values,
+    key_table,
+    value_table,
+    key_bits,
+    key_bits2,
+    value_bits,
+    m_qjl,
+    lq,
+    causal_base,
+    reference,
+    exact=None,
+):
     """One kernel launch for all rows (row blocks x KV heads x splits threadgroups): the splits'
     partial states. `signs`: the key rotation's, when q is unrotated (the kernel rotates it);
     `reference(splits)`: the same partials in pure MLX, for the fallback; `exact`: (inputs,
@@ -904,23 +984,52 @@ def _launch(q, qp, signs, scales, keys, values, key_table, value_table, key_bits
     dummy4, dummy3, dummyf, dummy1 = _dummies()
     params = constant((L, chunk, 0 if causal_base is None else causal_base, splits, R), mx.int32)
     u32, f16, f32 = mx.uint32, mx.float16, mx.float32  # fixed: MLX caches modules by name
-    inputs = [q, qp if qp is not None else dummyf,
-              _as(keys["idx"], u32), _as(keys["idx2"], u32) if key_bits2 else dummy4,
-              _as(keys["norm"], f16), _as(keys["qjl"], u32) if qp is not None else dummy4,
-              _as(keys["rnorm"], f16) if qp is not None else dummy3, _as(values["idx"], u32),
-              _as(values["norm"], f16), _as(key_table, f32), _as(value_table, f32), params,
-              scales, _as(signs, f32) if signs is not None else dummy1]
-    template = [("P", P), ("R", per_block), ("LQ", lq), ("B1", key_bits), ("B2", key_bits2),
-                ("BV", value_bits), ("QJL", int(qp is not None)), ("M", m_qjl),
-                ("CAUSAL", int(causal_base is not None)), ("NT", NT),
-                ("DPT", _dpt(P, per_block, value_bits)), ("TK", tk), ("PF", int(PREFETCH)),
-                ("ROTQ", int(signs is not None)), ("QT", q.dtype)]
+    inputs = [
+        q,
+        qp if qp is not None else dummyf,
+        _as(keys["idx"], u32),
+        _as(keys["idx2"], u32) if key_bits2 else dummy4,
+        _as(keys["norm"], f16),
+        _as(keys["qjl"], u32) if qp is not None else dummy4,
+        _as(keys["rnorm"], f16) if qp is not None else dummy3,
+        _as(values["idx"], u32),
+        _as(values["norm"], f16),
+        _as(key_table, f32),
+        _as(value_table, f32),
+        params,
+        scales,
+        _as(signs, f32) if signs is not None else dummy1,
+    ]
+    template = [
+        ("P", P),
+        ("R", per_block),
+        ("LQ", lq),
+        ("B1", key_bits),
+        ("B2", key_bits2),
+        ("BV", value_bits),
+        ("QJL", int(qp is not None)),
+        ("M", m_qjl),
+        ("CAUSAL", int(causal_base is not None)),
+        ("NT", NT),
+        ("DPT", _dpt(P, per_block, value_bits)),
+        ("TK", tk),
+        ("PF", int(PREFETCH)),
+        ("ROTQ", int(signs is not None)),
+        ("QT", q.dtype),
+    ]
     if exact is not None:  # (the inputs the exact variant leaves out: `_EXACT_DROPPED`)
         inputs = [a for n, a in zip(_SPEC.inputs, inputs) if n not in _EXACT_DROPPED] + exact[0]
         template += exact[1]
     n = B * H * splits * nrb
-    return run(_spec(min_blocks, exact is not None),
-               Launch(inputs, template, (n * NT, 1, 1), (NT, 1, 1),
-                      [(B * H, splits, R), (B * H, splits, R), (B * H, splits, R, P)],
-                      [mx.float32] * 3),
-               reference=lambda: reference(splits))
+    return run(
+        _spec(min_blocks, exact is not None),
+        Launch(
+            inputs,
+            template,
+            (n * NT, 1, 1),
+            (NT, 1, 1),
+            [(B * H, splits, R), (B * H, splits, R), (B * H, splits, R, P)],
+            [mx.float32] * 3,
+        ),
+        reference=lambda: reference(splits),
+    )

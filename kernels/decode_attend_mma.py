@@ -590,10 +590,11 @@ def kernel_spec(p: int, base: KernelSpec = SPEC) -> KernelSpec:
     p: its dynamic shared memory and register cap (MLX writes the kernel's signature itself, so
     its `__global__` is redefined to carry `__launch_bounds__`)."""
     if (base, p) not in _SPECS:
-        bounds = ("#ifdef LC_CUDA\n#undef __global__\n#define __global__ __attribute__((global)) "
-                  f"__launch_bounds__({32 * WARPS}, {resident(p)})\n#endif\n")
-        _SPECS[(base, p)] = dataclasses.replace(base, shared_memory=shared_bytes(p),
-                                                header=base.header + bounds)
+        bounds = (
+            "#ifdef LC_CUDA\n#undef __global__\n#define __global__ __attribute__((global)) "
+            f"__launch_bounds__({32 * WARPS}, {resident(p)})\n#endif\n"
+        )
+        _SPECS[(base, p)] = dataclasses.replace(base, shared_memory=shared_bytes(p), header=base.header + bounds)
     return _SPECS[(base, p)]
 
 
@@ -602,16 +603,33 @@ def applies(p: int, rows: int, key_codec, value_codec) -> bool:
     for it), single-stage 4-bit keys and values sharing one codebook (the pair table), no QJL,
     D = P in DIMS, 1..8 rows."""
     kc, vc = key_codec, value_codec
-    return (backend() == "cuda" and p in DIMS and 1 <= rows <= MAX_ROWS
-            and kc.rvq is None and vc.rvq is None and not kc.spec.qjl and not vc.spec.qjl
-            and kc.spec.bits == 4 and vc.spec.bits == 4 and kc.codebook is vc.codebook
-            and kc.dim == p and vc.dim == p and kc.padded_dim == p and vc.padded_dim == p)
+    return (
+        backend() == "cuda"
+        and p in DIMS
+        and 1 <= rows <= MAX_ROWS
+        and kc.rvq is None
+        and vc.rvq is None
+        and not kc.spec.qjl
+        and not vc.spec.qjl
+        and kc.spec.bits == 4
+        and vc.spec.bits == 4
+        and kc.codebook is vc.codebook
+        and kc.dim == p
+        and vc.dim == p
+        and kc.padded_dim == p
+        and vc.padded_dim == p
+    )
 
 
 def applies_shape(queries, keys, values, table) -> bool:
     _, _, R, P = queries.shape
-    return (P in DIMS and 1 <= R <= MAX_ROWS and keys["idx"].shape[-1] == P // 8
-            and values["idx"].shape[-1] == P // 8 and table.shape == (16,))
+    return (
+        P in DIMS
+        and 1 <= R <= MAX_ROWS
+        and keys["idx"].shape[-1] == P // 8
+        and values["idx"].shape[-1] == P // 8
+        and table.shape == (16,)
+    )
 
 
 def splits(length: int, bh: int, p: int = 128) -> tuple[int, int]:
@@ -625,19 +643,37 @@ def splits(length: int, bh: int, p: int = 128) -> tuple[int, int]:
     return chunk, groups(length, chunk)
 
 
-def launch_args(queries, keys, values, table, signs, scale, chunk, n_split,
-                dynamic: bool = False, grant_blocks: int = 1) -> tuple[list, list]:
+def launch_args(
+    queries, keys, values, table, signs, scale, chunk, n_split, dynamic: bool = False, grant_blocks: int = 1
+) -> tuple[list, list]:
     """(inputs, template) of the partials' kernel, which kernels built on its body extend."""
     _, _, R, P = queries.shape
     params = constant((keys["norm"].shape[2], chunk, n_split), mx.int32)
     scales = constant((scale * LOG2E, 1.0 / math.sqrt(P)), mx.float32)
     u32, f16, f32 = mx.uint32, mx.float16, mx.float32
-    inputs = [queries, _as(keys["idx"], u32), _as(keys["norm"], f16), _as(values["idx"], u32),
-              _as(values["norm"], f16), _as(table, f32), params, scales, _as(signs, f32)]
+    inputs = [
+        queries,
+        _as(keys["idx"], u32),
+        _as(keys["norm"], f16),
+        _as(values["idx"], u32),
+        _as(values["norm"], f16),
+        _as(table, f32),
+        params,
+        scales,
+        _as(signs, f32),
+    ]
     # two score chains only at P = 256: at 128 the second spills under the 128-register cap
-    template = [("P", P), ("R", R), ("NT", 32 * WARPS), ("NST", STAGES), ("BLK", BLOCK),
-                ("SC", 2 if P == 256 else 1), ("DYN", int(dynamic)), ("GB", grant_blocks),
-                ("QT", queries.dtype)]
+    template = [
+        ("P", P),
+        ("R", R),
+        ("NT", 32 * WARPS),
+        ("NST", STAGES),
+        ("BLK", BLOCK),
+        ("SC", 2 if P == 256 else 1),
+        ("DYN", int(dynamic)),
+        ("GB", grant_blocks),
+        ("QT", queries.dtype),
+    ]
     return inputs, template
 
 
@@ -661,9 +697,11 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale):
     B, H, R, P = queries.shape
     L = keys["norm"].shape[2]
     if not applies_shape(queries, keys, values, table):
-        raise ValueError(f"decode_attend_mma takes 4-bit rows, P in {DIMS}, 1..{MAX_ROWS} rows; "
-                         f"got q {queries.shape}, idx {keys['idx'].shape} / "
-                         f"{values['idx'].shape}, table {table.shape}")
+        raise ValueError(
+            f"decode_attend_mma takes 4-bit rows, P in {DIMS}, 1..{MAX_ROWS} rows; "
+            f"got q {queries.shape}, idx {keys['idx'].shape} / "
+            f"{values['idx'].shape}, table {table.shape}"
+        )
     kw = dict(key_bits=4, value_bits=4, scale=scale)
     if backend() == "cpu" or L == 0:
         return da.decode_attend_partials(queries, keys, values, table, table, signs, **kw)
@@ -672,9 +710,11 @@ def decode_attend_mma_partials(queries, keys, values, table, signs, *, scale):
 
     n, nt = B * H * n_split, 32 * WARPS
     shapes = [(B * H, n_split, R), (B * H, n_split, R), (B * H, n_split, R, P)]
-    return run(kernel_spec(P), Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1), shapes,
-                                      [mx.float32] * 3),
-               reference=lambda: reference(queries, keys, values, table, signs, scale, n_split))
+    return run(
+        kernel_spec(P),
+        Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1), shapes, [mx.float32] * 3),
+        reference=lambda: reference(queries, keys, values, table, signs, scale, n_split),
+    )
 
 
 def reference(queries, keys, values, table, signs, scale, n_split: int) -> list:
@@ -683,12 +723,13 @@ def reference(queries, keys, values, table, signs, scale, n_split: int) -> list:
     (m = -inf, l = 0, acc = 0) in the others, which the merge passes over."""
     B, H, R, P = queries.shape
     q_rot = mx.hadamard_transform(queries.astype(mx.float32) * signs, scale=1.0 / math.sqrt(P))
-    m, l, acc = da.decode_attend_reference(q_rot, keys, values, table, table, key_bits=4,
-                                           value_bits=4, scale=scale)
+    m, l, acc = da.decode_attend_reference(q_rot, keys, values, table, table, key_bits=4, value_bits=4, scale=scale)
     n, pad = B * H, n_split - 1
-    return [mx.concatenate([m.reshape(n, 1, R), mx.full((n, pad, R), -mx.inf)], axis=1),
-            mx.concatenate([l.reshape(n, 1, R), mx.zeros((n, pad, R))], axis=1),
-            mx.concatenate([acc.reshape(n, 1, R, P), mx.zeros((n, pad, R, P))], axis=1)]
+    return [
+        mx.concatenate([m.reshape(n, 1, R), mx.full((n, pad, R), -mx.inf)], axis=1),
+        mx.concatenate([l.reshape(n, 1, R), mx.zeros((n, pad, R))], axis=1),
+        mx.concatenate([acc.reshape(n, 1, R, P), mx.zeros((n, pad, R, P))], axis=1),
+    ]
 
 
 def _as(a: mx.array, dtype) -> mx.array:

@@ -277,10 +277,22 @@ def applies(p: int, rows: int, key_codec, value_codec) -> bool:
     standing in for it), single-stage 4-bit keys and values sharing one codebook (the pair
     table), no QJL, D = P in DIMS, 1..8 rows."""
     kc, vc = key_codec, value_codec
-    return (backend() == "metal" and p in DIMS and 1 <= rows <= MAX_ROWS
-            and kc.rvq is None and vc.rvq is None and not kc.spec.qjl and not vc.spec.qjl
-            and kc.spec.bits == 4 and vc.spec.bits == 4 and kc.codebook is vc.codebook
-            and kc.dim == p and vc.dim == p and kc.padded_dim == p and vc.padded_dim == p)
+    return (
+        backend() == "metal"
+        and p in DIMS
+        and 1 <= rows <= MAX_ROWS
+        and kc.rvq is None
+        and vc.rvq is None
+        and not kc.spec.qjl
+        and not vc.spec.qjl
+        and kc.spec.bits == 4
+        and vc.spec.bits == 4
+        and kc.codebook is vc.codebook
+        and kc.dim == p
+        and vc.dim == p
+        and kc.padded_dim == p
+        and vc.padded_dim == p
+    )
 
 
 def splits(length: int, bh: int) -> tuple[int, int]:
@@ -304,9 +316,11 @@ def _reference_partials(splits: int, queries, keys, values, table, signs, kw) ->
     q_rot = mx.hadamard_transform(queries.astype(mx.float32) * signs, scale=1.0 / math.sqrt(P))
     m, l, acc = da.decode_attend_reference(q_rot, keys, values, table, table, **kw)
     n, pad = B * H, splits - 1
-    return [mx.concatenate([m.reshape(n, 1, R), mx.full((n, pad, R), -mx.inf)], axis=1),
-            mx.concatenate([l.reshape(n, 1, R), mx.zeros((n, pad, R))], axis=1),
-            mx.concatenate([acc.reshape(n, 1, R, P), mx.zeros((n, pad, R, P))], axis=1)]
+    return [
+        mx.concatenate([m.reshape(n, 1, R), mx.full((n, pad, R), -mx.inf)], axis=1),
+        mx.concatenate([l.reshape(n, 1, R), mx.zeros((n, pad, R))], axis=1),
+        mx.concatenate([acc.reshape(n, 1, R, P), mx.zeros((n, pad, R, P))], axis=1),
+    ]
 
 
 def decode_attend_simdgroup_partials(queries, keys, values, table, signs, *, scale):
@@ -327,11 +341,18 @@ def decode_attend_simdgroup_partials(queries, keys, values, table, signs, *, sca
     """
     B, H, R, P = queries.shape
     L = keys["norm"].shape[2]
-    if not (P in DIMS and 1 <= R <= MAX_ROWS and keys["idx"].shape[-1] == P // 8
-            and values["idx"].shape[-1] == P // 8 and table.shape == (16,)):
-        raise ValueError(f"decode_attend_simdgroup takes 4-bit rows, P in {DIMS}, 1..{MAX_ROWS} "
-                         f"rows; got q {queries.shape}, idx {keys['idx'].shape} / "
-                         f"{values['idx'].shape}, table {table.shape}")
+    if not (
+        P in DIMS
+        and 1 <= R <= MAX_ROWS
+        and keys["idx"].shape[-1] == P // 8
+        and values["idx"].shape[-1] == P // 8
+        and table.shape == (16,)
+    ):
+        raise ValueError(
+            f"decode_attend_simdgroup takes 4-bit rows, P in {DIMS}, 1..{MAX_ROWS} "
+            f"rows; got q {queries.shape}, idx {keys['idx'].shape} / "
+            f"{values['idx'].shape}, table {table.shape}"
+        )
     kw = dict(key_bits=4, value_bits=4, scale=scale)
     if backend() == "cpu" or L == 0:
         return da.decode_attend_partials(queries, keys, values, table, table, signs, **kw)
@@ -339,8 +360,17 @@ def decode_attend_simdgroup_partials(queries, keys, values, table, signs, *, sca
     params = constant((L, chunk, n_split), mx.int32)
     scales = constant((scale * LOG2E, 1.0 / math.sqrt(P)), mx.float32)
     u32, f16, f32 = mx.uint32, mx.float16, mx.float32
-    inputs = [queries, _as(keys["idx"], u32), _as(keys["norm"], f16), _as(values["idx"], u32),
-              _as(values["norm"], f16), _as(table, f32), params, scales, _as(signs, f32)]
+    inputs = [
+        queries,
+        _as(keys["idx"], u32),
+        _as(keys["norm"], f16),
+        _as(values["idx"], u32),
+        _as(values["norm"], f16),
+        _as(table, f32),
+        params,
+        scales,
+        _as(signs, f32),
+    ]
     nt = 32 * WARPS
     template = [("P", P), ("R", R), ("NT", nt), ("BLK", BLOCK), ("QT", queries.dtype)]
 
@@ -348,6 +378,15 @@ def decode_attend_simdgroup_partials(queries, keys, values, table, signs, *, sca
         return _reference_partials(n_split, queries, keys, values, table, signs, kw)
 
     n = B * H * n_split
-    return run(_SPEC, Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1),
-                             [(B * H, n_split, R), (B * H, n_split, R), (B * H, n_split, R, P)],
-                             [f32] * 3), reference=reference)
+    return run(
+        _SPEC,
+        Launch(
+            inputs,
+            template,
+            (n * nt, 1, 1),
+            (nt, 1, 1),
+            [(B * H, n_split, R), (B * H, n_split, R), (B * H, n_split, R, P)],
+            [f32] * 3,
+        ),
+        reference=reference,
+    )

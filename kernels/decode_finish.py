@@ -245,7 +245,9 @@ NO_EXACT = r"""
   }
 """
 
-EXACT = NO_EXACT + r"""
+EXACT = (
+    NO_EXACT
+    + r"""
   // 3. The exact tokens (sink, then window), base-2 online softmax over tiles of P keys.
   const int ns = HAS_SINK ? sink_k_shape[2] : 0;
   const int nw = HAS_WIN ? win_n[0] : 0;  // the window's valid slots (its buffers may be longer)
@@ -347,6 +349,7 @@ EXACT = NO_EXACT + r"""
   }
 
 """
+)
 
 END = r"""
   // 4. Both states merged (each thread's l_e covers its own keys: summed over the threadgroup).
@@ -374,16 +377,14 @@ BODY = MERGE + EXACT + END
 
 _SPEC = KernelSpec(
     name="lc_decode_finish",
-    inputs=("m_p", "l_p", "acc_p", "q", "sink_k", "sink_v", "win_k", "win_v", "win_n", "signs",
-            "mean", "scales"),
+    inputs=("m_p", "l_p", "acc_p", "q", "sink_k", "sink_v", "win_k", "win_v", "win_n", "signs", "mean", "scales"),
     outputs=("out",),
     row_contiguous=False,
     source=_DECLS + _ROWS + BODY,
 )
 
 
-def decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtype,
-                            count=None):
+def decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtype, count=None):
     """Pure-MLX oracle (and CPU path): the same steps as `attend_blocked.attend` after its
     compressed segments, for one query token, no mask. Arguments as `decode_finish`; `count`:
     the window's valid slots as the first entry of an int32 array (None: all), read as an
@@ -443,8 +444,7 @@ def exact_into_partials(m_p, l_p, acc_p, queries, sink, window, v_signs, scale, 
     c0, ce = mx.exp(m0 - ref), mx.exp(m_e - ref)
     m_p = mx.concatenate([big[:, None], m_p[:, 1:]], axis=1)
     l_p = mx.concatenate([(l0 * c0 + l_e * ce)[:, None], l_p[:, 1:]], axis=1)
-    acc_p = mx.concatenate([(a0 * c0[..., None] + a_e * ce[..., None])[:, None], acc_p[:, 1:]],
-                           axis=1)
+    acc_p = mx.concatenate([(a0 * c0[..., None] + a_e * ce[..., None])[:, None], acc_p[:, 1:]], axis=1)
     return m_p, l_p, acc_p
 
 
@@ -473,8 +473,7 @@ def exact_inputs(sink, window):
     dummy = _dummy()
     sk, sv = sink if sink is not None else (dummy, dummy)
     wk, wv = window if window is not None else (dummy, dummy)
-    template = [("HAS_SINK", int(sink is not None)), ("HAS_WIN", int(window is not None)),
-                ("ST", sk.dtype), ("WT", wk.dtype)]
+    template = [("HAS_SINK", int(sink is not None)), ("HAS_WIN", int(window is not None)), ("ST", sk.dtype), ("WT", wk.dtype)]
     return sink, window, [sk, sv, wk, wv], template
 
 
@@ -484,8 +483,7 @@ def count(n: int) -> mx.array:
     return constant((n,), mx.int32)
 
 
-def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtype=None,
-                  valid_array=None):
+def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtype=None, valid_array=None):
     """Finish one decode step: merge the compressed segment's splits, rotate its values back,
     attend the exact tokens, normalize and add the value mean.
 
@@ -509,19 +507,19 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
     B, H, R, P = q.shape
     out_dtype = out_dtype or q.dtype
     sink, window, exact, exact_template = exact_inputs(sink, window)
-    window_count = valid_array if valid_array is not None else count(
-        window[0].shape[2] if window is not None else 0)
+    window_count = valid_array if valid_array is not None else count(window[0].shape[2] if window is not None else 0)
 
     def reference():
-        return [decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale,
-                                        out_dtype, window_count)]
+        return [decode_finish_reference(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtype, window_count)]
 
     if backend() == "cpu" or not supported(P, R):
         return reference()[0]
     scales = constant((scale * LOG2E, 1.0 / math.sqrt(P)), mx.float32)
     inputs = [m_p, l_p, acc_p, q, *exact, window_count, signs, mean, scales]
     rt = ROWS_PER_GROUP if ROWS_PER_GROUP and R % ROWS_PER_GROUP == 0 else R
-    template = [("P", P), ("R", rt), ("RA", R), *exact_template, ("OT", out_dtype),
-                ("QT", q.dtype), ("SW", int(SCORE_BY_WARP))]
-    return run(_SPEC, Launch(inputs, template, (B * H * (R // rt) * P, 1, 1), (P, 1, 1),
-                             [(B, H, R, P)], [out_dtype]), reference=reference)[0]
+    template = [("P", P), ("R", rt), ("RA", R), *exact_template, ("OT", out_dtype), ("QT", q.dtype), ("SW", int(SCORE_BY_WARP))]
+    return run(
+        _SPEC,
+        Launch(inputs, template, (B * H * (R // rt) * P, 1, 1), (P, 1, 1), [(B, H, R, P)], [out_dtype]),
+        reference=reference,
+    )[0]

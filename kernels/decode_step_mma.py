@@ -200,8 +200,7 @@ def _f32(a: mx.array) -> mx.array:
     return a if a.dtype == mx.float32 else a.astype(mx.float32)
 
 
-def decode_step_mma_partials(queries, keys, values, table, signs, *, scale, sink, window,
-                             v_signs, valid_array=None):
+def decode_step_mma_partials(queries, keys, values, table, signs, *, scale, sink, window, v_signs, valid_array=None):
     """Each split's softmax state of a decode step's rows over one 4-bit compressed segment and
     the exact tokens, spread over the splits (`decode_attend_mma.decode_attend_mma_partials`
     where there are none).
@@ -233,23 +232,22 @@ def decode_step_mma_partials(queries, keys, values, table, signs, *, scale, sink
         return df.exact_into_partials(*parts, queries, sink, window, v_signs, scale, valid_array)
 
     if backend() == "cpu" or L == 0:
-        return with_exact(da.decode_attend_partials(queries, keys, values, table, table, signs,
-                                                    **kw))
+        return with_exact(da.decode_attend_partials(queries, keys, values, table, table, signs, **kw))
     chunk, n_split = dm.splits(L, B * H, P)
     inputs, template = dm.launch_args(queries, keys, values, table, signs, scale, chunk, n_split)
     inputs += [*exact_arrays, valid_array, _f32(v_signs)]
 
     def reference():
-        return list(with_exact(dm.reference(queries, keys, values, table, signs, scale,
-                                            n_split)))
+        return list(with_exact(dm.reference(queries, keys, values, table, signs, scale, n_split)))
 
     n, nt = B * H * n_split, 32 * dm.WARPS
     shapes = [(B * H, n_split, R), (B * H, n_split, R), (B * H, n_split, R, P)]
-    spec = dataclasses.replace(dm.SPEC, inputs=dm.SPEC.inputs + _EXACT_INPUTS,
-                               source=_PARTIALS_SOURCE)
-    return run(dm.kernel_spec(P, spec),
-               Launch(inputs, template + exact_template, (n * nt, 1, 1), (nt, 1, 1), shapes,
-                      [mx.float32] * 3), reference=reference)
+    spec = dataclasses.replace(dm.SPEC, inputs=dm.SPEC.inputs + _EXACT_INPUTS, source=_PARTIALS_SOURCE)
+    return run(
+        dm.kernel_spec(P, spec),
+        Launch(inputs, template + exact_template, (n * nt, 1, 1), (nt, 1, 1), shapes, [mx.float32] * 3),
+        reference=reference,
+    )
 
 
 # The whole decode step in one launch: the partials with the exact tokens, then the last
@@ -333,8 +331,7 @@ _STEP_SPEC = KernelSpec(
     outputs=("parts", "out", "counter_out"),
     row_contiguous=False,
     header=dm.HEADER,
-    source=(_PARTS + dm.PRE + _EXACT_COUNT + dm.MAIN + _EXACT_SPLIT + _TAIL + df.MERGE
-            + df.NO_EXACT + df.END + "  }\n"),
+    source=(_PARTS + dm.PRE + _EXACT_COUNT + dm.MAIN + _EXACT_SPLIT + _TAIL + df.MERGE + df.NO_EXACT + df.END + "  }\n"),
 )
 
 _COUNTERS: dict = {}  # B * H -> the count array the next whole-step launch takes
@@ -374,8 +371,23 @@ def keep_counter(n: int, c: mx.array) -> None:
     _COUNTERS[(n, c.shape[0])] = c
 
 
-def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs, mean, scale,
-                    out_dtype, valid_array, count_in, *, dynamic: bool | None = None):
+def decode_step_mma(
+    queries,
+    keys,
+    values,
+    table,
+    k_signs,
+    sink,
+    window,
+    v_signs,
+    mean,
+    scale,
+    out_dtype,
+    valid_array,
+    count_in,
+    *,
+    dynamic: bool | None = None,
+):
     """One decode step's attention in one launch: `decode_step_mma_partials` then
     `decode_finish.decode_finish` (see there for the arguments; `valid_array`: the window's
     valid slots, `decode_finish.count`), for the shapes `fuses_finish` takes.
@@ -394,10 +406,8 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
     sink, window, exact_arrays, exact_template = df.exact_inputs(sink, window)
 
     def reference():
-        parts = da.decode_attend_partials(queries, keys, values, table, table, k_signs,
-                                          key_bits=4, value_bits=4, scale=scale)
-        out = df.decode_finish_reference(*parts, queries, sink, window, v_signs, mean, scale,
-                                         out_dtype, valid_array)
+        parts = da.decode_attend_partials(queries, keys, values, table, table, k_signs, key_bits=4, value_bits=4, scale=scale)
+        out = df.decode_finish_reference(*parts, queries, sink, window, v_signs, mean, scale, out_dtype, valid_array)
         return [mx.concatenate([p.reshape(-1) for p in parts]), out, count_in]
 
     chunk, n_split = dm.splits(L, B * H, P)
@@ -412,13 +422,20 @@ def decode_step_mma(queries, keys, values, table, k_signs, sink, window, v_signs
         raise ValueError(f"decode_step_mma does not take q {queries.shape} at {dm.WARPS} warps")
     if count_in.shape != (counter_words(B * H),):
         raise ValueError(f"the whole step takes counter({B * H}), not {count_in.shape}")
-    inputs, template = dm.launch_args(queries, keys, values, table, k_signs, scale, chunk,
-                                      n_split, dynamic, GRANT_BLOCKS)
+    inputs, template = dm.launch_args(queries, keys, values, table, k_signs, scale, chunk, n_split, dynamic, GRANT_BLOCKS)
     inputs += [*exact_arrays, valid_array, _f32(v_signs), mean, count_in]
     template += exact_template + [("OT", out_dtype)]
     nt = 32 * dm.WARPS
-    outs = run(dm.kernel_spec(P, _STEP_SPEC),
-               Launch(inputs, template, (n * nt, 1, 1), (nt, 1, 1),
-                      [(n * R * (P + 2),), (B, H, R, P), count_in.shape],
-                      [mx.float32, out_dtype, mx.int32]), reference=reference)
+    outs = run(
+        dm.kernel_spec(P, _STEP_SPEC),
+        Launch(
+            inputs,
+            template,
+            (n * nt, 1, 1),
+            (nt, 1, 1),
+            [(n * R * (P + 2),), (B, H, R, P), count_in.shape],
+            [mx.float32, out_dtype, mx.int32],
+        ),
+        reference=reference,
+    )
     return outs[1], outs[2]

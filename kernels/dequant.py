@@ -124,20 +124,23 @@ _SPEC = KernelSpec(
 )
 
 
-def dequant_reference(enc: dict, table: mx.array, *, bits: int, bits2: int = 0, p: int,
-                      head: mx.array | None = None, after: mx.array | None = None) -> mx.array:
+def dequant_reference(
+    enc: dict, table: mx.array, *, bits: int, bits2: int = 0, p: int, head: mx.array | None = None, after: mx.array | None = None
+) -> mx.array:
     """Pure-MLX oracle (and CPU path): arguments and result as `dequant`."""
     codes = unpack_reference(enc["idx"], bits, p).astype(mx.uint32)
     if bits2:
         codes = (codes << bits2) | unpack_reference(enc["idx2"], bits2, p).astype(mx.uint32)
-    rows = (mx.take(table.astype(mx.float32), codes)
-            * enc["norm"].astype(mx.float32)[..., None]).astype(mx.float16)  # (B, H, L, P)
+    rows = (mx.take(table.astype(mx.float32), codes) * enc["norm"].astype(mx.float32)[..., None]).astype(
+        mx.float16
+    )  # (B, H, L, P)
     parts = [x.astype(mx.float16) for x in (head, rows, after) if x is not None]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
 
-def dequant(enc: dict, table: mx.array, *, bits: int, bits2: int = 0, p: int,
-            head: mx.array | None = None, after: mx.array | None = None) -> mx.array:
+def dequant(
+    enc: dict, table: mx.array, *, bits: int, bits2: int = 0, p: int, head: mx.array | None = None, after: mx.array | None = None
+) -> mx.array:
     """Dense fp16 rows of a compressed segment in the rotated frame (GPU kernel, else reference).
 
     Args:
@@ -159,9 +162,13 @@ def dequant(enc: dict, table: mx.array, *, bits: int, bits2: int = 0, p: int,
         if x is not None and (x.shape[:2] != (B, H) or x.shape[3] != p):
             raise ValueError(f"{name} {x.shape} does not match ({B}, {H}, ., {p})")
     kw = dict(bits=bits, bits2=bits2, p=p, head=head, after=after)
-    if (backend() == "cpu" or L == 0 or bits + bits2 > 8
-            or B * H * (L + (head.shape[2] if head is not None else 0)
-                        + (after.shape[2] if after is not None else 0)) * (p // 8) >= 2**31):
+    if (
+        backend() == "cpu"
+        or L == 0
+        or bits + bits2 > 8
+        or B * H * (L + (head.shape[2] if head is not None else 0) + (after.shape[2] if after is not None else 0)) * (p // 8)
+        >= 2**31
+    ):
         return dequant_reference(enc, table, **kw)
     s = head.shape[2] if head is not None else 0
     w = after.shape[2] if after is not None else 0
@@ -169,13 +176,26 @@ def dequant(enc: dict, table: mx.array, *, bits: int, bits2: int = 0, p: int,
     empty = constant((0.0,), mx.float16)
     u32 = mx.uint32
     idx2 = enc["idx2"].astype(u32) if bits2 else constant((0,), u32)
-    inputs = [enc["idx"].astype(u32), idx2, enc["norm"].astype(mx.float16),
-              table.astype(mx.float32),
-              head.astype(mx.float16) if s else empty, after.astype(mx.float16) if w else empty]
+    inputs = [
+        enc["idx"].astype(u32),
+        idx2,
+        enc["norm"].astype(mx.float16),
+        table.astype(mx.float32),
+        head.astype(mx.float16) if s else empty,
+        after.astype(mx.float16) if w else empty,
+    ]
     n = B * H * (s + L + w) * (p // 8)
     inputs.append(constant((s, w), mx.int32))
-    (out,) = run(_SPEC, Launch(inputs, [("P", p), ("B1", bits), ("B2", bits2), ("NT", NT)],
-                               (groups(n, NT) * NT, 1, 1), (NT, 1, 1),
-                               [(B, H, s + L + w, p)], [mx.float16]),
-                 reference=lambda: [dequant_reference(enc, table, **kw)])
+    (out,) = run(
+        _SPEC,
+        Launch(
+            inputs,
+            [("P", p), ("B1", bits), ("B2", bits2), ("NT", NT)],
+            (groups(n, NT) * NT, 1, 1),
+            (NT, 1, 1),
+            [(B, H, s + L + w, p)],
+            [mx.float16],
+        ),
+        reference=lambda: [dequant_reference(enc, table, **kw)],
+    )
     return out

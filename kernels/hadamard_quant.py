@@ -75,7 +75,9 @@ _SPEC = KernelSpec(
   LC_SHARED uint32_t codes[D];
   const uint32_t v = lc_tg;
   const uint32_t t = lc_tid;
-  const float xv = x[v * D + t];""" + ENCODE_ROW + r"""  if (t < (uint32_t)(B * D / 32)) {
+  const float xv = x[v * D + t];"""
+    + ENCODE_ROW
+    + r"""  if (t < (uint32_t)(B * D / 32)) {
     const uint32_t g = t / (uint32_t)B;
     const uint32_t k = t % (uint32_t)B;
     uint32_t word;
@@ -107,8 +109,7 @@ def _scale_header(dim: int) -> str:
     return f"#define HSCALE {s:.9e}f\n"
 
 
-def hadamard_quantize_reference(x: mx.array, signs: mx.array,
-                                boundaries: mx.array) -> tuple[mx.array, mx.array]:
+def hadamard_quantize_reference(x: mx.array, signs: mx.array, boundaries: mx.array) -> tuple[mx.array, mx.array]:
     """Pure-MLX encode (the CPU path and oracle): same ops as VectorCodec.encode's scalar path."""
     bits = (boundaries.shape[0] + 1).bit_length() - 1
     d = x.shape[-1]
@@ -120,8 +121,7 @@ def hadamard_quantize_reference(x: mx.array, signs: mx.array,
     return idx, mx.minimum(nrm, FP16_MAX).astype(mx.float16)
 
 
-def hadamard_quantize(x: mx.array, signs: mx.array,
-                      boundaries: mx.array) -> tuple[mx.array, mx.array]:
+def hadamard_quantize(x: mx.array, signs: mx.array, boundaries: mx.array) -> tuple[mx.array, mx.array]:
     """Normalize, rotate, quantize and pack vectors in one pass.
 
     Args:
@@ -135,8 +135,7 @@ def hadamard_quantize(x: mx.array, signs: mx.array,
     d = x.shape[-1]
     bits = (boundaries.shape[0] + 1).bit_length() - 1
     if signs.shape != (d,) or (1 << bits) - 1 != boundaries.shape[0] or not 1 <= bits <= 8:
-        raise ValueError(f"signs must be ({d},) and boundaries (2^b - 1,); got {signs.shape}, "
-                         f"{boundaries.shape}")
+        raise ValueError(f"signs must be ({d},) and boundaries (2^b - 1,); got {signs.shape}, {boundaries.shape}")
     if not applies(d) or x.size == 0:
         return hadamard_quantize_reference(x, signs, boundaries)
     lead = x.shape[:-1]
@@ -144,8 +143,16 @@ def hadamard_quantize(x: mx.array, signs: mx.array,
     spec = scaled(_SPEC, d)
     w = bits * d // 32
     flat = x.astype(mx.float32).reshape(n, d)
-    idx, norm = run(spec, Launch(
-        [flat, signs.astype(mx.float32), boundaries.astype(mx.float32)],
-        [("D", d), ("B", bits)], (n * d, 1, 1), (d, 1, 1), [(n, w), (n,)],
-        [mx.uint32, mx.float16]), reference=lambda: hadamard_quantize_reference(flat, signs, boundaries))
+    idx, norm = run(
+        spec,
+        Launch(
+            [flat, signs.astype(mx.float32), boundaries.astype(mx.float32)],
+            [("D", d), ("B", bits)],
+            (n * d, 1, 1),
+            (d, 1, 1),
+            [(n, w), (n,)],
+            [mx.uint32, mx.float16],
+        ),
+        reference=lambda: hadamard_quantize_reference(flat, signs, boundaries),
+    )
     return idx.reshape(*lead, w), norm.reshape(lead)

@@ -146,9 +146,11 @@ def pack(indices: mx.array, bits: int) -> mx.array:
     rows = indices.size // n
     w = packed_words(n, bits)
     x = indices.astype(mx.uint8).reshape(rows, n)  # one dtype: MLX caches modules by name
-    (out,) = run(_PACK, Launch([x], [("B", bits)], (groups(rows * w, _THREADS) * _THREADS, 1, 1),
-                               (_THREADS, 1, 1), [(rows, w)], [mx.uint32]),
-                 reference=lambda: [pack_reference(x, bits)])
+    (out,) = run(
+        _PACK,
+        Launch([x], [("B", bits)], (groups(rows * w, _THREADS) * _THREADS, 1, 1), (_THREADS, 1, 1), [(rows, w)], [mx.uint32]),
+        reference=lambda: [pack_reference(x, bits)],
+    )
     return out.reshape(*lead, w)
 
 
@@ -172,8 +174,11 @@ def unpack(words: mx.array, bits: int, n: int) -> mx.array:
     lead = words.shape[:-1]
     rows = words.size // w
     x = words.astype(mx.uint32).reshape(rows, w)
-    (out,) = run(_UNPACK, Launch([x], [("B", bits), ("N", n)],
-                                 (groups(rows * n, _THREADS) * _THREADS, 1, 1), (_THREADS, 1, 1),
-                                 [(rows, n)], [mx.uint8]),
-                   reference=lambda: [unpack_reference(x, bits, n)])
+    (out,) = run(
+        _UNPACK,
+        Launch(
+            [x], [("B", bits), ("N", n)], (groups(rows * n, _THREADS) * _THREADS, 1, 1), (_THREADS, 1, 1), [(rows, n)], [mx.uint8]
+        ),
+        reference=lambda: [unpack_reference(x, bits, n)],
+    )
     return out.reshape(*lead, n)

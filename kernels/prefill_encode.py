@@ -70,7 +70,9 @@ _SPEC = KernelSpec(
     const float xv = LC_TOF(x[bb * x_strides[0] + hh * x_strides[1] + l * x_strides[2]
                               + (int)t * x_strides[3]])
                      - mu[bb * mu_strides[0] + hh * mu_strides[1] + (int)t * mu_strides[3]];
-""" + ENCODE_ROW + r"""
+"""
+    + ENCODE_ROW
+    + r"""
     rot[((int64_t)bh * (W + N) + W + l) * D + t] = LC_F2H(y * nrm);
     const int64_t row = (int64_t)bh * (T + N) + T + l;
     if (t < (uint32_t)WD) {
@@ -129,8 +131,9 @@ _SPEC = KernelSpec(
 )
 
 
-def prefill_encode_reference(x, mu, signs, boundaries, prev=None, old_idx=None,
-                             old_norm=None) -> tuple[mx.array, mx.array, mx.array]:
+def prefill_encode_reference(
+    x, mu, signs, boundaries, prev=None, old_idx=None, old_norm=None
+) -> tuple[mx.array, mx.array, mx.array]:
     """Pure-MLX oracle (and CPU path): arguments and results as `prefill_encode`."""
     B, H, N, D = x.shape
     c = x.astype(mx.float32) - mu.astype(mx.float32)
@@ -145,9 +148,15 @@ def prefill_encode_reference(x, mu, signs, boundaries, prev=None, old_idx=None,
     return rot, idx, norm
 
 
-def prefill_encode(x: mx.array, mu: mx.array, signs: mx.array, boundaries: mx.array,
-                   prev: mx.array | None = None, old_idx: mx.array | None = None,
-                   old_norm: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+def prefill_encode(
+    x: mx.array,
+    mu: mx.array,
+    signs: mx.array,
+    boundaries: mx.array,
+    prev: mx.array | None = None,
+    old_idx: mx.array | None = None,
+    old_norm: mx.array | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
     """Center, rotate, quantize and append a chunk (see the module docstring).
 
     Args:
@@ -164,10 +173,8 @@ def prefill_encode(x: mx.array, mu: mx.array, signs: mx.array, boundaries: mx.ar
     B, H, N, D = x.shape
     bits = (boundaries.shape[0] + 1).bit_length() - 1
     wd = bits * D // 32
-    if (signs.shape != (D,) or (1 << bits) - 1 != boundaries.shape[0] or not 1 <= bits <= 8
-            or mu.shape != (B, H, 1, D)):
-        raise ValueError(f"x {x.shape}, mu {mu.shape}, signs {signs.shape}, boundaries "
-                         f"{boundaries.shape} do not fit together")
+    if signs.shape != (D,) or (1 << bits) - 1 != boundaries.shape[0] or not 1 <= bits <= 8 or mu.shape != (B, H, 1, D):
+        raise ValueError(f"x {x.shape}, mu {mu.shape}, signs {signs.shape}, boundaries {boundaries.shape} do not fit together")
     if (old_idx is None) != (old_norm is None):
         raise ValueError("old_idx and old_norm come together")
     w = prev.shape[2] if prev is not None else 0
@@ -175,8 +182,9 @@ def prefill_encode(x: mx.array, mu: mx.array, signs: mx.array, boundaries: mx.ar
     if prev is not None and prev.shape != (B, H, w, D):
         raise ValueError(f"prev {prev.shape} does not match ({B}, {H}, ., {D})")
     if old_idx is not None and (old_idx.shape != (B, H, t, wd) or old_norm.shape != (B, H, t)):
-        raise ValueError(f"old_idx {old_idx.shape} / old_norm {old_norm.shape} do not hold "
-                         f"{bits}-bit codes of {D} dims for ({B}, {H})")
+        raise ValueError(
+            f"old_idx {old_idx.shape} / old_norm {old_norm.shape} do not hold {bits}-bit codes of {D} dims for ({B}, {H})"
+        )
     kw = dict(prev=prev, old_idx=old_idx, old_norm=old_norm)
     n_copy = B * H * (t * wd + t + w * D)
     if not applies(D) or N == 0 or B * H * (N + t + w) * max(wd, D) >= 2**31:
@@ -185,13 +193,27 @@ def prefill_encode(x: mx.array, mu: mx.array, signs: mx.array, boundaries: mx.ar
     n_groups = B * H * N + groups(n_copy, D * CPT)
     # stand-ins and parameters are cached arrays: a new one per call is a launch (a fill) or a
     # host-to-device copy, per layer and chunk
-    inputs = [x, mu.astype(mx.float32), signs.astype(mx.float32), boundaries.astype(mx.float32),
-              prev.astype(mx.float16) if w else constant((0.0,), mx.float16),
-              old_idx.astype(mx.uint32) if t else constant((0,), mx.uint32),
-              old_norm.astype(mx.float16) if t else constant((0.0,), mx.float16),
-              constant((w, t), mx.int32)]
-    return tuple(run(spec, Launch(
-        inputs, [("D", D), ("B", bits), ("CPT", CPT)], (n_groups * D, 1, 1), (D, 1, 1),
-        [(B, H, w + N, D), (B, H, t + N, wd), (B, H, t + N)],
-        [mx.float16, mx.uint32, mx.float16]),
-        reference=lambda: prefill_encode_reference(x, mu, signs, boundaries, **kw)))
+    inputs = [
+        x,
+        mu.astype(mx.float32),
+        signs.astype(mx.float32),
+        boundaries.astype(mx.float32),
+        prev.astype(mx.float16) if w else constant((0.0,), mx.float16),
+        old_idx.astype(mx.uint32) if t else constant((0,), mx.uint32),
+        old_norm.astype(mx.float16) if t else constant((0.0,), mx.float16),
+        constant((w, t), mx.int32),
+    ]
+    return tuple(
+        run(
+            spec,
+            Launch(
+                inputs,
+                [("D", D), ("B", bits), ("CPT", CPT)],
+                (n_groups * D, 1, 1),
+                (D, 1, 1),
+                [(B, H, w + N, D), (B, H, t + N, wd), (B, H, t + N)],
+                [mx.float16, mx.uint32, mx.float16],
+            ),
+            reference=lambda: prefill_encode_reference(x, mu, signs, boundaries, **kw),
+        )
+    )

@@ -76,15 +76,22 @@ def qjl_encode(r: mx.array, proj_t: mx.array) -> tuple[mx.array, mx.array]:
     """
     p, m = proj_t.shape
     if r.shape[-1] != p or m % 32:
-        raise ValueError(f"r (..., {p}) and proj_t ({p}, M) with M % 32 == 0 expected; got "
-                         f"{r.shape}, {proj_t.shape}")
+        raise ValueError(f"r (..., {p}) and proj_t ({p}, M) with M % 32 == 0 expected; got {r.shape}, {proj_t.shape}")
     if backend() == "cpu" or m > 1024 or r.size == 0:
         return qjl_encode_reference(r, proj_t)
     lead = r.shape[:-1]
     n = r.size // p
     flat = r.astype(mx.float32).reshape(n, p)
-    signs, rnorm = run(_SPEC, Launch(
-        [flat, proj_t.astype(mx.float32)], [("P", p), ("M", m)],
-        (n * m, 1, 1), (m, 1, 1), [(n, m // 32), (n,)], [mx.uint32, mx.float16]),
-        reference=lambda: qjl_encode_reference(flat, proj_t))
+    signs, rnorm = run(
+        _SPEC,
+        Launch(
+            [flat, proj_t.astype(mx.float32)],
+            [("P", p), ("M", m)],
+            (n * m, 1, 1),
+            (m, 1, 1),
+            [(n, m // 32), (n,)],
+            [mx.uint32, mx.float16],
+        ),
+        reference=lambda: qjl_encode_reference(flat, proj_t),
+    )
     return signs.reshape(*lead, m // 32), rnorm.reshape(lead)

@@ -61,23 +61,23 @@ _SPEC = KernelSpec(
 )
 
 
-def rotate_reference(x: mx.array, signs: mx.array, inverse: bool = False,
-                     mean: mx.array | None = None, out_dtype=mx.float16) -> mx.array:
+def rotate_reference(
+    x: mx.array, signs: mx.array, inverse: bool = False, mean: mx.array | None = None, out_dtype=mx.float16
+) -> mx.array:
     """Pure-MLX oracle (and CPU path): arguments and result as `rotate`."""
     B, H, L, P = x.shape
     x = x.astype(mx.float32)
     if inverse:
-        y = mx.hadamard_transform(x, scale=P ** -0.5) * signs
+        y = mx.hadamard_transform(x, scale=P**-0.5) * signs
     else:
-        y = mx.hadamard_transform(x * signs, scale=P ** -0.5)
+        y = mx.hadamard_transform(x * signs, scale=P**-0.5)
     if mean is not None:
         hm = mean.shape[1]
         y = (y.reshape(B, hm, H // hm, L, P) + mean.astype(mx.float32)[:, :, None]).reshape(B, H, L, P)
     return y.astype(out_dtype)
 
 
-def rotate(x: mx.array, signs: mx.array, inverse: bool = False, mean: mx.array | None = None,
-           out_dtype=mx.float16) -> mx.array:
+def rotate(x: mx.array, signs: mx.array, inverse: bool = False, mean: mx.array | None = None, out_dtype=mx.float16) -> mx.array:
     """Rows into (forward) or out of (inverse) a rotated frame, see the module docstring.
 
     Args:
@@ -102,10 +102,16 @@ def rotate(x: mx.array, signs: mx.array, inverse: bool = False, mean: mx.array |
     spec = scaled(_SPEC, P)
     g = H // mean.shape[1] if mean is not None else 1
     m = mean.astype(mx.float32) if mean is not None else constant((0.0,), mx.float32)  # cached
-    (out,) = run(spec, Launch(
-        [x, signs.astype(mx.float32), m],
-        [("P", P), ("INV", int(inverse)), ("HAS_MEAN", int(mean is not None)), ("G", g),
-         ("OT", out_dtype)],
-        (B * H * L * P, 1, 1), (P, 1, 1), [(B, H, L, P)], [out_dtype]),
-        reference=lambda: [rotate_reference(x, signs, **kw)])
+    (out,) = run(
+        spec,
+        Launch(
+            [x, signs.astype(mx.float32), m],
+            [("P", P), ("INV", int(inverse)), ("HAS_MEAN", int(mean is not None)), ("G", g), ("OT", out_dtype)],
+            (B * H * L * P, 1, 1),
+            (P, 1, 1),
+            [(B, H, L, P)],
+            [out_dtype],
+        ),
+        reference=lambda: [rotate_reference(x, signs, **kw)],
+    )
     return out

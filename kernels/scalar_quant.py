@@ -60,8 +60,7 @@ def _bits_of(table: mx.array, extra: int) -> int:
     size = table.shape[0] + extra
     bits = size.bit_length() - 1
     if table.ndim != 1 or 1 << bits != size or not 1 <= bits <= 8:
-        raise ValueError(f"expected a table of 2^b {'- 1 ' if extra else ''}entries (b in 1..8), "
-                         f"got shape {table.shape}")
+        raise ValueError(f"expected a table of 2^b {'- 1 ' if extra else ''}entries (b in 1..8), got shape {table.shape}")
     return bits
 
 
@@ -99,10 +98,18 @@ def quantize(x: mx.array, boundaries: mx.array) -> mx.array:
     if backend() == "cpu" or x.size == 0:
         return quantize_reference(x, boundaries)
     flat = x.astype(mx.float32).reshape(-1)
-    (out,) = run(_QUANTIZE, Launch([flat, boundaries.astype(mx.float32)], [("B", bits)],
-                                   (groups(flat.size, _THREADS) * _THREADS, 1, 1),
-                                   (_THREADS, 1, 1), [flat.shape], [mx.uint8]),
-                 reference=lambda: [quantize_reference(flat, boundaries)])
+    (out,) = run(
+        _QUANTIZE,
+        Launch(
+            [flat, boundaries.astype(mx.float32)],
+            [("B", bits)],
+            (groups(flat.size, _THREADS) * _THREADS, 1, 1),
+            (_THREADS, 1, 1),
+            [flat.shape],
+            [mx.uint8],
+        ),
+        reference=lambda: [quantize_reference(flat, boundaries)],
+    )
     return out.reshape(x.shape)
 
 
@@ -120,8 +127,16 @@ def dequantize(idx: mx.array, centroids: mx.array) -> mx.array:
     if backend() == "cpu" or idx.size == 0:
         return dequantize_reference(idx, centroids)
     flat = idx.astype(mx.uint8).reshape(-1)
-    (out,) = run(_DEQUANTIZE, Launch([flat, centroids.astype(mx.float32)], [],
-                                     (groups(flat.size, _THREADS) * _THREADS, 1, 1),
-                                     (_THREADS, 1, 1), [flat.shape], [mx.float32]),
-                 reference=lambda: [dequantize_reference(flat, centroids)])
+    (out,) = run(
+        _DEQUANTIZE,
+        Launch(
+            [flat, centroids.astype(mx.float32)],
+            [],
+            (groups(flat.size, _THREADS) * _THREADS, 1, 1),
+            (_THREADS, 1, 1),
+            [flat.shape],
+            [mx.float32],
+        ),
+        reference=lambda: [dequantize_reference(flat, centroids)],
+    )
     return out.reshape(idx.shape)

@@ -51,8 +51,7 @@ _SPEC = KernelSpec(
 )
 
 
-def split_combine_reference(m_p: mx.array, l_p: mx.array,
-                            acc_p: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+def split_combine_reference(m_p: mx.array, l_p: mx.array, acc_p: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """Pure-MLX merge of the split axis (axis 1)."""
     big = mx.max(m_p, axis=1, keepdims=True)  # (N, 1, R)
     safe = mx.where(big == -mx.inf, 0.0, big)
@@ -62,8 +61,7 @@ def split_combine_reference(m_p: mx.array, l_p: mx.array,
     return big[:, 0], l, acc
 
 
-def split_combine(m_p: mx.array, l_p: mx.array,
-                  acc_p: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+def split_combine(m_p: mx.array, l_p: mx.array, acc_p: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """Merge S partial softmax states per row.
 
     Args:
@@ -79,8 +77,16 @@ def split_combine(m_p: mx.array, l_p: mx.array,
         raise ValueError(f"inconsistent partials: {m_p.shape}, {l_p.shape}, {acc_p.shape}")
     if backend() == "cpu" or p % 32 or p > 1024 or m_p.size == 0:
         return split_combine_reference(m_p, l_p, acc_p)
-    m, l, acc = run(_SPEC, Launch(
-        [m_p.astype(mx.float32), l_p.astype(mx.float32), acc_p.astype(mx.float32)],
-        [("P", p), ("R", r)], (n * r * p, 1, 1), (p, 1, 1), [(n, r), (n, r), (n, r, p)],
-        [mx.float32] * 3), reference=lambda: split_combine_reference(m_p, l_p, acc_p))
+    m, l, acc = run(
+        _SPEC,
+        Launch(
+            [m_p.astype(mx.float32), l_p.astype(mx.float32), acc_p.astype(mx.float32)],
+            [("P", p), ("R", r)],
+            (n * r * p, 1, 1),
+            (p, 1, 1),
+            [(n, r), (n, r), (n, r, p)],
+            [mx.float32] * 3,
+        ),
+        reference=lambda: split_combine_reference(m_p, l_p, acc_p),
+    )
     return m, l, acc

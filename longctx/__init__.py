@@ -33,8 +33,7 @@ def _map_kernels() -> None:
         def find_spec(self, name, path=None, target=None):
             if name != "longctx.kernels":
                 return None
-            return importlib.util.spec_from_file_location(
-                name, source, submodule_search_locations=[os.path.dirname(source)])
+            return importlib.util.spec_from_file_location(name, source, submodule_search_locations=[os.path.dirname(source)])
 
     if not any(type(f).__name__ == "_KernelsFinder" for f in sys.meta_path):
         sys.meta_path.append(_KernelsFinder())

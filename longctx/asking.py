@@ -16,10 +16,18 @@ from longctx.session import Answer, check_same_model, restore, restore_verifying
 from longctx.store import Store
 
 
-def ask(question: str, doc: str | None = None, model: str | None = None, max_tokens: int = 256,
-        temperature: float = 0.0, seed: int | None = None,
-        answer: Answer | None = None, ranker: str | None = None,
-        segments: int = 1, conversation: str | None = None) -> Iterator[str]:
+def ask(
+    question: str,
+    doc: str | None = None,
+    model: str | None = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    answer: Answer | None = None,
+    ranker: str | None = None,
+    segments: int = 1,
+    conversation: str | None = None,
+) -> Iterator[str]:
     """Answer `question` from a stored document's cache; yields the answer text as it streams.
 
     Args:
@@ -43,15 +51,15 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
     try:
         if conversation:
             store.close()
-            yield from _continue(conversation, doc, question, model, max_tokens, temperature,
-                                 seed, answer, start)
+            yield from _continue(conversation, doc, question, model, max_tokens, temperature, seed, answer, start)
             return
         target = multidoc.find(store, doc)
         if isinstance(target, multidoc.Group):
             answer.group = target
             store.close()
-            yield from multidoc.ask_group(target, question, model, max_tokens, temperature, seed,
-                                          answer, start, ranker=ranker, segments=segments)
+            yield from multidoc.ask_group(
+                target, question, model, max_tokens, temperature, seed, answer, start, ranker=ranker, segments=segments
+            )
             return
         entry = target
         answer.entry = entry
@@ -66,12 +74,10 @@ def ask(question: str, doc: str | None = None, model: str | None = None, max_tok
     finally:
         store.close()
     answer.restore_seconds = time.perf_counter() - start
-    yield from answer_from(lm, entry, cache, pending, question, max_tokens, temperature, seed,
-                           answer, start)
+    yield from answer_from(lm, entry, cache, pending, question, max_tokens, temperature, seed, answer, start)
 
 
-def open_conversation(doc: str | None = None, model: str | None = None,
-                      cid: str | None = None):
+def open_conversation(doc: str | None = None, model: str | None = None, cid: str | None = None):
     """A conversation over a stored document, ready for questions (`Conversation.ask`).
 
     Args:
@@ -94,14 +100,17 @@ def open_conversation(doc: str | None = None, model: str | None = None,
         if meta is not None:
             entry = store.get(meta["entry"])
             if entry is None:
-                raise EntryNotFound(f"The document of conversation {meta['id']} ('{meta['name']}') "
-                                    "is no longer in the store; ingest it again.")
+                raise EntryNotFound(
+                    f"The document of conversation {meta['id']} ('{meta['name']}') is no longer in the store; ingest it again."
+                )
         else:
             entry = multidoc.find(store, doc)
             if isinstance(entry, multidoc.Group):
-                raise ConfigError(f"'{entry.name}' is split into {len(entry.segment_ids)} segments: a "
-                                  "conversation needs a document that fits the model's context; ask it "
-                                  "one question at a time with `longctx ask`.")
+                raise ConfigError(
+                    f"'{entry.name}' is split into {len(entry.segment_ids)} segments: a "
+                    "conversation needs a document that fits the model's context; ask it "
+                    "one question at a time with `longctx ask`."
+                )
         ref = models.resolve(model or entry.model_spec)
         check_same_model(entry, ref)
         lm = models.load(ref)
@@ -114,11 +123,21 @@ def open_conversation(doc: str | None = None, model: str | None = None,
     return talk.Conversation(lm, entry, cache)
 
 
-def _continue(cid: str, doc: str | None, question: str, model: str | None, max_tokens: int,
-              temperature: float, seed: int | None, answer: Answer, start: float) -> Iterator[str]:
+def _continue(
+    cid: str,
+    doc: str | None,
+    question: str,
+    model: str | None,
+    max_tokens: int,
+    temperature: float,
+    seed: int | None,
+    answer: Answer,
+    start: float,
+) -> Iterator[str]:
     """`ask` as the next turn of a saved conversation."""
     conv = open_conversation(doc, model, cid)
     answer.entry = conv.entry
     answer.restore_seconds = time.perf_counter() - start
-    yield from answer_from(conv.lm, conv.entry, conv.prefix, None, question,
-                           max_tokens, temperature, seed, answer, start, conversation=conv)
+    yield from answer_from(
+        conv.lm, conv.entry, conv.prefix, None, question, max_tokens, temperature, seed, answer, start, conversation=conv
+    )

@@ -49,9 +49,13 @@ def entries_table(entries, width: int, last_used: dict[str, float] | None = None
     name_room = width - (used - min(need["name"], name_min)) - 3  # its cells, less padding, border
     table = Table()
     for k in [c for c in columns if c in shown]:
-        table.add_column(k, justify=columns[k][1], no_wrap=True,
-                         max_width=max(name_room, name_min - 3) if k == "name" else None,
-                         overflow="ellipsis" if k in ("name", "model") else "fold")
+        table.add_column(
+            k,
+            justify=columns[k][1],
+            no_wrap=True,
+            max_width=max(name_room, name_min - 3) if k == "name" else None,
+            overflow="ellipsis" if k in ("name", "model") else "fold",
+        )
     for row in zip(*[columns[k][0] for k in columns if k in shown]):
         table.add_row(*row)
     return table
@@ -66,28 +70,43 @@ def unit_name(unit) -> str:
 
 def evicted_json(ev) -> list[dict]:
     """The units an eviction removed (`budget.Eviction`), for `--json`."""
-    return [{"id": u.key, "names": [e.name for e in u.entries], "ids": [e.id for e in u.entries],
-             "bytes": u.bytes, "last_used": u.last_used} for u in (ev.removed if ev else [])]
+    return [
+        {
+            "id": u.key,
+            "names": [e.name for e in u.entries],
+            "ids": [e.id for e in u.entries],
+            "bytes": u.bytes,
+            "last_used": u.last_used,
+        }
+        for u in (ev.removed if ev else [])
+    ]
 
 
 def niah_segments_report(res) -> tuple[Table, list[str]]:
     """A segmented NIAH run (`niah_segments.Results`): recall@1 / recall@2 / accuracy per task,
     ranker and length, and one summary line per task and ranker."""
     label = lambda n: f"{n / 1024:g}k" if n % 256 == 0 else str(n)  # noqa: E731
-    table = Table("task", "ranker", *[label(n) for n in res.lengths], "all",
-                  title=f"NIAH past the {res.context_length:,}-token context: {res.model_id} "
-                        f"({res.preset}); recall@1 / recall@2 / accuracy")
+    table = Table(
+        "task",
+        "ranker",
+        *[label(n) for n in res.lengths],
+        "all",
+        title=f"NIAH past the {res.context_length:,}-token context: {res.model_id} "
+        f"({res.preset}); recall@1 / recall@2 / accuracy",
+    )
     summary = res.summary()
-    lines = ["segments per document: " + ", ".join(f"{label(int(n))}: {'/'.join(map(str, c))}"
-                                                   for n, c in res.segments.items())]
+    lines = ["segments per document: " + ", ".join(f"{label(int(n))}: {'/'.join(map(str, c))}" for n, c in res.segments.items())]
     for t, per_ranker in summary.items():
         for r, per in per_ranker.items():
             cols = [per.get(str(n)) or {} for n in res.lengths] + [per["all"]]
-            table.add_row(t, r, *[f"{c['recall_at_1']:.2f} / {c['recall_at_2']:.2f} / "
-                                  f"{c['accuracy']:.2f}" if c else "-" for c in cols])
+            table.add_row(
+                t, r, *[f"{c['recall_at_1']:.2f} / {c['recall_at_2']:.2f} / {c['accuracy']:.2f}" if c else "-" for c in cols]
+            )
             a = per["all"]
-            lines.append(f"{t} {r}: recall@1 {a['recall_at_1']:.2f}, recall@2 "
-                         f"{a['recall_at_2']:.2f}, accuracy {a['accuracy']:.2f} over {a['cells']} "
-                         f"questions; restore {a['mean_restore_seconds']:.2f} s, first token "
-                         f"{a['mean_first_token_seconds']:.2f} s")
+            lines.append(
+                f"{t} {r}: recall@1 {a['recall_at_1']:.2f}, recall@2 "
+                f"{a['recall_at_2']:.2f}, accuracy {a['accuracy']:.2f} over {a['cells']} "
+                f"questions; restore {a['mean_restore_seconds']:.2f} s, first token "
+                f"{a['mean_first_token_seconds']:.2f} s"
+            )
     return table, lines

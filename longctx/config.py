@@ -32,6 +32,7 @@ def _choice(*options: str) -> Callable[[str], str]:
         if raw not in options:
             raise ValueError(f"expected one of {', '.join(options)}")
         return raw
+
     return parse
 
 
@@ -53,7 +54,7 @@ def parse_size(raw: str) -> int | None:
     number, prefix, binary, unit = m.groups()
     power = "kmgtp".index(prefix.lower()) + 1 if prefix else 0
     base = 1000 if unit and not binary else 1024  # `20GB`: decimal; `20G`, `20GiB`: binary
-    return int(float(number) * base ** power)
+    return int(float(number) * base**power)
 
 
 def _budget(raw: str) -> int:
@@ -80,30 +81,52 @@ def _count(raw: str) -> int:
 
 
 SETTINGS: dict[str, Setting] = {
-    "home": Setting("LONGCTX_HOME", str, None,
-                    "data directory (default ~/.cache/longctx, ~/Library/Caches/longctx on macOS)"),
-    "model": Setting("LONGCTX_MODEL", str, None,
-                     "default model: mlx-lm directory, .gguf file or Hugging Face id (default "
-                     "the embedded SmolLM2-135M-Instruct)"),
-    "openblas": Setting("LONGCTX_OPENBLAS", _openblas, None,
-                        "Linux CPU: path of the OpenBLAS library to preload (default: the "
-                        "distribution's); 0 or off: no preload (MLX's reference BLAS: slow)"),
-    "segment_tokens": Setting("LONGCTX_SEGMENT_TOKENS", _count, 0,
-                              "most prompt tokens of one segment of a long document or "
-                              "collection (0: the model's context less the answer reserve)"),
-    "ranker": Setting("LONGCTX_RANKER", _choice("bm25", "model", "attention"), "bm25",
-                      "how `ask` picks the segments of a long document: lexical (bm25), or BM25's "
-                      "best 4 reranked by the model's question likelihood (model) or by the "
-                      "question's attention mass on each (attention)"),
-    "max_store": Setting("LONGCTX_MAX_STORE", _budget, None,
-                         "most bytes the store keeps (20GB, 500MiB, bytes; 0 or none: no limit); "
-                         "ingest then evicts the least recently asked entries (default: 25% of "
-                         "its disk, at most the store plus half the free space)"),
-    "peer_timeout": Setting("LONGCTX_PEER_TIMEOUT", _count, 60,
-                            "seconds a rank started by mlx.launch waits for the other ranks to connect"),
-    "failpoint": Setting("LONGCTX_FAILPOINT", str, None,
-                         "fault injection for the reliability tests (set in a child process's "
-                         "environment): a named crash point, <point>[:kill, :stop or :enospc]"),
+    "home": Setting("LONGCTX_HOME", str, None, "data directory (default ~/.cache/longctx, ~/Library/Caches/longctx on macOS)"),
+    "model": Setting(
+        "LONGCTX_MODEL",
+        str,
+        None,
+        "default model: mlx-lm directory, .gguf file or Hugging Face id (default the embedded SmolLM2-135M-Instruct)",
+    ),
+    "openblas": Setting(
+        "LONGCTX_OPENBLAS",
+        _openblas,
+        None,
+        "Linux CPU: path of the OpenBLAS library to preload (default: the "
+        "distribution's); 0 or off: no preload (MLX's reference BLAS: slow)",
+    ),
+    "segment_tokens": Setting(
+        "LONGCTX_SEGMENT_TOKENS",
+        _count,
+        0,
+        "most prompt tokens of one segment of a long document or collection (0: the model's context less the answer reserve)",
+    ),
+    "ranker": Setting(
+        "LONGCTX_RANKER",
+        _choice("bm25", "model", "attention"),
+        "bm25",
+        "how `ask` picks the segments of a long document: lexical (bm25), or BM25's "
+        "best 4 reranked by the model's question likelihood (model) or by the "
+        "question's attention mass on each (attention)",
+    ),
+    "max_store": Setting(
+        "LONGCTX_MAX_STORE",
+        _budget,
+        None,
+        "most bytes the store keeps (20GB, 500MiB, bytes; 0 or none: no limit); "
+        "ingest then evicts the least recently asked entries (default: 25% of "
+        "its disk, at most the store plus half the free space)",
+    ),
+    "peer_timeout": Setting(
+        "LONGCTX_PEER_TIMEOUT", _count, 60, "seconds a rank started by mlx.launch waits for the other ranks to connect"
+    ),
+    "failpoint": Setting(
+        "LONGCTX_FAILPOINT",
+        str,
+        None,
+        "fault injection for the reliability tests (set in a child process's "
+        "environment): a named crash point, <point>[:kill, :stop or :enospc]",
+    ),
 }
 
 
@@ -127,7 +150,10 @@ def table() -> str:
     """The settings as a markdown table (docs/configuration.md is this, checked by a test)."""
     rows = ["| variable | default | what it sets |", "|---|---|---|"]
     for s in SETTINGS.values():
-        default = {None: "-", True: "1", False: "0"}.get(s.default, s.default) \
-            if not isinstance(s.default, int) or isinstance(s.default, bool) else s.default
+        default = (
+            {None: "-", True: "1", False: "0"}.get(s.default, s.default)
+            if not isinstance(s.default, int) or isinstance(s.default, bool)
+            else s.default
+        )
         rows.append(f"| `{s.env}` | {default} | {s.doc} |")
     return "\n".join(rows)

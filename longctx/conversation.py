@@ -54,12 +54,14 @@ def turn_text(tokenizer) -> tuple[str, str]:
     if not getattr(tokenizer, "chat_template", None):
         return "\nQuestion: ", "\nAnswer:"
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "x"}, {"role": "assistant", "content": _A},
-         {"role": "user", "content": _Q}], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": _A}, {"role": "user", "content": _Q}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     if _A not in rendered or _Q not in rendered:
         raise ConfigError("This model's chat template drops earlier turns; it cannot hold a conversation.")
-    after_answer = rendered[rendered.index(_A) + len(_A):rendered.index(_Q)]
-    return after_answer, rendered[rendered.index(_Q) + len(_Q):]
+    after_answer = rendered[rendered.index(_A) + len(_A) : rendered.index(_Q)]
+    return after_answer, rendered[rendered.index(_Q) + len(_Q) :]
 
 
 def room(lm: models.LoadedModel, entry: Entry) -> int:
@@ -125,7 +127,8 @@ class Conversation:
         if len(ids) + 1 > limit:
             raise ContextLengthError(
                 f"The question is {len(ids):,} tokens but only {limit:,} are left after "
-                f"'{self.entry.name}'; shorten the question.")
+                f"'{self.entry.name}'; shorten the question."
+            )
         if dropped:
             self.dropped += dropped
             self._rebuild(self.turns)
@@ -140,16 +143,18 @@ class Conversation:
             ids = self._prompt(question, not self.turns)
             answer_ids = prompt.encode(self.lm.tokenizer, text, first=False)
             self.turns.append(Turn(question, text, ids, answer_ids))
-        fresh = [t for turn in self.turns[len(self.turns) - len(history):] for t in turn.tokens]
+        fresh = [t for turn in self.turns[len(self.turns) - len(history) :] for t in turn.tokens]
         if self.tokens > room(self.lm, self.entry):
-            raise ContextLengthError(f"The conversation is {self.tokens:,} tokens; only "
-                                     f"{room(self.lm, self.entry):,} fit after '{self.entry.name}'.")
+            raise ContextLengthError(
+                f"The conversation is {self.tokens:,} tokens; only {room(self.lm, self.entry):,} fit after '{self.entry.name}'."
+            )
         if fresh:
             engine.prefill(self.lm.model, fresh, self.cache)
             mx.eval([c.state for c in self.cache])
 
-    def ask(self, question: str, max_tokens: int = 256, temperature: float = 0.0,
-            seed: int | None = None, answer=None) -> Iterator[str]:
+    def ask(
+        self, question: str, max_tokens: int = 256, temperature: float = 0.0, seed: int | None = None, answer=None
+    ) -> Iterator[str]:
         """Stream the answer to `question` as the conversation's next turn (`answer`, a
         `session.Answer`, gets the timings, the ids and the text)."""
         answer = answer if answer is not None else Answer(entry=self.entry)
@@ -174,13 +179,13 @@ class Conversation:
                 if len(text) > len(shown):
                     if not answer.text:
                         answer.first_token_seconds = time.perf_counter() - start
-                    piece, shown = text[len(shown):], text
+                    piece, shown = text[len(shown) :], text
                     answer.text += piece
                     yield piece
         finally:  # also when the caller stops early: the turn holds what was answered
             text = self.lm.tokenizer.decode(out)
-            if text.startswith(shown) and len(text) > len(shown) and not answer.text.endswith(text[len(shown):]):
-                answer.text += text[len(shown):]
+            if text.startswith(shown) and len(text) > len(shown) and not answer.text.endswith(text[len(shown) :]):
+                answer.text += text[len(shown) :]
             turn.answer, turn.prompt_ids, turn.answer_ids = text, ids, out
             answer.tokens = out
             self._settle(base, turn.tokens)
@@ -207,10 +212,18 @@ class Conversation:
 
         folder = subdir("conversations")
         arrays = kvcache.new_tokens(self.cache, self.entry.tokens)
-        meta = {"id": self.cid, "entry": self.entry.id, "name": self.entry.name,
-                "model_id": self.lm.ref.model_id, "tokens": self.tokens, "updated": time.time(),
-                "turns": [{"question": t.question, "answer": t.answer, "prompt_ids": t.prompt_ids,
-                           "answer_ids": t.answer_ids} for t in self.turns]}
+        meta = {
+            "id": self.cid,
+            "entry": self.entry.id,
+            "name": self.entry.name,
+            "model_id": self.lm.ref.model_id,
+            "tokens": self.tokens,
+            "updated": time.time(),
+            "turns": [
+                {"question": t.question, "answer": t.answer, "prompt_ids": t.prompt_ids, "answer_ids": t.answer_ids}
+                for t in self.turns
+            ],
+        }
         fd, tmp = tempfile.mkstemp(prefix=".conv-", suffix=".safetensors", dir=folder)
         os.close(fd)
         mx.save_safetensors(tmp, arrays or {"empty": mx.zeros((1,))}, {"format": "longctx-conversation"})
@@ -232,8 +245,7 @@ class Conversation:
         if meta["entry"] != entry.id:
             raise ConfigError(f"Conversation {cid} belongs to another document ('{meta['name']}').")
         conv = cls(lm, entry, prefix, cid)
-        conv.turns = [Turn(t["question"], t["answer"], list(t["prompt_ids"]), list(t["answer_ids"]))
-                      for t in meta["turns"]]
+        conv.turns = [Turn(t["question"], t["answer"], list(t["prompt_ids"]), list(t["answer_ids"])) for t in meta["turns"]]
         if conv.tokens:
             arrays = mx.load(str(subdir("conversations") / f"{cid}.safetensors"))
             kvcache.append(conv.cache, arrays, getattr(mx, lm.dtype))
@@ -267,9 +279,19 @@ def remove(cid: str) -> None:
         (subdir("conversations") / f"{cid}{suffix}").unlink(missing_ok=True)
 
 
-def answer_from(lm: models.LoadedModel, entry: Entry, cache: list, pending, question: str,
-                max_tokens: int, temperature: float, seed: int | None, answer: Answer,
-                start: float, conversation=None) -> Iterator[str]:
+def answer_from(
+    lm: models.LoadedModel,
+    entry: Entry,
+    cache: list,
+    pending,
+    question: str,
+    max_tokens: int,
+    temperature: float,
+    seed: int | None,
+    answer: Answer,
+    start: float,
+    conversation=None,
+) -> Iterator[str]:
     """Stream the answer to `question` from a restored cache (shown only once `pending`, the
     cache file's checksums, has passed), as the next turn of `conversation` (None: a new one,
     saved afterwards so that `ask --continue` can follow up)."""
@@ -279,7 +301,7 @@ def answer_from(lm: models.LoadedModel, entry: Entry, cache: list, pending, ques
         turn = Answer(entry=entry)
         stream = conv.ask(question, max_tokens, temperature, seed, turn)
         # shown only once every checksum has passed (None: checked already)
-        for piece in (pending.guard(stream) if pending is not None else stream):
+        for piece in pending.guard(stream) if pending is not None else stream:
             if not answer.text:
                 answer.first_token_seconds = time.perf_counter() - start
             answer.text += piece

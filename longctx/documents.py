@@ -27,11 +27,23 @@ ProgressFn = Callable[[int, int], None]
 _SPACES = re.compile(r"[ \t\f\v\u00a0\u2000-\u200a\u202f\u205f\u3000]+")
 _BLANK_RUNS = re.compile(r"\n{3,}")
 # Typographic ligatures (common in LaTeX output) and soft hyphens, which break word matching.
-_LIGATURES = str.maketrans({"\ufb00": "ff", "\ufb01": "fi", "\ufb02": "fl", "\ufb03": "ffi",
-                            "\ufb04": "ffl", "\ufb05": "st", "\ufb06": "st", "\u00ad": None})
+_LIGATURES = str.maketrans(
+    {
+        "\ufb00": "ff",
+        "\ufb01": "fi",
+        "\ufb02": "fl",
+        "\ufb03": "ffi",
+        "\ufb04": "ffl",
+        "\ufb05": "st",
+        "\ufb06": "st",
+        "\u00ad": None,
+    }
+)
 _BOMS = (  # (BOM, codec, name); UTF-32 first: its little-endian BOM starts with UTF-16's.
-    (codecs.BOM_UTF32_LE, "utf-32-le", "utf-32"), (codecs.BOM_UTF32_BE, "utf-32-be", "utf-32"),
-    (codecs.BOM_UTF16_LE, "utf-16-le", "utf-16"), (codecs.BOM_UTF16_BE, "utf-16-be", "utf-16"),
+    (codecs.BOM_UTF32_LE, "utf-32-le", "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32-be", "utf-32"),
+    (codecs.BOM_UTF16_LE, "utf-16-le", "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16-be", "utf-16"),
 )
 
 
@@ -60,8 +72,7 @@ class Document:
     encoding: str = ""
 
 
-def read_document(path: str | Path, password: str | None = None,
-                  progress: ProgressFn | None = None) -> Document:
+def read_document(path: str | Path, password: str | None = None, progress: ProgressFn | None = None) -> Document:
     """Read a PDF, text or markdown file.
 
     A file is a PDF if it is named `.pdf`, or has no text suffix (.txt, .text, .md, .markdown)
@@ -84,8 +95,7 @@ def read_document(path: str | Path, password: str | None = None,
     if not file.exists():
         raise DocumentError(f"File not found: {path}. Check the path and try again.")
     if file.is_dir():
-        raise DocumentError(f"{path} is a directory; give the path of a PDF, text or "
-                            "markdown file.")
+        raise DocumentError(f"{path} is a directory; give the path of a PDF, text or markdown file.")
     try:
         data = file.read_bytes()
     except OSError as err:
@@ -98,9 +108,11 @@ def read_document(path: str | Path, password: str | None = None,
     is_pdf_name = suffix == ".pdf"
     has_magic = b"%PDF-" in data[:1024]  # the spec lets a header follow up to 1 KiB of junk
     if is_pdf_name and not has_magic:
-        raise DocumentError(f"{path} is named .pdf but is not a PDF (no %PDF- header); it may "
-                            "be another format renamed, or an HTML error page saved by a "
-                            "download.")
+        raise DocumentError(
+            f"{path} is named .pdf but is not a PDF (no %PDF- header); it may "
+            "be another format renamed, or an HTML error page saved by a "
+            "download."
+        )
     common = {"path": str(path), "name": file.name, "sha256": hashlib.sha256(data).hexdigest()}
     if is_pdf_name or (has_magic and suffix not in TEXT_SUFFIXES):
         text, pages, empty = _read_pdf(data, str(path), password, progress)
@@ -128,24 +140,30 @@ def _decode_text(data: bytes, label: str) -> tuple[str, str]:
     for bom, codec, encoding in _BOMS:
         if data.startswith(bom):
             try:
-                text = data[len(bom):].decode(codec)
+                text = data[len(bom) :].decode(codec)
             except UnicodeDecodeError as err:
-                raise DocumentError(f"{label} starts with a {encoding.upper()} byte-order mark "
-                                    f"but is not valid {encoding.upper()} (bad data at byte "
-                                    f"{err.start + len(bom)}); re-save it as UTF-8.") from err
+                raise DocumentError(
+                    f"{label} starts with a {encoding.upper()} byte-order mark "
+                    f"but is not valid {encoding.upper()} (bad data at byte "
+                    f"{err.start + len(bom)}); re-save it as UTF-8."
+                ) from err
             return _check_binary(_unify_newlines(text), label), encoding
     if b"\x00" in data:
-        raise DocumentError(f"{label} looks binary (it contains NUL bytes), not text; longctx "
-                            "reads PDF, plain text and markdown files (convert UTF-16 without a "
-                            "BOM to UTF-8 first).")
+        raise DocumentError(
+            f"{label} looks binary (it contains NUL bytes), not text; longctx "
+            "reads PDF, plain text and markdown files (convert UTF-16 without a "
+            "BOM to UTF-8 first)."
+        )
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         name = Path(label).name
-        raise DocumentError(f"{label} is not UTF-8 (first bad byte 0x{data[err.start]:02x} at "
-                            f"byte offset {err.start}); convert it first, e.g. `iconv -f cp1252 "
-                            f"-t utf-8 {name} > utf8-{name}` (use the file's real encoding in "
-                            "place of cp1252).") from err
+        raise DocumentError(
+            f"{label} is not UTF-8 (first bad byte 0x{data[err.start]:02x} at "
+            f"byte offset {err.start}); convert it first, e.g. `iconv -f cp1252 "
+            f"-t utf-8 {name} > utf8-{name}` (use the file's real encoding in "
+            "place of cp1252)."
+        ) from err
     return _check_binary(_unify_newlines(text), label), "utf-8"
 
 
@@ -159,8 +177,7 @@ def _check_binary(text: str, label: str) -> str:
     return text
 
 
-def _read_pdf(data: bytes, label: str, password: str | None,
-              progress: ProgressFn | None) -> tuple[str, int, tuple[int, ...]]:
+def _read_pdf(data: bytes, label: str, password: str | None, progress: ProgressFn | None) -> tuple[str, int, tuple[int, ...]]:
     """Extract a PDF's text page by page.
 
     Args:
@@ -181,16 +198,16 @@ def _read_pdf(data: bytes, label: str, password: str | None,
         reader = PdfReader(io.BytesIO(data))
         if reader.is_encrypted:
             if password is None and reader.decrypt("") == PasswordType.NOT_DECRYPTED:
-                raise DocumentError(f"{label} is encrypted; give its password with "
-                                    "--password.")
+                raise DocumentError(f"{label} is encrypted; give its password with --password.")
             if password is not None and reader.decrypt(password) == PasswordType.NOT_DECRYPTED:
                 raise DocumentError(f"Wrong password for {label}; check it and try again.")
         total = len(reader.pages)
     except DocumentError:
         raise
     except DependencyError as err:
-        raise DocumentError(f"{label} needs an extra package to decrypt ({err}); install it "
-                            "with `pip install cryptography`.") from err
+        raise DocumentError(
+            f"{label} needs an extra package to decrypt ({err}); install it with `pip install cryptography`."
+        ) from err
     except Exception as err:
         raise DocumentError(_damaged(label, err)) from err
     if total == 0:
@@ -211,16 +228,19 @@ def _read_pdf(data: bytes, label: str, password: str | None,
     if len(empty) == total:
         if failures:
             raise DocumentError(_damaged(label, failures[0]))
-        raise DocumentError(f"{label} has no extractable text (it looks scanned or image-only); "
-                            "run OCR first, e.g. `ocrmypdf in.pdf out.pdf`, and ingest the "
-                            "result.")
+        raise DocumentError(
+            f"{label} has no extractable text (it looks scanned or image-only); "
+            "run OCR first, e.g. `ocrmypdf in.pdf out.pdf`, and ingest the "
+            "result."
+        )
     return "\n\n".join(chunks), total, tuple(empty)
 
 
 def _damaged(label: str, err: Exception) -> str:
     detail = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
-    return (f"{label} is a damaged or truncated PDF that cannot be read ({detail}); re-download "
-            "it or re-save it from a PDF viewer.")
+    return (
+        f"{label} is a damaged or truncated PDF that cannot be read ({detail}); re-download it or re-save it from a PDF viewer."
+    )
 
 
 def _normalize(text: str) -> str:

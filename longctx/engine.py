@@ -14,12 +14,21 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from longctx.chunking import (  # noqa: F401  (engine.chunk_at)
-    DEFAULT_CHUNK, GROUP_TOKENS, INFLIGHT, LAYER_CALL_TOKENS, LAYER_INFLIGHT, MIN_CHUNK, ORDER,
-    QUEUE_EVERY, chunk_at)
+    DEFAULT_CHUNK,
+    GROUP_TOKENS,
+    INFLIGHT,
+    LAYER_CALL_TOKENS,
+    LAYER_INFLIGHT,
+    MIN_CHUNK,
+    ORDER,
+    QUEUE_EVERY,
+    chunk_at,
+)
 from longctx import prefill_layers
 from longctx.runtime.distributed import pipelined
 
 Progress = Callable[[int, int], None]
+
 
 @dataclass(frozen=True)
 class PrefillStats:
@@ -48,11 +57,20 @@ def _cache_arrays(cache: list) -> list:
     return [c.state for c in cache]
 
 
-def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
-            progress: Progress | None = None, pairs: int = 0, order: str = ORDER,
-            inflight: int = INFLIGHT, queue_every: int = QUEUE_EVERY,
-            layer_inflight: int = LAYER_INFLIGHT, group_tokens: int = GROUP_TOKENS,
-            layer_call_tokens: int = LAYER_CALL_TOKENS) -> PrefillStats:
+def prefill(
+    model,
+    tokens: list[int],
+    cache: list,
+    chunk: int = DEFAULT_CHUNK,
+    progress: Progress | None = None,
+    pairs: int = 0,
+    order: str = ORDER,
+    inflight: int = INFLIGHT,
+    queue_every: int = QUEUE_EVERY,
+    layer_inflight: int = LAYER_INFLIGHT,
+    group_tokens: int = GROUP_TOKENS,
+    layer_call_tokens: int = LAYER_CALL_TOKENS,
+) -> PrefillStats:
     """Run `tokens` through `model`, filling `cache` (mlx-lm cache protocol), chunk by chunk.
 
     Args:
@@ -98,9 +116,17 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
             c.inflight, c.queue_every = inflight, queue_every
     times = None  # on a GPU, an empty compressed cache fills layer by layer (`prefill_layers`)
     if total and prefill_layers.applies(model, cache, order):
-        times = prefill_layers.prefill(model, tokens, cache, bounds, progress, pairs,
-                                       layer_inflight=layer_inflight, group_tokens=group_tokens,
-                                       layer_call_tokens=layer_call_tokens)
+        times = prefill_layers.prefill(
+            model,
+            tokens,
+            cache,
+            bounds,
+            progress,
+            pairs,
+            layer_inflight=layer_inflight,
+            group_tokens=group_tokens,
+            layer_call_tokens=layer_call_tokens,
+        )
     if times is None:
         times = []
         for lo, hi in bounds:
@@ -113,8 +139,7 @@ def prefill(model, tokens: list[int], cache: list, chunk: int = DEFAULT_CHUNK,
             if progress:
                 progress(hi, total)
     mx.synchronize()
-    return PrefillStats(total, time.perf_counter() - start, mx.get_peak_memory(),
-                        max(times, default=0.0), tuple(times))
+    return PrefillStats(total, time.perf_counter() - start, mx.get_peak_memory(), max(times, default=0.0), tuple(times))
 
 
 STEPWISE_MAX = 64  # the longest prompt `question_stepwise` feeds one token at a time
@@ -144,9 +169,15 @@ def stepwise(tokens: list[int], cache: list, mode: str = "auto") -> bool:
     return any(isinstance(c, TurboQuantCache) and c.offset > 0 for c in cache)
 
 
-def token_stream(model, tokens: list[int], cache: list, max_tokens: int, temperature: float = 0.0,
-                 stop: frozenset | set = frozenset(),
-                 question_stepwise: str = "auto") -> Iterator[int]:
+def token_stream(
+    model,
+    tokens: list[int],
+    cache: list,
+    max_tokens: int,
+    temperature: float = 0.0,
+    stop: frozenset | set = frozenset(),
+    question_stepwise: str = "auto",
+) -> Iterator[int]:
     """Token ids decoded after `tokens` (appended to `cache`), greedy or sampled, up to a stop id.
 
     Each step's successor is queued (`mx.async_eval`) before the step's token is read, so on a
@@ -158,13 +189,14 @@ def token_stream(model, tokens: list[int], cache: list, max_tokens: int, tempera
     """
     import mlx.core as mx
 
-
     if not tokens:
         raise ValueError("token_stream needs at least one prompt token")
     if len(tokens) > DEFAULT_CHUNK:  # long prompts: chunked like any prefill, last token below
         prefill(model, tokens[:-1], cache)
         tokens = tokens[-1:]
-    elif stepwise(tokens, cache, question_stepwise) and not pipelined(model):  # one token at a time, as decoding runs (their logits unused)
+    elif stepwise(tokens, cache, question_stepwise) and not pipelined(
+        model
+    ):  # one token at a time, as decoding runs (their logits unused)
         for t in tokens[:-1]:
             model(mx.array([[t]], dtype=mx.int32), cache=cache)
         tokens = tokens[-1:]
@@ -189,8 +221,9 @@ def token_stream(model, tokens: list[int], cache: list, max_tokens: int, tempera
         y = nxt
 
 
-def generate(model, tokenizer, tokens: list[int], cache: list, max_tokens: int = 256,
-             temperature: float = 0.0, seed: int | None = None) -> Iterator[str]:
+def generate(
+    model, tokenizer, tokens: list[int], cache: list, max_tokens: int = 256, temperature: float = 0.0, seed: int | None = None
+) -> Iterator[str]:
     """Decode an answer after `tokens`, which are appended to `cache`; yields text pieces.
 
     Args:
@@ -216,13 +249,12 @@ def generate(model, tokenizer, tokens: list[int], cache: list, max_tokens: int =
         if text.endswith("\ufffd") or not text.startswith(shown):
             continue
         if len(text) > len(shown):
-            yield text[len(shown):]
+            yield text[len(shown) :]
             shown = text
     if text.startswith(shown) and len(text) > len(shown):  # what was held back at the end
-        yield text[len(shown):]
+        yield text[len(shown) :]
 
 
-def greedy_tokens(model, tokens: list[int], cache: list, n: int,
-                  question_stepwise: str = "auto") -> list[int]:
+def greedy_tokens(model, tokens: list[int], cache: list, n: int, question_stepwise: str = "auto") -> list[int]:
     """The first `n` greedy token ids after `tokens` (used to compare cached and fresh runs)."""
     return list(token_stream(model, tokens, cache, n, question_stepwise=question_stepwise))

@@ -25,14 +25,23 @@ import warnings
 from dataclasses import dataclass
 
 from longctx import kvcache
-from longctx.chunking import (ACTIVATIONS, FUSED_SDPA_DIMS, GROUP_TOKENS, INFLIGHT, LAYER_CALL_TOKENS,
-                              LAYER_INFLIGHT, ORDER, chunk_at)
+from longctx.chunking import (
+    ACTIVATIONS,
+    FUSED_SDPA_DIMS,
+    GROUP_TOKENS,
+    INFLIGHT,
+    LAYER_CALL_TOKENS,
+    LAYER_INFLIGHT,
+    ORDER,
+    chunk_at,
+)
 from longctx.kvcache.presets import Preset, bits_per_channel
 from longctx.store import format as fmt
 from longctx.store import layout
 from longctx.units import human_bytes
 from longctx.runtime.models import on_cpu
 from longctx.errors import ResourceError
+
 
 @dataclass(frozen=True)
 class Shapes:
@@ -60,33 +69,44 @@ def shapes(config: dict) -> Shapes:
     heads = kvcache.kv_heads(model)
     n_kv = int(text.get("num_key_value_heads") or text["num_attention_heads"])
     params = sum(p.size for _, p in tree_flatten(model.parameters()))
-    return Shapes(head_dims=kvcache.head_dims(model), kv_heads=[h or n_kv for h in heads],
-                  windows=kvcache.windows(make_prompt_cache(model)),
-                  q_heads=int(text["num_attention_heads"]), hidden=int(text["hidden_size"]),
-                  intermediate=int(text.get("intermediate_size") or 4 * text["hidden_size"]),
-                  parameters=int(params))
+    return Shapes(
+        head_dims=kvcache.head_dims(model),
+        kv_heads=[h or n_kv for h in heads],
+        windows=kvcache.windows(make_prompt_cache(model)),
+        q_heads=int(text["num_attention_heads"]),
+        hidden=int(text["hidden_size"]),
+        intermediate=int(text.get("intermediate_size") or 4 * text["hidden_size"]),
+        parameters=int(params),
+    )
 
 
-def cache_file_bytes(s: Shapes, preset: Preset, tokens: int, metadata: dict[str, str],
-                     float_dtype: str = "F16") -> int:
+def cache_file_bytes(s: Shapes, preset: Preset, tokens: int, metadata: dict[str, str], float_dtype: str = "F16") -> int:
     """Bytes of the cache file of `tokens` tokens (`metadata` as `session.build_entry` writes it,
     without kv_config, which is filled in here)."""
     windows = {"windows": s.windows} if any(s.windows) else {}
     kv_config = {**preset.to_json(), "head_dims": s.head_dims, "kv_heads": s.kv_heads, **windows}
-    meta = {**metadata, "tokens": str(tokens), "kv_config": json.dumps(kv_config),
-            "format_version": fmt.FORMAT_VERSION}
+    meta = {**metadata, "tokens": str(tokens), "kv_config": json.dumps(kv_config), "format_version": fmt.FORMAT_VERSION}
     specs = {}
     for name, (dtypes, shape) in layout.expected(meta).items():
         specs[name] = (float_dtype if float_dtype in dtypes else dtypes[0], shape)
     return fmt.predicted_size(specs, {k: v for k, v in meta.items() if k != "format_version"})
 
 
-
-
-def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: bool,
-               chunk: int, *, pairs: int = 0, order: str = ORDER, inflight: int = INFLIGHT,
-               layer_inflight: int = LAYER_INFLIGHT, group_tokens: int = GROUP_TOKENS,
-               layer_call_tokens: int = LAYER_CALL_TOKENS) -> int:
+def peak_bytes(
+    s: Shapes,
+    preset: Preset,
+    tokens: int,
+    weights_bytes: int,
+    cpu: bool,
+    chunk: int,
+    *,
+    pairs: int = 0,
+    order: str = ORDER,
+    inflight: int = INFLIGHT,
+    layer_inflight: int = LAYER_INFLIGHT,
+    group_tokens: int = GROUP_TOKENS,
+    layer_call_tokens: int = LAYER_CALL_TOKENS,
+) -> int:
     """Estimated peak memory of prefilling `tokens` tokens with `chunk`-token passes (the keyword
     arguments: `engine.prefill`'s, with which the prefill runs).
 
@@ -118,10 +138,16 @@ def peak_bytes(s: Shapes, preset: Preset, tokens: int, weights_bytes: int, cpu: 
         return int(weights_bytes + cache + scores + activations)
     if layer_major(s, preset, order):
         unfused = any(d not in FUSED_SDPA_DIMS for d in dims)
-        transient = layer_major_transient(s, tokens, chunk, fp16_token,
-                                          scores if unfused else 0, layer_inflight=layer_inflight,
-                                          group_tokens=group_tokens,
-                                          layer_call_tokens=layer_call_tokens)
+        transient = layer_major_transient(
+            s,
+            tokens,
+            chunk,
+            fp16_token,
+            scores if unfused else 0,
+            layer_inflight=layer_inflight,
+            group_tokens=group_tokens,
+            layer_call_tokens=layer_call_tokens,
+        )
     elif any(d not in FUSED_SDPA_DIMS for d in dims):
         transient = scores
     elif preset.kind == "fp16":
@@ -138,10 +164,17 @@ def layer_major(s: Shapes, preset: Preset, order: str = ORDER) -> bool:
     return preset.kind == "turbo" and not any(s.windows) and order != "token"
 
 
-def layer_major_transient(s: Shapes, tokens: int, chunk: int, fp16_token: int,
-                          scores: float = 0, *, layer_inflight: int = LAYER_INFLIGHT,
-                          group_tokens: int = GROUP_TOKENS,
-                          layer_call_tokens: int = LAYER_CALL_TOKENS) -> float:
+def layer_major_transient(
+    s: Shapes,
+    tokens: int,
+    chunk: int,
+    fp16_token: int,
+    scores: float = 0,
+    *,
+    layer_inflight: int = LAYER_INFLIGHT,
+    group_tokens: int = GROUP_TOKENS,
+    layer_call_tokens: int = LAYER_CALL_TOKENS,
+) -> float:
     """A layer-major prefill's working set on a GPU (`longctx.prefill_layers`): the hidden states
     of two layers (the one read, the one written), one layer's staging keys and values, and the
     queued layer-chunks (`chunk_bytes` each: the staging buffer it reads and its activations)
@@ -194,7 +227,7 @@ WARN_FRACTION = 0.75  # warn when the estimate exceeds this share of the machine
 
 
 def verdict(peak: int, memory: int) -> str:
-    """"fits", "tight" (over WARN_FRACTION of memory) or "too large" (over all of it)."""
+    """ "fits", "tight" (over WARN_FRACTION of memory) or "too large" (over all of it)."""
     if not memory:
         return "fits"
     if peak > memory:
@@ -203,30 +236,36 @@ def verdict(peak: int, memory: int) -> str:
 
 
 def describe(peak: int, memory: int) -> str:
-    return (f"it needs about {human_bytes(peak)} of memory at its peak and this machine has "
-            f"{human_bytes(memory)}")
+    return f"it needs about {human_bytes(peak)} of memory at its peak and this machine has {human_bytes(memory)}"
 
 
-def for_ingest(ref, preset: Preset, token_counts: list[int], name: str,
-               chunk: int) -> dict:
+def for_ingest(ref, preset: Preset, token_counts: list[int], name: str, chunk: int) -> dict:
     """Predicted file bytes (per segment and total), peak memory and the verdict for ingesting
     prompts of `token_counts` tokens (one per cache) with model `ref`."""
     from mlx_lm.utils import load_config
 
-
     config = load_config(ref.path)
     s = shapes(config)
     cpu = on_cpu()
-    meta = {"model_id": ref.model_id, "weights_sha256": ref.weights_sha256,
-            "tokenizer_sha256": ref.tokenizer_sha256, "document_sha256": "0" * 64,
-            "document_name": name}
+    meta = {
+        "model_id": ref.model_id,
+        "weights_sha256": ref.weights_sha256,
+        "tokenizer_sha256": ref.tokenizer_sha256,
+        "document_sha256": "0" * 64,
+        "document_name": name,
+    }
     floats = "F32" if cpu else "F16"  # affine scales and biases are in the compute dtype
     files = [cache_file_bytes(s, preset, n, meta, floats) for n in token_counts]
     weights = weights_bytes(ref.path, s, cpu)
     peak = max(peak_bytes(s, preset, n, weights, cpu, chunk) for n in token_counts)
     memory = machine_memory()
-    return {"cache_bytes": sum(files), "segment_cache_bytes": files, "peak_memory_bytes": peak,
-            "machine_memory_bytes": memory, "memory": verdict(peak, memory)}
+    return {
+        "cache_bytes": sum(files),
+        "segment_cache_bytes": files,
+        "peak_memory_bytes": peak,
+        "machine_memory_bytes": memory,
+        "memory": verdict(peak, memory),
+    }
 
 
 def check(ref, preset: Preset, token_counts: list[int], name: str, chunk: int) -> None:
@@ -239,7 +278,11 @@ def check(ref, preset: Preset, token_counts: list[int], name: str, chunk: int) -
     if est["memory"] == "too large":
         raise ResourceError(
             f"'{name}' cannot be ingested here: {describe(est['peak_memory_bytes'], est['machine_memory_bytes'])}; "
-            "use a smaller model, a compressed --kv preset, or a machine with more memory.")
+            "use a smaller model, a compressed --kv preset, or a machine with more memory."
+        )
     if est["memory"] == "tight":
-        warnings.warn(f"'{name}' may not fit: {describe(est['peak_memory_bytes'], est['machine_memory_bytes'])}.",
-                      MemoryWarning, stacklevel=2)
+        warnings.warn(
+            f"'{name}' may not fit: {describe(est['peak_memory_bytes'], est['machine_memory_bytes'])}.",
+            MemoryWarning,
+            stacklevel=2,
+        )

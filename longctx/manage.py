@@ -56,7 +56,8 @@ def export(doc: str | None, out: str | Path, kv: str = "fp16") -> Path:
             raise ConfigError(
                 f"'{entry.name}' is stored as {len(entry.segments)} segment caches, which no "
                 "single mlx-lm prompt cache can hold; export one segment by its id (`longctx "
-                "info` lists them).")
+                "info` lists them)."
+            )
         ref = models.resolve(entry.model_spec)
         check_same_model(entry, ref)
         lm = models.load(ref)
@@ -65,8 +66,7 @@ def export(doc: str | None, out: str | Path, kv: str = "fp16") -> Path:
     finally:
         store.close()
     stock = kvcache.to_mlx_lm(cache, EXPORT_KV[kv])
-    metadata = {"model": str(ref.path), "tokenizer_config": "{}", "longctx_document": entry.name,
-                "longctx_entry": entry.id}
+    metadata = {"model": str(ref.path), "tokenizer_config": "{}", "longctx_document": entry.name, "longctx_entry": entry.id}
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=out.parent)
     os.close(fd)
@@ -145,7 +145,6 @@ def room(target) -> int | None:
     segmented document: what its longest segment leaves); None if the model is not at hand."""
     from mlx_lm.utils import load_config
 
-
     try:
         cfg = load_config(models.resolve(target.model_spec).path)
     except (LongctxError, OSError, ValueError):
@@ -164,7 +163,6 @@ def _gather(store: Store, doc: str):
 
     import mlx.core as mx
 
-
     mine = [e for e in store.entries() if not e.group and (e.name == doc or e.id == doc)]
     if not mine:
         raise EntryNotFound(f"No ingested document '{doc}' (of any topology); `longctx list` shows them.")
@@ -178,20 +176,25 @@ def _gather(store: Store, doc: str):
     shards = {}
     for e in sorted(mine, key=lambda x: x.created, reverse=True):
         s = distributed.parse_tag(e.topology)
-        if s is not None and (s.ranks, s.parallel) == (t.ranks, t.parallel) \
-                and e.document_sha256 == newest.document_sha256 and e.kv_preset == newest.kv_preset:
+        if (
+            s is not None
+            and (s.ranks, s.parallel) == (t.ranks, t.parallel)
+            and e.document_sha256 == newest.document_sha256
+            and e.kv_preset == newest.kv_preset
+        ):
             shards.setdefault(s.rank, e)
     missing = [r for r in range(t.ranks) if r not in shards]
     if missing:
-        raise EntryNotFound(f"'{doc}' was ingested across {t.ranks} ranks but the shards of rank(s) "
-                            f"{', '.join(map(str, missing))} are not in this store; copy them here first.")
+        raise EntryNotFound(
+            f"'{doc}' was ingested across {t.ranks} ranks but the shards of rank(s) "
+            f"{', '.join(map(str, missing))} are not in this store; copy them here first."
+        )
     loaded = [store.load(shards[r]) for r in range(t.ranks)]
     if t.parallel == "pipeline":
         stages = [(distributed.parse_tag(shards[r].topology).layers[0], *loaded[r]) for r in range(t.ranks)]
         arrays, meta = _join_stages(stages)
         return shards[0], arrays, meta
-    arrays = {k: (mx.concatenate([a[k] for a, _ in loaded], axis=1) if v.ndim >= 2 else v)
-              for k, v in loaded[0][0].items()}
+    arrays = {k: (mx.concatenate([a[k] for a, _ in loaded], axis=1) if v.ndim >= 2 else v) for k, v in loaded[0][0].items()}
     meta = dict(loaded[0][1])
     kv = json.loads(meta["kv_config"])
     kv["kv_heads"] = [h * t.ranks if h else h for h in kv.get("kv_heads", [])]
@@ -209,8 +212,7 @@ def _layers_of(arrays: dict) -> tuple[dict[int, dict], dict]:
     turbo = sorted({int(k.split(".")[0]) for k in arrays if k.split(".")[0].isdigit() and k.count(".") >= 2})
     per = kvcache.split_layers(arrays, turbo if stacked else [])
     layers = {int(k): v for k, v in per.items() if k.isdigit()}
-    rest = {k: v for k, v in arrays.items() if not k.split(".")[0].isdigit()
-            and not k.startswith(kvcache.STACK_PREFIX)}
+    rest = {k: v for k, v in arrays.items() if not k.split(".")[0].isdigit() and not k.startswith(kvcache.STACK_PREFIX)}
     return layers, rest
 
 
@@ -251,8 +253,7 @@ def _split_stage(arrays: dict, meta: dict, lo: int, hi: int) -> tuple[dict, dict
     kv.update({k: kv[k][lo:hi] for k in _PER_LAYER if k in kv})
     if "windows" in kv and not any(kv["windows"]):
         del kv["windows"]
-    return (_flat({i - lo: layers[i] for i in layers if lo <= i < hi}, rest),
-            {**meta, "kv_config": json.dumps(kv)})
+    return (_flat({i - lo: layers[i] for i in layers if lo <= i < hi}, rest), {**meta, "kv_config": json.dumps(kv)})
 
 
 def _save_as(store: Store, base, arrays: dict, meta: dict, topology: str):
@@ -260,12 +261,15 @@ def _save_as(store: Store, base, arrays: dict, meta: dict, topology: str):
     with that topology would give it."""
     import dataclasses
 
-
-
     ref = models.resolve(base.model_spec)
     at = f"@{distributed.place(topology)}" if topology else ""  # as `session.plan` addresses it
-    eid = entry_id(base.document_sha256, base.weights_sha256, base.tokenizer_sha256, base.kv_preset + at,
-                   prompt.layout_sha256(models.tokenizer(ref)))
+    eid = entry_id(
+        base.document_sha256,
+        base.weights_sha256,
+        base.tokenizer_sha256,
+        base.kv_preset + at,
+        prompt.layout_sha256(models.tokenizer(ref)),
+    )
     entry = dataclasses.replace(base, id=eid, topology=topology)
     with store.lock(eid):
         return store.save(entry, arrays, meta)
@@ -289,7 +293,6 @@ def reshard(doc: str, ranks: int, parallel: str = "tensor") -> list:
 
     import mlx.core as mx
 
-
     if ranks < 2:
         raise ConfigError("--ranks must be at least 2 (`longctx merge` makes one ordinary entry).")
     with _opened() as store:
@@ -298,8 +301,7 @@ def reshard(doc: str, ranks: int, parallel: str = "tensor") -> list:
         if parallel == "pipeline":
             n = len(kv["head_dims"])
             if ranks > n:
-                raise ConfigError(f"{ranks} pipeline stages exceed the cache's {n} layers; "
-                                  f"reshard it for at most {n} ranks.")
+                raise ConfigError(f"{ranks} pipeline stages exceed the cache's {n} layers; reshard it for at most {n} ranks.")
             out = []
             for r in range(ranks):
                 lo, hi = distributed.stage_layers(n, ranks, r)
@@ -309,8 +311,10 @@ def reshard(doc: str, ranks: int, parallel: str = "tensor") -> list:
         heads = [h for h in kv.get("kv_heads", []) if h]
         if any(h % ranks for h in heads):
             valid = [n for n in range(2, max(heads) + 1) if all(h % n == 0 for h in heads)]
-            raise ConfigError(f"{ranks} ranks do not divide the cache's {max(heads)} KV heads; "
-                              f"reshard it for {' or '.join(map(str, valid)) or 'no other number of'} ranks.")
+            raise ConfigError(
+                f"{ranks} ranks do not divide the cache's {max(heads)} KV heads; "
+                f"reshard it for {' or '.join(map(str, valid)) or 'no other number of'} ranks."
+            )
         out = []
         for r in range(ranks):
             part = {k: (mx.split(v, ranks, axis=1)[r] if v.ndim >= 2 else v) for k, v in arrays.items()}

@@ -36,6 +36,7 @@ def body_mass(queries, kv, scale: float, head: int, tail: int):
 
     # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache import dense_gpu
+
     # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache.attend_fused import kernel_table
 
@@ -44,8 +45,7 @@ def body_mass(queries, kv, scale: float, head: int, tail: int):
         keys = kv.dense[0].astype(mx.float32)
     else:
         sink = dense_gpu.rotated_part(kc, kv.sink[0]) if kv.sink is not None else None
-        keys = dense_gpu.decode_dense(kc, kernel_table(kc), [s[0] for s in kv.segments], sink,
-                                None).astype(mx.float32)
+        keys = dense_gpu.decode_dense(kc, kernel_table(kc), [s[0] for s in kv.segments], sink, None).astype(mx.float32)
     B, Hq, Lq, _ = queries.shape
     Hkv, n = keys.shape[1], keys.shape[2]
     q = kc.rotate(queries.astype(mx.float32)).reshape(B, Hkv, (Hq // Hkv) * Lq, -1)
@@ -57,7 +57,7 @@ def body_mass(queries, kv, scale: float, head: int, tail: int):
         if kv.window_mask is not None:
             s_win = mx.where(kv.window_mask, s_win, -mx.inf)
         total = mx.logaddexp(total, mx.logsumexp(s_win, axis=-1))
-    body = mx.logsumexp(scores[..., head:max(head + 1, n - tail)], axis=-1)
+    body = mx.logsumexp(scores[..., head : max(head + 1, n - tail)], axis=-1)
     share = mx.exp(body - total).reshape(B, Hq, Lq).mean(axis=-1)  # (B, H_q)
     return mx.max(share)
 
@@ -93,7 +93,7 @@ def answer_likelihood(lm, cache: list, suffix: list[int], answer: list[int]) -> 
         return float("-inf")
     ids = suffix + answer
     logits = lm.model(mx.array(ids, dtype=mx.int32)[None], cache=kvcache.fork(cache))
-    logits = logits[0, len(suffix) - 1: len(ids) - 1].astype(mx.float32)
+    logits = logits[0, len(suffix) - 1 : len(ids) - 1].astype(mx.float32)
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     picked = mx.take_along_axis(logp, mx.array(answer, dtype=mx.int32)[:, None], axis=-1)
     return float(mx.mean(picked).item())

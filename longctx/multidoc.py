@@ -24,8 +24,7 @@ from typing import Iterator, Sequence
 from longctx import config, conversation, engine, estimate, kvcache, model_scores, prompt, retrieval, session
 from longctx import segments as seg
 from longctx.documents import TEXT_SUFFIXES, Document, read_document
-from longctx.errors import (ConfigError, ContextLengthError, DocumentError, EntryNotFound,
-                             StoreError)
+from longctx.errors import ConfigError, ContextLengthError, DocumentError, EntryNotFound, StoreError
 from longctx.runtime import models
 from longctx.store import Entry, Store, budget, entry_id, groups
 from longctx.store.groups import Group
@@ -74,11 +73,17 @@ def expand(paths: Sequence[str | Path]) -> list[Path]:
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES
-                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            found = sorted(
+                f
+                for f in p.rglob("*")
+                if f.is_file()
+                and f.suffix.lower() in SUFFIXES
+                and not any(part.startswith(".") for part in f.relative_to(p).parts)
+            )
             if not found:
-                raise DocumentError(f"{raw} is a directory with no PDF, text or markdown files in "
-                                    "it; give files, or a directory that holds some.")
+                raise DocumentError(
+                    f"{raw} is a directory with no PDF, text or markdown files in it; give files, or a directory that holds some."
+                )
             out.extend(found)
         else:
             out.append(p)
@@ -99,13 +104,17 @@ def segment_budget(context: int) -> int:
     return min(budget, wanted) if wanted else budget
 
 
-def plan(paths: Sequence[str | Path], name: str | None = None, model: str | None = None,
-         preset: str = kvcache.DEFAULT_PRESET, password: str | None = None,
-         documents: list[Document] | None = None) -> SetPlan:
+def plan(
+    paths: Sequence[str | Path],
+    name: str | None = None,
+    model: str | None = None,
+    preset: str = kvcache.DEFAULT_PRESET,
+    password: str | None = None,
+    documents: list[Document] | None = None,
+) -> SetPlan:
     """Read, tokenize and segment the files, without running the model (`documents`: the files,
     already read)."""
     from mlx_lm.utils import load_config
-
 
     files = expand(paths)
     if not files:
@@ -135,19 +144,43 @@ def plan(paths: Sequence[str | Path], name: str | None = None, model: str | None
             f"'{title}' does not fit this model and cannot be split into segments: the model's "
             f"context is {context:,} tokens, {session.answer_reserve(context):,} of them kept for the question "
             f"and answer, which leaves {budget:,} per segment, too few for the prompt around any "
-            "text; use a longer-context model (--model).") from None
+            "text; use a longer-context model (--model)."
+        ) from None
     lay = prompt.layout(tokenizer, title, "")
-    gid = groups.group_id([d.sha256 for d in docs], ref.weights_sha256, ref.tokenizer_sha256,
-                          kv.name, prompt.layout_sha256(tokenizer), budget, title)
-    return SetPlan(docs, title, ref, kv, parts, [prefix(p.title, p.text) for p in parts],
-                   context, budget, gid, session.light_suffix(ref, tokenizer, lay),
-                   session.fp16_bytes_per_token(cfg))
+    gid = groups.group_id(
+        [d.sha256 for d in docs],
+        ref.weights_sha256,
+        ref.tokenizer_sha256,
+        kv.name,
+        prompt.layout_sha256(tokenizer),
+        budget,
+        title,
+    )
+    return SetPlan(
+        docs,
+        title,
+        ref,
+        kv,
+        parts,
+        [prefix(p.title, p.text) for p in parts],
+        context,
+        budget,
+        gid,
+        session.light_suffix(ref, tokenizer, lay),
+        session.fp16_bytes_per_token(cfg),
+    )
 
 
-def ingest_files(paths: Sequence[str | Path], name: str | None = None, model: str | None = None,
-                 preset: str = kvcache.DEFAULT_PRESET, force: bool = False,
-                 password: str | None = None, progress=None,
-                 chunk: int = engine.DEFAULT_CHUNK) -> SetResult:
+def ingest_files(
+    paths: Sequence[str | Path],
+    name: str | None = None,
+    model: str | None = None,
+    preset: str = kvcache.DEFAULT_PRESET,
+    force: bool = False,
+    password: str | None = None,
+    progress=None,
+    chunk: int = engine.DEFAULT_CHUNK,
+) -> SetResult:
     """Ingest files (or directories) as one document set; see the module docstring.
 
     Returns:
@@ -159,11 +192,16 @@ def ingest_files(paths: Sequence[str | Path], name: str | None = None, model: st
     if len(files) == 1 and not name:
         single = session.plan(files[0], model, preset, password)
         if single.fits:
-            r = session.ingest(files[0], model, preset, force, password, progress, chunk,
-                               planned=single)
-            return SetResult(r.entry, r.reused, r.stats, 0 if r.reused else 1,
-                             {r.entry.name: (r.entry.pages, r.empty_pages)} if r.empty_pages else None,
-                             r.eviction, r.eviction_error)
+            r = session.ingest(files[0], model, preset, force, password, progress, chunk, planned=single)
+            return SetResult(
+                r.entry,
+                r.reused,
+                r.stats,
+                0 if r.reused else 1,
+                {r.entry.name: (r.entry.pages, r.empty_pages)} if r.empty_pages else None,
+                r.eviction,
+                r.eviction_error,
+            )
         read = [single.document]  # too long for one cache: segments
     p = plan(files, name, model, preset, password, documents=read)
     empty = {d.name: (d.pages, d.empty_pages) for d in p.documents if d.empty_pages}
@@ -174,8 +212,10 @@ def ingest_files(paths: Sequence[str | Path], name: str | None = None, model: st
     if distributed.group() is not None:
         if distributed.mode() == "data":
             return _ingest_spread(p, files, kind, empty, force, progress, chunk)
-        raise ConfigError(f"'{p.name}' is past the model's context ({len(p.segments)} segments): under "
-                          "mlx.launch, ingest it with --parallel data (each rank its segments), or in one process.")
+        raise ConfigError(
+            f"'{p.name}' is past the model's context ({len(p.segments)} segments): under "
+            "mlx.launch, ingest it with --parallel data (each rank its segments), or in one process."
+        )
     store = Store()
     try:
         with store.lock(p.group_id):
@@ -188,8 +228,9 @@ def ingest_files(paths: Sequence[str | Path], name: str | None = None, model: st
             done, seconds, peak, built = 0, 0.0, 0, 0
             for i, tokens in enumerate(p.tokens):
                 base = done
-                entry, stats = _segment(store, p, files, i, lm, force,
-                                        (lambda d, t: progress(base + d, total)) if progress else None, chunk)
+                entry, stats = _segment(
+                    store, p, files, i, lm, force, (lambda d, t: progress(base + d, total)) if progress else None, chunk
+                )
                 saved.append(entry)
                 if stats is not None:
                     seconds += stats.seconds
@@ -215,8 +256,9 @@ def _segment_id(p: SetPlan, i: int) -> str:
     return entry_id(part.sha256, p.model.weights_sha256, p.model.tokenizer_sha256, p.preset.name, p.group_id)
 
 
-def _segment(store: Store, p: SetPlan, files: list[Path], i: int, lm: list, force: bool, progress,
-             chunk: int) -> tuple[Entry, engine.PrefillStats | None]:
+def _segment(
+    store: Store, p: SetPlan, files: list[Path], i: int, lm: list, force: bool, progress, chunk: int
+) -> tuple[Entry, engine.PrefillStats | None]:
     """Segment i's entry, reused if intact, else prefilled and saved (stats None: reused); `lm`
     holds the model once loaded."""
     part, tokens, eid = p.segments[i], p.tokens[i], _segment_id(p, i)
@@ -227,11 +269,23 @@ def _segment(store: Store, p: SetPlan, files: list[Path], i: int, lm: list, forc
         if not lm:
             lm.append(models.load(p.model))
         entry, stats = session.build_entry(
-            store, lm[0], p.preset, tokens, eid,
-            fp16_bytes_per_token=p.fp16_bytes_per_token, name=part.title,
-            path=str(Path(files[0]).resolve()), document_sha256=part.sha256,
-            kind="segment", pages=_pages(part), question_suffix=p.question_suffix,
-            progress=progress, chunk=chunk, group=p.group_id, segment=part.index)
+            store,
+            lm[0],
+            p.preset,
+            tokens,
+            eid,
+            fp16_bytes_per_token=p.fp16_bytes_per_token,
+            name=part.title,
+            path=str(Path(files[0]).resolve()),
+            document_sha256=part.sha256,
+            kind="segment",
+            pages=_pages(part),
+            question_suffix=p.question_suffix,
+            progress=progress,
+            chunk=chunk,
+            group=p.group_id,
+            segment=part.index,
+        )
         groups.save_text(store, eid, part.text)
         return entry, stats
 
@@ -239,22 +293,29 @@ def _segment(store: Store, p: SetPlan, files: list[Path], i: int, lm: list, forc
 def _group(p: SetPlan, files: list[Path], kind: str, saved: list[Entry], seconds: float) -> Group:
     """The group record naming `saved`, the plan's segments in order."""
     return Group(
-        id=p.group_id, name=p.name, kind=kind,
-        files=tuple({"name": d.name, "path": str(Path(f).resolve()), "sha256": d.sha256,
-                     "kind": d.kind, "pages": d.pages}
-                    for d, f in zip(p.documents, files)),
-        segments=tuple({"id": e.id, "label": part.label, "tokens": e.tokens,
-                        "spans": [s.to_json() for s in part.spans]}
-                       for e, part in zip(saved, p.segments)),
-        model_id=p.model.model_id, model_spec=p.model.spec,
-        weights_sha256=p.model.weights_sha256, tokenizer_sha256=p.model.tokenizer_sha256,
-        kv_preset=p.preset.name, prefill_seconds=seconds,
+        id=p.group_id,
+        name=p.name,
+        kind=kind,
+        files=tuple(
+            {"name": d.name, "path": str(Path(f).resolve()), "sha256": d.sha256, "kind": d.kind, "pages": d.pages}
+            for d, f in zip(p.documents, files)
+        ),
+        segments=tuple(
+            {"id": e.id, "label": part.label, "tokens": e.tokens, "spans": [s.to_json() for s in part.spans]}
+            for e, part in zip(saved, p.segments)
+        ),
+        model_id=p.model.model_id,
+        model_spec=p.model.spec,
+        weights_sha256=p.model.weights_sha256,
+        tokenizer_sha256=p.model.tokenizer_sha256,
+        kv_preset=p.preset.name,
+        prefill_seconds=seconds,
         bits_per_channel=saved[0].bits_per_channel if saved else 0.0,
-        question_suffix=p.question_suffix)
+        question_suffix=p.question_suffix,
+    )
 
 
-def _ingest_spread(p: SetPlan, files: list[Path], kind: str, empty: dict, force: bool, progress,
-                   chunk: int) -> SetResult:
+def _ingest_spread(p: SetPlan, files: list[Path], kind: str, empty: dict, force: bool, progress, chunk: int) -> SetResult:
     """Data parallel (`--parallel data` under mlx.launch): rank r prefills segments r, r+N, ...
     into its store (each under its own entry's lock, as any ingest); once every rank's are in
     (`agree`, a barrier), rank 0 writes the group record under the group's lock, and the others
@@ -275,8 +336,9 @@ def _ingest_spread(p: SetPlan, files: list[Path], kind: str, empty: dict, force:
         try:
             for i in mine:
                 base = done
-                _, stats = _segment(store, p, files, i, lm, force,
-                                    (lambda d, t: progress(base + d, total)) if progress else None, chunk)
+                _, stats = _segment(
+                    store, p, files, i, lm, force, (lambda d, t: progress(base + d, total)) if progress else None, chunk
+                )
                 if stats is not None:
                     seconds, peak, built = seconds + stats.seconds, max(peak, stats.peak_bytes), built + 1
                 done += len(p.tokens[i])
@@ -284,8 +346,10 @@ def _ingest_spread(p: SetPlan, files: list[Path], kind: str, empty: dict, force:
             distributed.agree(False, what=what)
             raise
         if not distributed.agree(True, what=what):
-            raise ResourceError(f"Another rank failed{what}; the segments saved are kept (an ingest "
-                                "again reuses them) but the document is not recorded. Ingest it again.")
+            raise ResourceError(
+                f"Another rank failed{what}; the segments saved are kept (an ingest "
+                "again reuses them) but the document is not recorded. Ingest it again."
+            )
         group, missing = None, []
         if leader:
             with store.lock(p.group_id):
@@ -295,9 +359,11 @@ def _ingest_spread(p: SetPlan, files: list[Path], kind: str, empty: dict, force:
                     group = groups.save(store, _group(p, files, kind, saved, seconds), saved)
         if not distributed.agree(not missing, what=what):
             if missing:
-                raise ResourceError(f"Segments {', '.join(map(str, missing))} of '{p.name}' are not in rank 0's "
-                                    "store: data-parallel ranks need one shared store (one machine, or one "
-                                    "LONGCTX_HOME); they are kept in the other ranks' stores.")
+                raise ResourceError(
+                    f"Segments {', '.join(map(str, missing))} of '{p.name}' are not in rank 0's "
+                    "store: data-parallel ranks need one shared store (one machine, or one "
+                    "LONGCTX_HOME); they are kept in the other ranks' stores."
+                )
             raise ResourceError(f"Rank 0 could not record '{p.name}'; its segments are kept. Ingest it again.")
         group = group or groups.get(store, p.group_id) or _group(p, files, kind, [], seconds)
         stats = engine.PrefillStats(total, seconds, peak) if built else None
@@ -306,8 +372,13 @@ def _ingest_spread(p: SetPlan, files: list[Path], kind: str, empty: dict, force:
         store.close()
 
 
-def dry_run(paths: Sequence[str | Path], name: str | None = None, model: str | None = None,
-            preset: str = kvcache.DEFAULT_PRESET, password: str | None = None) -> dict:
+def dry_run(
+    paths: Sequence[str | Path],
+    name: str | None = None,
+    model: str | None = None,
+    preset: str = kvcache.DEFAULT_PRESET,
+    password: str | None = None,
+) -> dict:
     """What `ingest_files` would do, as a dict for the CLI: documents, tokens, segments, the
     cache size on disk, the ingest's peak memory and whether this machine has it."""
 
@@ -327,16 +398,24 @@ def dry_run(paths: Sequence[str | Path], name: str | None = None, model: str | N
         context = p.context_length
         estimated = sum(prompt.estimate_tokens(d.text) for d in docs)
     est = estimate.for_ingest(ref, kv, counts, title, engine.DEFAULT_CHUNK)
-    info = {"document": title, "files": len(docs), "pages": sum(d.pages for d in docs),
-            "estimated_tokens": estimated, "tokens": sum(counts), "model": ref.model_id,
-            "context_length": context, "segments": len(counts), "kv_preset": kv.name,
-            "estimated_cache_bytes": est["cache_bytes"],
-            "estimated_peak_memory_bytes": est["peak_memory_bytes"],
-            "machine_memory_bytes": est["machine_memory_bytes"], "memory": est["memory"],
-            "entry_id": eid}
+    info = {
+        "document": title,
+        "files": len(docs),
+        "pages": sum(d.pages for d in docs),
+        "estimated_tokens": estimated,
+        "tokens": sum(counts),
+        "model": ref.model_id,
+        "context_length": context,
+        "segments": len(counts),
+        "kv_preset": kv.name,
+        "estimated_cache_bytes": est["cache_bytes"],
+        "estimated_peak_memory_bytes": est["peak_memory_bytes"],
+        "machine_memory_bytes": est["machine_memory_bytes"],
+        "memory": est["memory"],
+        "entry_id": eid,
+    }
     if labels and len(labels) > 1:
-        info["segment_labels"] = "; ".join(f"{i + 1}: {lab} ({n:,} tok)"
-                                           for i, (lab, n) in enumerate(zip(labels, counts)))
+        info["segment_labels"] = "; ".join(f"{i + 1}: {lab} ({n:,} tok)" for i, (lab, n) in enumerate(zip(labels, counts)))
     empty = {d.name: (d.pages, list(d.empty_pages)) for d in docs if d.empty_pages}
     if empty:
         info["_empty_pages"] = empty
@@ -379,8 +458,12 @@ def find(store: Store, ref: str | None) -> Entry | Group:
     ref = ref.strip()
     every = [*found, *entries]
     segment = [e for e in stored if e.group and e.id == ref]  # by its exact id only
-    matches = ([t for t in every if t.id == ref] or segment or [t for t in every if t.name == ref]
-               or [t for t in every if ref and t.id.startswith(ref)])
+    matches = (
+        [t for t in every if t.id == ref]
+        or segment
+        or [t for t in every if t.name == ref]
+        or [t for t in every if ref and t.id.startswith(ref)]
+    )
     if not matches:
         names = ", ".join(sorted({t.name for t in every})[:8])
         raise EntryNotFound(f"No ingested document matches '{ref}'. Known: {names}.")
@@ -391,9 +474,18 @@ def find(store: Store, ref: str | None) -> Entry | Group:
     return matches[0]
 
 
-def ask_group(group: Group, question: str, model: str | None, max_tokens: int,
-              temperature: float, seed: int | None, answer, start: float,
-              ranker: str | None = None, segments: int = 1) -> Iterator[str]:
+def ask_group(
+    group: Group,
+    question: str,
+    model: str | None,
+    max_tokens: int,
+    temperature: float,
+    seed: int | None,
+    answer,
+    start: float,
+    ranker: str | None = None,
+    segments: int = 1,
+) -> Iterator[str]:
     """Answer from a group's best segment(s); fills `answer.sources` and `answer.ranking`."""
 
     ranker = ranker or config.get("ranker")
@@ -405,8 +497,7 @@ def ask_group(group: Group, question: str, model: str | None, max_tokens: int,
     try:
         entries = [store.get(sid) for sid in group.segment_ids]
         if any(e is None for e in entries):
-            raise EntryNotFound(f"Segments of '{group.name}' are missing from the store; ingest "
-                                "it again.")
+            raise EntryNotFound(f"Segments of '{group.name}' are missing from the store; ingest it again.")
         texts = [groups.text(store, e.id) for e in entries]
         ref = models.resolve(model or group.model_spec)
         session.check_same_model(entries[0], ref)
@@ -428,8 +519,7 @@ def ask_group(group: Group, question: str, model: str | None, max_tokens: int,
             if ranker == "attention":
                 # The template before the text (system turn, instructions, document tag) and
                 # after it (closing tag, "Question:") are not the document.
-                head = len(prompt.prefix_tokens(lm.tokenizer, prompt.layout(
-                    lm.tokenizer, entries[i].name, ""))) - _TAIL
+                head = len(prompt.prefix_tokens(lm.tokenizer, prompt.layout(lm.tokenizer, entries[i].name, ""))) - _TAIL
                 return model_scores.attention_mass(lm, cache, suffix, max(0, head), _TAIL)
             n_q = len(prompt.encode(lm.tokenizer, " " + " ".join(question.split()), first=False))
             return model_scores.question_likelihood(lm, cache, suffix, max(2, min(n_q, len(suffix))))
@@ -449,16 +539,18 @@ def ask_group(group: Group, question: str, model: str | None, max_tokens: int,
         i = chosen[0]
         answer.entry = entries[i]
         cache, pending = restored[i]
-        yield from conversation.answer_from(lm, entries[i], cache, pending, question, max_tokens,
-                                       temperature, seed, answer, start)
+        yield from conversation.answer_from(
+            lm, entries[i], cache, pending, question, max_tokens, temperature, seed, answer, start
+        )
         answer.sources = [_cite(group, i, texts[i], question + " " + answer.text)]
         return
     best = None
     for i in chosen:
         cache, pending = restored[i]
         trial = session.Answer(entry=entries[i])
-        text = "".join(conversation.answer_from(lm, entries[i], cache, pending, question, max_tokens,
-                                           temperature, seed, trial, start))
+        text = "".join(
+            conversation.answer_from(lm, entries[i], cache, pending, question, max_tokens, temperature, seed, trial, start)
+        )
         suffix = session.question_suffix(lm, entries[i], question)
         ids = list(lm.tokenizer.encode(text, add_special_tokens=False)) if text else []
         score = model_scores.answer_likelihood(lm, cache, suffix, ids)
@@ -487,8 +579,12 @@ def _topology_hint(entry: Entry, here: str) -> str:
     """One line saying how to ask a document stored for another topology."""
     t = distributed.parse_tag(entry.topology)
     if t is None:
-        return (f"'{entry.name}' was ingested in one process; ask it without mlx.launch, or split it for "
-                f"these ranks with `longctx reshard {entry.name} --ranks N`.")
+        return (
+            f"'{entry.name}' was ingested in one process; ask it without mlx.launch, or split it for "
+            f"these ranks with `longctx reshard {entry.name} --ranks N`."
+        )
     how = "" if t.parallel == "tensor" else f" with `--parallel {t.parallel}`"
-    return (f"'{entry.name}' was ingested across {t.ranks} ranks ({t.parallel} parallel): ask it under "
-            f"`mlx.launch -n {t.ranks}`{how}, or join its shards with `longctx merge {entry.name}` to ask it in one process.")
+    return (
+        f"'{entry.name}' was ingested across {t.ranks} ranks ({t.parallel} parallel): ask it under "
+        f"`mlx.launch -n {t.ranks}`{how}, or join its shards with `longctx merge {entry.name}` to ask it in one process."
+    )

@@ -28,8 +28,9 @@ def home() -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as err:
-        raise StoreError(f"Cannot create the data directory {path}: {err.strerror}. "
-                         "Set LONGCTX_HOME to a writable directory.") from err
+        raise StoreError(
+            f"Cannot create the data directory {path}: {err.strerror}. Set LONGCTX_HOME to a writable directory."
+        ) from err
     return path
 
 

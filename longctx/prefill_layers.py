@@ -54,8 +54,7 @@ import logging
 import time
 from typing import Callable
 
-from longctx.chunking import (ACTIVATIONS, FUSED_SDPA_DIMS, GROUP_TOKENS, LAYER_CALL_TOKENS,
-                              LAYER_INFLIGHT, ORDER)
+from longctx.chunking import ACTIVATIONS, FUSED_SDPA_DIMS, GROUP_TOKENS, LAYER_CALL_TOKENS, LAYER_INFLIGHT, ORDER
 
 Progress = Callable[[int, int], None]
 _log = logging.getLogger("longctx.prefill")
@@ -103,6 +102,7 @@ def applies(model, cache: list, order: str = ORDER) -> bool:
     with one `layers` entry per cache entry."""
     # deferred: loads mlx.core (the light commands start without it)
     from longctx.kernels import backend
+
     # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache.turbo import TurboQuantCache
 
@@ -111,8 +111,12 @@ def applies(model, cache: list, order: str = ORDER) -> bool:
     if order == "token" or (order == "auto" and backend() == "cpu"):
         return False
     layers = layer_list(model)
-    return (bool(cache) and layers is not None and len(layers) == len(cache)
-            and all(type(c) is TurboQuantCache and c.offset == 0 for c in cache))
+    return (
+        bool(cache)
+        and layers is not None
+        and len(layers) == len(cache)
+        and all(type(c) is TurboQuantCache and c.offset == 0 for c in cache)
+    )
 
 
 def layer_list(model) -> list | None:
@@ -127,8 +131,12 @@ def layer_list(model) -> list | None:
     inner = getattr(model, "language_model", None)
     for owner in (model, getattr(model, "model", None), inner, getattr(inner, "model", None)):
         layers = getattr(owner, "layers", None) if owner is not None else None
-        if (isinstance(layers, list) and layers is getattr(owner, "layers")
-                and len(layers) == len(want) and all(a is b for a, b in zip(layers, want))):
+        if (
+            isinstance(layers, list)
+            and layers is getattr(owner, "layers")
+            and len(layers) == len(want)
+            and all(a is b for a, b in zip(layers, want))
+        ):
             return layers
     return None
 
@@ -181,8 +189,6 @@ def absorb_spans(bounds: list[tuple[int, int]], most: int | None = None) -> list
     return _runs(bounds, lambda lo, hi: hi - lo <= most, first_alone=True)
 
 
-
-
 def chunk_bytes(stage, out) -> int:
     """What one queued layer-chunk holds until it has run (an estimate, for the in-flight bound):
     the staging buffer it reads (mlx-lm's `KVCache` gives each chunk a new one, the keys and
@@ -191,7 +197,6 @@ def chunk_bytes(stage, out) -> int:
     and, at head dims whose SDPA is not fused on the GPUs, its fp32 scores (query heads taken
     as the output's width over the head dim)."""
     from mlx.utils import tree_flatten
-
 
     arrays = [a for _, a in tree_flatten(out) if hasattr(a, "nbytes")]
     total = stage.keys.nbytes + stage.values.nbytes + ACTIVATIONS * sum(a.nbytes for a in arrays)
@@ -202,10 +207,18 @@ def chunk_bytes(stage, out) -> int:
     return int(total)
 
 
-def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]],
-            progress: Progress | None = None, pairs: int = 0, *,
-            layer_inflight: int = LAYER_INFLIGHT, group_tokens: int = GROUP_TOKENS,
-            layer_call_tokens: int = LAYER_CALL_TOKENS) -> list[float] | None:
+def prefill(
+    model,
+    tokens: list[int],
+    cache: list,
+    bounds: list[tuple[int, int]],
+    progress: Progress | None = None,
+    pairs: int = 0,
+    *,
+    layer_inflight: int = LAYER_INFLIGHT,
+    group_tokens: int = GROUP_TOKENS,
+    layer_call_tokens: int = LAYER_CALL_TOKENS,
+) -> list[float] | None:
     """Fill the empty compressed `cache` with `tokens`, layer by layer (module docstring).
 
     Args:
@@ -270,20 +283,21 @@ def prefill(model, tokens: list[int], cache: list, bounds: list[tuple[int, int]]
             return at["out"]
         if not args or args[0] is not at["out"] or len(calls[-1]) != i:
             raise _Unrecorded
-        if any(isinstance(a, mx.array) and a.nbytes > RECORD_MAX_BYTES
-               for a in (*args[1:], *kwargs.values())):
+        if any(isinstance(a, mx.array) and a.nbytes > RECORD_MAX_BYTES for a in (*args[1:], *kwargs.values())):
             raise _Unrecorded
         stage = at["stage"]  # kept as a mark: that pass's buffers are not held past it
-        calls[-1].append((tuple(_STAGE if a is stage else a for a in args[1:]),
-                          {k: _STAGE if v is stage else v for k, v in kwargs.items()}))
+        calls[-1].append(
+            (tuple(_STAGE if a is stage else a for a in args[1:]), {k: _STAGE if v is stage else v for k, v in kwargs.items()})
+        )
         return args[0]
 
     def _direct(j: int, c: int, stage):
         # layer j on chunk c with the arguments the model passed it in the first pass, this
         # pass's staging cache where that one's was
         rest, kwargs = calls[c][j]
-        return real[j](hidden[c], *[stage if a is _STAGE else a for a in rest],
-                       **{k: stage if v is _STAGE else v for k, v in kwargs.items()})
+        return real[j](
+            hidden[c], *[stage if a is _STAGE else a for a in rest], **{k: stage if v is _STAGE else v for k, v in kwargs.items()}
+        )
 
     spans = absorb_spans(bounds)
     budget = layer_inflight or float("inf")

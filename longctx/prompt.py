@@ -26,10 +26,7 @@ class Layout:
 
 
 def _user_turn(doc_name: str, text: str, question: str) -> str:
-    return (
-        f"{_INSTRUCTIONS}\n\n<document name=\"{doc_name}\">\n{text.strip()}\n</document>\n\n"
-        f"Question: {question}"
-    )
+    return f"{_INSTRUCTIONS}\n\n<document name=\"{doc_name}\">\n{text.strip()}\n</document>\n\nQuestion: {question}"
 
 
 def layout(tokenizer, doc_name: str, text: str) -> Layout:

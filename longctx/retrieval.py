@@ -70,8 +70,7 @@ def bm25_scores(query: str, texts: Sequence[str]) -> list[float]:
 
     corpus = [words(t) or ["\u2205"] for t in texts]
     vocab = {w: i for i, w in enumerate(sorted({w for doc in corpus for w in doc}))}
-    tokenized = bm25s.tokenization.Tokenized(ids=[[vocab[w] for w in doc] for doc in corpus],
-                                              vocab=vocab)
+    tokenized = bm25s.tokenization.Tokenized(ids=[[vocab[w] for w in doc] for doc in corpus], vocab=vocab)
     retriever = bm25s.BM25()
     retriever.index(tokenized, show_progress=False)
     terms = [w for w in words(query) if w in vocab]
@@ -86,8 +85,13 @@ def rank_bm25(query: str, texts: Sequence[str]) -> list[int]:
     return sorted(range(len(texts)), key=lambda i: (-scores[i], i))
 
 
-def rank(query: str, texts: Sequence[str], ranker: str = "bm25",
-         model_score: Callable[[int], float] | None = None, rerank: int = RERANK) -> list[int]:
+def rank(
+    query: str,
+    texts: Sequence[str],
+    ranker: str = "bm25",
+    model_score: Callable[[int], float] | None = None,
+    rerank: int = RERANK,
+) -> list[int]:
     """Segment indices, best first.
 
     Args:
@@ -102,16 +106,18 @@ def rank(query: str, texts: Sequence[str], ranker: str = "bm25",
         return order
     if ranker not in ("model", "attention") or model_score is None:
         raise ValueError(f"unknown ranker {ranker!r}")
-    head = order[:max(1, rerank)]
+    head = order[: max(1, rerank)]
     scored = {i: model_score(i) for i in head}
-    return sorted(head, key=lambda i: (-scored[i], head.index(i))) + order[len(head):]
+    return sorted(head, key=lambda i: (-scored[i], head.index(i))) + order[len(head) :]
 
 
 def pages(text: str) -> list[tuple[str, str, str]]:
     """A segment's text cut at its `[File …]` and `[Page N]` lines: (file, page, text) pieces
     (file "" when the segment is of one document; page "" for text files)."""
-    marks = sorted([(m.start(), m.end(), "file", m.group(1)) for m in _FILE.finditer(text)]
-                   + [(m.start(), m.end(), "page", m.group(1)) for m in _PAGE.finditer(text)])
+    marks = sorted(
+        [(m.start(), m.end(), "file", m.group(1)) for m in _FILE.finditer(text)]
+        + [(m.start(), m.end(), "page", m.group(1)) for m in _PAGE.finditer(text)]
+    )
     out, file, page, pos = [], "", "", 0
     for start, end, what, value in marks + [(len(text), len(text), "end", "")]:
         body = text[pos:start]

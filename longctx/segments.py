@@ -84,7 +84,7 @@ def units(doc: Document) -> list[Unit]:
         out = []
         for i, m in enumerate(marks):
             end = marks[i + 1].start() if i + 1 < len(marks) else len(doc.text)
-            body = doc.text[m.start():end].strip()
+            body = doc.text[m.start() : end].strip()
             page = int(m.group(1))
             out.append(Unit(doc.name, page, page, body, True))
         if not marks and doc.text.strip():
@@ -109,14 +109,13 @@ def _split_unit(unit: Unit, count: Callable[[str], int], budget: int) -> list[Un
     """`unit` cut into pieces of at most `budget` tokens: at lines, then sentences, then words."""
     if count(unit.text) <= budget:
         return [unit]
-    for sep, splitter in (("\n", lambda t: t.split("\n")), (" ", _SENTENCE.split),
-                          (" ", lambda t: t.split(" "))):
+    for sep, splitter in (("\n", lambda t: t.split("\n")), (" ", _SENTENCE.split), (" ", lambda t: t.split(" "))):
         parts = [p for p in splitter(unit.text) if p.strip()]
         if len(parts) > 1:
             break
     else:  # one unbroken run of characters: cut by characters
         step = max(1, len(unit.text) * budget // max(1, count(unit.text)))
-        parts = [unit.text[i:i + step] for i in range(0, len(unit.text), step)]
+        parts = [unit.text[i : i + step] for i in range(0, len(unit.text), step)]
     out: list[Unit] = []
     buf: list[str] = []
     line = unit.first
@@ -169,8 +168,9 @@ def _title(name: str, spans: tuple[Span, ...], whole: bool) -> str:
     return f"{name} ({'; '.join(s.label() for s in spans)})"
 
 
-def split(docs: Sequence[Document], name: str, count: Callable[[str], int],
-          prompt_tokens: Callable[[str, str], int], budget: int) -> list[Segment]:
+def split(
+    docs: Sequence[Document], name: str, count: Callable[[str], int], prompt_tokens: Callable[[str, str], int], budget: int
+) -> list[Segment]:
     """Pack `docs` into segments whose prompts are at most `budget` tokens.
 
     Args:

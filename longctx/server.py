@@ -51,8 +51,9 @@ MAX_CONVERSATIONS = 32  # forks kept for follow-ups, least recently used dropped
 class ApiError(Exception):
     """An error with OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self, status: int, message: str, code: str | None = None, param: str | None = None, kind: str = "invalid_request_error"
+    ):
         super().__init__(message)
         self.status, self.code, self.param, self.kind = status, code, param, kind
 
@@ -85,16 +86,14 @@ def parse(body: bytes, max_context: int) -> Request:
         raise ApiError(400, "The request body must be a JSON object.")
     model = data.get("model")
     if not isinstance(model, str) or not model:
-        raise ApiError(400, "'model' is required: the name or id of a stored document (GET /v1/models).",
-                       param="model")
+        raise ApiError(400, "'model' is required: the name or id of a stored document (GET /v1/models).", param="model")
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' is required: a non-empty list.", param="messages")
     turns = []
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-            raise ApiError(400, "Each message needs a role (system, user or assistant) and content.",
-                           param="messages")
+            raise ApiError(400, "Each message needs a role (system, user or assistant) and content.", param="messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: their text
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
@@ -133,8 +132,17 @@ def parse(body: bytes, max_context: int) -> Request:
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ApiError(400, "'seed' must be an integer.", param="seed")
     options = data.get("stream_options") or {}
-    return Request(model, history, turns[-1][1], bool(data.get("stream", False)), max_tokens,
-                   float(temperature), stop, seed, bool(isinstance(options, dict) and options.get("include_usage")))
+    return Request(
+        model,
+        history,
+        turns[-1][1],
+        bool(data.get("stream", False)),
+        max_tokens,
+        float(temperature),
+        stop,
+        seed,
+        bool(isinstance(options, dict) and options.get("include_usage")),
+    )
 
 
 class Warm:
@@ -197,8 +205,9 @@ class Engine:
         try:
             target = multidoc.find(store, name)
         except EntryNotFound:
-            raise ApiError(404, f"The document '{name}' does not exist; GET /v1/models lists them.",
-                           code="model_not_found", param="model") from None
+            raise ApiError(
+                404, f"The document '{name}' does not exist; GET /v1/models lists them.", code="model_not_found", param="model"
+            ) from None
         finally:
             store.close()
         return target
@@ -240,12 +249,17 @@ class Engine:
         sources = []
         if isinstance(target, multidoc.Group):  # segmented: one question at a time, from the best segment
             if req.history:
-                raise ApiError(400, f"'{target.name}' is split into segments: it answers one question "
-                               "at a time (send only the last user message).", param="messages")
+                raise ApiError(
+                    400,
+                    f"'{target.name}' is split into segments: it answers one question "
+                    "at a time (send only the last user message).",
+                    param="messages",
+                )
             answer = session.Answer()
             count = 0
-            for piece in asking.ask(req.question, target.id, self.ref.spec, req.max_tokens,
-                                     req.temperature, req.seed, answer=answer):
+            for piece in asking.ask(
+                req.question, target.id, self.ref.spec, req.max_tokens, req.temperature, req.seed, answer=answer
+            ):
                 if cancelled.is_set():
                     break
                 if count == 0:
@@ -255,17 +269,25 @@ class Engine:
             entry = answer.entry
             sources = [{"file": s, "entry": entry.id, "segment": entry.segment} for s in answer.sources]
             used = entry.tokens + len(session.question_suffix(self.lm, entry, req.question))
-            return {"finish": "stop", "prompt_tokens": used, "cached_tokens": entry.tokens,
-                    "completion_tokens": len(self.lm.tokenizer.encode(answer.text, add_special_tokens=False)),
-                    "sources": sources}
+            return {
+                "finish": "stop",
+                "prompt_tokens": used,
+                "cached_tokens": entry.tokens,
+                "completion_tokens": len(self.lm.tokenizer.encode(answer.text, add_special_tokens=False)),
+                "sources": sources,
+            }
         entry = target
         conv, reused = self.conversation(entry, req.history)
         ids, _ = conv.fits(req.question, min(req.max_tokens, 1))
         before = conv.tokens
         max_tokens = min(req.max_tokens, conv.room_left - len(ids))
         if max_tokens < 1:
-            raise ApiError(400, f"The conversation fills the {self.lm.context_length:,}-token context after "
-                           f"'{entry.name}'; start a new one.", code="context_length_exceeded", param="messages")
+            raise ApiError(
+                400,
+                f"The conversation fills the {self.lm.context_length:,}-token context after '{entry.name}'; start a new one.",
+                code="context_length_exceeded",
+                param="messages",
+            )
 
         answer = Answer(entry=entry)
         stream = conv.ask(req.question, max_tokens, req.temperature, req.seed, answer)
@@ -286,12 +308,21 @@ class Engine:
         if finish != "cancelled" and len(turn.answer_ids) < max_tokens:
             finish = "stop"
         self.keep(conv)
-        sources = [{"file": entry.name, "pages": entry.pages, "entry": entry.id,
-                    "segment": entry.segment if entry.segment >= 0 else None}]
-        return {"finish": finish, "prompt_tokens": entry.tokens + before + len(turn.prompt_ids),
-                "cached_tokens": entry.tokens + reused, "completion_tokens": len(turn.answer_ids),
-                "sources": sources}
-
+        sources = [
+            {
+                "file": entry.name,
+                "pages": entry.pages,
+                "entry": entry.id,
+                "segment": entry.segment if entry.segment >= 0 else None,
+            }
+        ]
+        return {
+            "finish": finish,
+            "prompt_tokens": entry.tokens + before + len(turn.prompt_ids),
+            "cached_tokens": entry.tokens + reused,
+            "completion_tokens": len(turn.answer_ids),
+            "sources": sources,
+        }
 
 
 class StopFilter:
@@ -308,7 +339,7 @@ class StopFilter:
         if hits:
             self.done = True
             self.held = ""
-            return text[:min(hits)]
+            return text[: min(hits)]
         keep = max((len(s) - 1 for s in self.stops), default=0)
         out, self.held = (text[:-keep], text[-keep:]) if keep and len(text) > keep else ((text, "") if not keep else ("", text))
         return out
@@ -324,15 +355,18 @@ def create_app(engine: Engine, api_key: str | None = None, allowed_origins: list
     if allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
 
     @app.middleware("http")
     async def authorize(request: HttpRequest, call_next):
         if api_key and request.url.path.startswith("/v1") and request.method != "OPTIONS":
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                err = ApiError(401, "Missing or wrong API key (Authorization: Bearer ...).",
-                               code="invalid_api_key", kind="authentication_error")
+                err = ApiError(
+                    401,
+                    "Missing or wrong API key (Authorization: Bearer ...).",
+                    code="invalid_api_key",
+                    kind="authentication_error",
+                )
                 return JSONResponse(err.body(), status_code=401)
         return await call_next(request)
 
@@ -351,16 +385,30 @@ def create_app(engine: Engine, api_key: str | None = None, allowed_origins: list
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": engine.ref.model_id, "warm_documents": engine.warm.ids(),
-                "warm_bytes": engine.warm.bytes}
+        return {
+            "status": "ok",
+            "model": engine.ref.model_id,
+            "warm_documents": engine.warm.ids(),
+            "warm_bytes": engine.warm.bytes,
+        }
 
     @app.get("/v1/models")
     async def list_models():
         docs = engine.documents()
         names = [t.name for t in docs]
-        data = [{"id": t.name if names.count(t.name) == 1 else t.id, "object": "model",
-                 "created": int(t.created), "owned_by": "longctx", "name": t.name, "document_id": t.id,
-                 "tokens": t.tokens, "llm": engine.ref.model_id} for t in docs]
+        data = [
+            {
+                "id": t.name if names.count(t.name) == 1 else t.id,
+                "object": "model",
+                "created": int(t.created),
+                "owned_by": "longctx",
+                "name": t.name,
+                "document_id": t.id,
+                "tokens": t.tokens,
+                "llm": engine.ref.model_id,
+            }
+            for t in docs
+        ]
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions")
@@ -393,14 +441,22 @@ def create_app(engine: Engine, api_key: str | None = None, allowed_origins: list
         stops = StopFilter(req.stop)
 
         def chunk(delta: dict, finish=None, **extra) -> str:
-            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
+            body = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": req.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}],
+            }
             return f"data: {json.dumps(body)}\n\n"
 
         def usage(facts: dict) -> dict:
-            return {"prompt_tokens": facts["prompt_tokens"], "completion_tokens": facts["completion_tokens"],
-                    "total_tokens": facts["prompt_tokens"] + facts["completion_tokens"],
-                    "prompt_tokens_details": {"cached_tokens": facts["cached_tokens"]}}
+            return {
+                "prompt_tokens": facts["prompt_tokens"],
+                "completion_tokens": facts["completion_tokens"],
+                "total_tokens": facts["prompt_tokens"] + facts["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": facts["cached_tokens"]},
+            }
 
         if not req.stream:
             text = ""
@@ -415,10 +471,21 @@ def create_app(engine: Engine, api_key: str | None = None, allowed_origins: list
                     break
             text += stops.flush()
             finish = "stop" if stops.done else facts["finish"]
-            return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "finish_reason": finish, "sources": facts["sources"]}],
-                    "usage": usage(facts)}
+            return {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": req.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": finish,
+                        "sources": facts["sources"],
+                    }
+                ],
+                "usage": usage(facts),
+            }
 
         async def events():
             item = None
@@ -448,8 +515,14 @@ def create_app(engine: Engine, api_key: str | None = None, allowed_origins: list
                             finish = "stop" if stops.done else value["finish"]
                             yield chunk({}, finish, sources=value["sources"])
                             if req.include_usage:
-                                body = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                                        "model": req.model, "choices": [], "usage": usage(value)}
+                                body = {
+                                    "id": rid,
+                                    "object": "chat.completion.chunk",
+                                    "created": created,
+                                    "model": req.model,
+                                    "choices": [],
+                                    "usage": usage(value),
+                                }
                                 yield f"data: {json.dumps(body)}\n\n"
                             yield "data: [DONE]\n\n"
                             break
@@ -457,8 +530,9 @@ def create_app(engine: Engine, api_key: str | None = None, allowed_origins: list
             finally:  # a client gone mid-stream stops the answer at its next token
                 cancelled.set()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     return app
 
@@ -471,8 +545,16 @@ async def _next(queue: asyncio.Queue) -> tuple | None:
         return None
 
 
-def serve(model: str | None, host: str, port: int, cache_bytes: int, keep_alive: float,
-          api_key: str | None, allowed_origins: list[str] | None, ready=None) -> None:
+def serve(
+    model: str | None,
+    host: str,
+    port: int,
+    cache_bytes: int,
+    keep_alive: float,
+    api_key: str | None,
+    allowed_origins: list[str] | None,
+    ready=None,
+) -> None:
     """Load the model and serve until interrupted (`ready(url)` once listening)."""
     import uvicorn
 
@@ -481,7 +563,9 @@ def serve(model: str | None, host: str, port: int, cache_bytes: int, keep_alive:
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     if ready is not None:
+
         @app.on_event("startup")
         async def announce():
             ready(f"http://{host}:{port}")
+
     server.run()

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Callable
 from longctx import engine, kvcache, prompt
 from longctx.documents import Document, read_document
 from longctx.kvcache.presets import bits_per_channel
-from longctx.errors import (CacheCorrupt, CacheMismatch, ConfigError, ContextLengthError, ResourceError,
-                            StoreError)
+from longctx.errors import CacheCorrupt, CacheMismatch, ConfigError, ContextLengthError, ResourceError, StoreError
 from longctx.runtime import models
 from longctx.store import Entry, Store, budget, entry_id, layout, rebuild_hint
 from longctx.store.failpoints import failpoint
@@ -104,11 +103,17 @@ def _check_fits(p: Plan) -> None:
         raise ContextLengthError(
             f"'{p.document.name}' is {len(p.tokens):,} tokens but the model's context is "
             f"{p.context_length:,} (with {p.reserve:,} kept for questions and answers); use a "
-            "longer-context model (--model) or split the document.")
+            "longer-context model (--model) or split the document."
+        )
 
 
-def plan(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAULT_PRESET,
-         password: str | None = None, progress: Progress | None = None) -> Plan:
+def plan(
+    path: str | Path,
+    model: str | None = None,
+    preset: str = kvcache.DEFAULT_PRESET,
+    password: str | None = None,
+    progress: Progress | None = None,
+) -> Plan:
     """Read and tokenize a document and work out its cache, without running the model."""
     from mlx_lm.utils import load_config
 
@@ -121,10 +126,18 @@ def plan(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAU
     tokens = prompt.prefix_tokens(tokenizer, lay)
     cfg = config.get("text_config", config)
     context = int(cfg.get("max_position_embeddings") or 2048)
-    eid = entry_id(doc.sha256, ref.weights_sha256, ref.tokenizer_sha256, kv.name + _at(),
-                   prompt.layout_sha256(tokenizer))
-    return Plan(doc, ref, kv, prompt.estimate_tokens(doc.text), tokens, context,
-                fp16_bytes_per_token(config), eid, light_suffix(ref, tokenizer, lay))
+    eid = entry_id(doc.sha256, ref.weights_sha256, ref.tokenizer_sha256, kv.name + _at(), prompt.layout_sha256(tokenizer))
+    return Plan(
+        doc,
+        ref,
+        kv,
+        prompt.estimate_tokens(doc.text),
+        tokens,
+        context,
+        fp16_bytes_per_token(config),
+        eid,
+        light_suffix(ref, tokenizer, lay),
+    )
 
 
 def _at() -> str:
@@ -141,10 +154,16 @@ def light_suffix(ref: models.ModelRef, tokenizer, lay: prompt.Layout) -> str:
     return lay.suffix_text if light is not None and light.matches(tokenizer, texts) else ""
 
 
-def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEFAULT_PRESET,
-           force: bool = False, password: str | None = None,
-           progress: Progress | None = None, chunk: int = engine.DEFAULT_CHUNK,
-           planned: Plan | None = None) -> IngestResult:
+def ingest(
+    path: str | Path,
+    model: str | None = None,
+    preset: str = kvcache.DEFAULT_PRESET,
+    force: bool = False,
+    password: str | None = None,
+    progress: Progress | None = None,
+    chunk: int = engine.DEFAULT_CHUNK,
+    planned: Plan | None = None,
+) -> IngestResult:
     """Prefill a document once into a cache and persist it; reuse an identical earlier entry.
     After a save, least recently used entries are evicted to keep the store within its budget
     (`LONGCTX_MAX_STORE`; the new entry is kept even if it alone is over): `result.eviction`.
@@ -176,11 +195,21 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
             failpoint("ingest:locked")
             lm = models.load(p.model)
             entry, stats = build_entry(
-                store, lm, p.preset, p.tokens, p.entry_id, fp16_bytes_per_token=p.bytes_per_token,
-                name=p.document.name, path=str(Path(path).resolve()),
-                document_sha256=p.document.sha256, kind=p.document.kind,
-                pages=p.document.pages, question_suffix=p.question_suffix,
-                progress=progress, chunk=chunk)
+                store,
+                lm,
+                p.preset,
+                p.tokens,
+                p.entry_id,
+                fp16_bytes_per_token=p.bytes_per_token,
+                name=p.document.name,
+                path=str(Path(path).resolve()),
+                document_sha256=p.document.sha256,
+                kind=p.document.kind,
+                pages=p.document.pages,
+                question_suffix=p.question_suffix,
+                progress=progress,
+                chunk=chunk,
+            )
             result = IngestResult(entry, reused=False, stats=stats, empty_pages=empty)
         _all_ranks_kept(store, entry)  # outside the lock: a failed group's share is removed
         try:  # the new entry is saved whatever happens here
@@ -192,19 +221,32 @@ def ingest(path: str | Path, model: str | None = None, preset: str = kvcache.DEF
         store.close()
 
 
-def build_entry(store: Store, lm: models.LoadedModel, preset: kvcache.Preset, tokens: list[int],
-                eid: str, *, fp16_bytes_per_token: int, name: str, path: str,
-                document_sha256: str, kind: str, pages: int, question_suffix: str = "",
-                progress: Progress | None = None, chunk: int = engine.DEFAULT_CHUNK,
-                group: str = "", segment: int = -1) -> tuple[Entry, engine.PrefillStats]:
+def build_entry(
+    store: Store,
+    lm: models.LoadedModel,
+    preset: kvcache.Preset,
+    tokens: list[int],
+    eid: str,
+    *,
+    fp16_bytes_per_token: int,
+    name: str,
+    path: str,
+    document_sha256: str,
+    kind: str,
+    pages: int,
+    question_suffix: str = "",
+    progress: Progress | None = None,
+    chunk: int = engine.DEFAULT_CHUNK,
+    group: str = "",
+    segment: int = -1,
+) -> tuple[Entry, engine.PrefillStats]:
     """Prefill `tokens` into a new cache and save it as entry `eid` (hold `store.lock(eid)`)."""
     import mlx.core as mx
 
     cache = kvcache.make(lm.model, preset)  # first: refuses a model the preset cannot serve
     dims = kvcache.head_dims(lm.model)
     bpc = bits_per_channel(preset, dims[0], len(tokens))
-    store.check_free_space(int(fp16_bytes_per_token * len(tokens) * bpc / 16),
-                           f"the cache of '{name}'")
+    store.check_free_space(int(fp16_bytes_per_token * len(tokens) * bpc / 16), f"the cache of '{name}'")
 
     # a pipeline stage goes token-major: layer-major would depend on the stage's share of layers
     order = {"order": "token"} if distributed.pipelined(lm.model) else {}
@@ -214,20 +256,35 @@ def build_entry(store: Store, lm: models.LoadedModel, preset: kvcache.Preset, to
     arrays["tokens"] = mx.array(tokens, dtype=mx.int32)
     heads = [kvcache.cache_heads(c) for c in cache]
     entry = Entry(
-        id=eid, name=name, path=path, document_sha256=document_sha256, kind=kind, pages=pages,
-        tokens=len(tokens), model_id=lm.ref.model_id, model_spec=lm.ref.spec,
-        weights_sha256=lm.ref.weights_sha256, tokenizer_sha256=lm.ref.tokenizer_sha256,
-        kv_preset=preset.name, file=f"{eid}.safetensors", bytes=0, created=0.0,
-        prefill_seconds=stats.seconds, bits_per_channel=round(bpc, 4),
-        question_suffix=question_suffix, group=group, segment=segment,
+        id=eid,
+        name=name,
+        path=path,
+        document_sha256=document_sha256,
+        kind=kind,
+        pages=pages,
+        tokens=len(tokens),
+        model_id=lm.ref.model_id,
+        model_spec=lm.ref.spec,
+        weights_sha256=lm.ref.weights_sha256,
+        tokenizer_sha256=lm.ref.tokenizer_sha256,
+        kv_preset=preset.name,
+        file=f"{eid}.safetensors",
+        bytes=0,
+        created=0.0,
+        prefill_seconds=stats.seconds,
+        bits_per_channel=round(bpc, 4),
+        question_suffix=question_suffix,
+        group=group,
+        segment=segment,
         topology=distributed.entry_tag(lm.model),
     )
     metadata = {
-        "model_id": lm.ref.model_id, "weights_sha256": lm.ref.weights_sha256,
-        "tokenizer_sha256": lm.ref.tokenizer_sha256, "document_sha256": document_sha256,
+        "model_id": lm.ref.model_id,
+        "weights_sha256": lm.ref.weights_sha256,
+        "tokenizer_sha256": lm.ref.tokenizer_sha256,
+        "document_sha256": document_sha256,
         "tokens": str(len(tokens)),
-        "kv_config": json.dumps({**preset.to_json(), "head_dims": dims, "kv_heads": heads,
-                                 **kvcache.window_config(cache)}),
+        "kv_config": json.dumps({**preset.to_json(), "head_dims": dims, "kv_heads": heads, **kvcache.window_config(cache)}),
         "document_name": name,
     }
     saved = store.save(entry, arrays, metadata)
@@ -247,6 +304,7 @@ def warm_answer_path(lm: models.LoadedModel, preset: kvcache.Preset, arrays: dic
 
     # deferred: loads mlx.core (the light commands start without it)
     from longctx.kernels import backend
+
     # deferred: loads mlx.core (the light commands start without it)
     from longctx.runtime import cuda_kernels
 
@@ -280,35 +338,46 @@ def check_same_model(entry: Entry, ref: models.ModelRef) -> None:
         )
 
 
-def _check_cache_fits(entry: Entry, meta: dict, lm: models.LoadedModel,
-                      preset: kvcache.Preset) -> None:
+def _check_cache_fits(entry: Entry, meta: dict, lm: models.LoadedModel, preset: kvcache.Preset) -> None:
     """Refuse a (checksum-verified) cache file built for another model, tokenizer or preset."""
-    check_same_model(Entry(**{**entry.to_json(), "model_id": meta["model_id"],
-                               "weights_sha256": meta["weights_sha256"],
-                               "tokenizer_sha256": meta["tokenizer_sha256"]}), lm.ref)
+    check_same_model(
+        Entry(
+            **{
+                **entry.to_json(),
+                "model_id": meta["model_id"],
+                "weights_sha256": meta["weights_sha256"],
+                "tokenizer_sha256": meta["tokenizer_sha256"],
+            }
+        ),
+        lm.ref,
+    )
     try:
         cfg = layout.kv_config(meta)
     except (ValueError, TypeError, RecursionError) as err:
-        raise CacheCorrupt(f"The cache of '{entry.name}' is corrupt (its KV config is invalid: "
-                           f"{err}); {rebuild_hint(entry)}.") from None
+        raise CacheCorrupt(
+            f"The cache of '{entry.name}' is corrupt (its KV config is invalid: {err}); {rebuild_hint(entry)}."
+        ) from None
     want = preset.to_json()
     built = {k: cfg.get(k) for k in want}
     if built != want:
         diff = ", ".join(f"{k} {built[k]!r} vs {want[k]!r}" for k in want if built[k] != want[k])
         raise CacheMismatch(
             f"The cache of '{entry.name}' was built with KV preset {cfg['name']!r}, which differs "
-            f"from this longctx's preset {preset.name!r} ({diff}); {rebuild_hint(entry)}.")
+            f"from this longctx's preset {preset.name!r} ({diff}); {rebuild_hint(entry)}."
+        )
     dims = kvcache.head_dims(lm.model)
     if cfg["head_dims"] != dims:
         raise CacheMismatch(
             f"The cache of '{entry.name}' was built for {len(cfg['head_dims'])} layers of head "
             f"dims {sorted(set(cfg['head_dims']))}, but {lm.ref.model_id} has {len(dims)} layers "
-            f"of head dims {sorted(set(dims))}; {rebuild_hint(entry)}.")
+            f"of head dims {sorted(set(dims))}; {rebuild_hint(entry)}."
+        )
     heads = kvcache.kv_heads(lm.model)
     if any(h is not None and h != f for h, f in zip(heads, cfg["kv_heads"])):
         raise CacheMismatch(
             f"The cache of '{entry.name}' was built for KV heads {cfg['kv_heads']}, but "
-            f"{lm.ref.model_id} has {heads}; {rebuild_hint(entry)}.")
+            f"{lm.ref.model_id} has {heads}; {rebuild_hint(entry)}."
+        )
     from mlx_lm.models.cache import make_prompt_cache
 
     windows = kvcache.windows(make_prompt_cache(lm.model))
@@ -316,7 +385,8 @@ def _check_cache_fits(entry: Entry, meta: dict, lm: models.LoadedModel,
         raise CacheMismatch(
             f"The cache of '{entry.name}' was built with sliding windows "
             f"{cfg.get('windows', 'none')}, but {lm.ref.model_id} slides {windows}; "
-            f"{rebuild_hint(entry)}.")
+            f"{rebuild_hint(entry)}."
+        )
 
 
 def restore(entry: Entry, lm: models.LoadedModel, store: Store, answering: bool = True) -> list:
@@ -334,9 +404,9 @@ def restore(entry: Entry, lm: models.LoadedModel, store: Store, answering: bool 
     return cache
 
 
-def restore_verifying(entry: Entry, lm: models.LoadedModel, store: Store,
-                      answering: bool = True, checks: str = CHECKS
-                      ) -> tuple[list, "PendingChecksums"]:
+def restore_verifying(
+    entry: Entry, lm: models.LoadedModel, store: Store, answering: bool = True, checks: str = CHECKS
+) -> tuple[list, "PendingChecksums"]:
     """`restore`, returning while the file's checksums are still being computed on other
     threads: the caller starts the question at once and calls `wait()` on the second value
     (it raises CacheCorrupt) before showing anything computed from the cache (`ask` does,
@@ -349,9 +419,9 @@ def restore_verifying(entry: Entry, lm: models.LoadedModel, store: Store,
     except ConfigError:
         raise CacheMismatch(
             f"'{entry.name}' was ingested with KV preset {entry.kv_preset!r}, which this longctx "
-            f"does not know; upgrade longctx, or {rebuild_hint(entry)}.") from None
-    arrays, meta, pending = store.load_verifying(entry, lambda m: _check_cache_fits(entry, m, lm, preset),
-                                                 checks)
+            f"does not know; upgrade longctx, or {rebuild_hint(entry)}."
+        ) from None
+    arrays, meta, pending = store.load_verifying(entry, lambda m: _check_cache_fits(entry, m, lm, preset), checks)
     try:
         cache = kvcache.from_arrays(arrays, lm.model, preset, getattr(mx, lm.dtype))
         mx.eval([c.state for c in cache])
@@ -376,20 +446,25 @@ def question_suffix(lm: models.LoadedModel, entry: Entry, question: str) -> list
         raise ContextLengthError(
             f"The question is {len(suffix):,} tokens but only {room:,} of the model's "
             f"{lm.context_length:,}-token context are left after '{entry.name}'; shorten the "
-            "question.")
+            "question."
+        )
     return suffix
 
 
 def _all_ranks_kept(store: Store, entry: Entry) -> None:
     """Under mlx.launch: keep this rank's share only if every rank saved its own (none left
     behind by a failed peer)."""
-    cleanup = ("from pathlib import Path\nfrom longctx.store import Store\n"
-               f"s = Store(Path({str(store.root)!r}), cleanup=False); e = s.get({entry.id!r})\n"
-               "e is not None and s.remove(e); s.close()")
+    cleanup = (
+        "from pathlib import Path\nfrom longctx.store import Store\n"
+        f"s = Store(Path({str(store.root)!r}), cleanup=False); e = s.get({entry.id!r})\n"
+        "e is not None and s.remove(e); s.close()"
+    )
     if not distributed.agree(True, cleanup, f" while ingesting '{entry.name}'"):
         store.remove(entry)
-        raise ResourceError(f"Another rank failed while ingesting '{entry.name}'; this rank's share was "
-                            "removed, so nothing of it is kept. Ingest it again.")
+        raise ResourceError(
+            f"Another rank failed while ingesting '{entry.name}'; this rank's share was "
+            "removed, so nothing of it is kept. Ingest it again."
+        )
 
 
 def _agree_reused() -> None:

@@ -40,8 +40,10 @@ def extra_launches(tool, full: bool) -> list:
     from longctx.kvcache.presets import PRESETS
 
     rec = tool.Recorder()
-    widths = sorted({(p.key_bits, p.key_bits2) for p in PRESETS.values() if p.kind == "turbo"}
-                    | {(p.value_bits, 0) for p in PRESETS.values() if p.kind == "turbo"})
+    widths = sorted(
+        {(p.key_bits, p.key_bits2) for p in PRESETS.values() if p.kind == "turbo"}
+        | {(p.value_bits, 0) for p in PRESETS.values() if p.kind == "turbo"}
+    )
     lengths = (1, 2, 17, 4096) if full else (1, 4096)
     with _prelude.executor(rec, as_backend="metal"):
         for b1, b2 in widths:
@@ -50,14 +52,22 @@ def extra_launches(tool, full: bool) -> list:
                     for length in lengths:
                         for exact in (False, True):
                             rec.origin = f"dequant b={b1}+{b2} P={p} H={hkv} L={length} exact={exact}"
-                            enc = {"idx": mx.zeros((1, hkv, length, b1 * p // 32), dtype=mx.uint32),
-                                   "norm": mx.zeros((1, hkv, length), dtype=mx.float16)}
+                            enc = {
+                                "idx": mx.zeros((1, hkv, length, b1 * p // 32), dtype=mx.uint32),
+                                "norm": mx.zeros((1, hkv, length), dtype=mx.float16),
+                            }
                             if b2:
                                 enc["idx2"] = mx.zeros((1, hkv, length, b2 * p // 32), dtype=mx.uint32)
                             rows = (lambda n: mx.zeros((1, hkv, n, p), dtype=mx.float16)) if exact else None
-                            dq.dequant(enc, mx.zeros((1 << (b1 + b2),)), bits=b1, bits2=b2, p=p,
-                                       head=rows(4) if rows else None,
-                                       after=rows(640) if rows else None)
+                            dq.dequant(
+                                enc,
+                                mx.zeros((1 << (b1 + b2),)),
+                                bits=b1,
+                                bits2=b2,
+                                p=p,
+                                head=rows(4) if rows else None,
+                                after=rows(640) if rows else None,
+                            )
         # The two-launch decode step (attend_step): decode_attend with the q rotation inside,
         # then decode_finish, for the shipped and the 8B shapes, every query dtype, with and
         # without sink and window.
@@ -71,14 +81,21 @@ def extra_launches(tool, full: bool) -> list:
                 kc, vc = codecs_for(get_preset(name), p, layer=0)
                 if kc.rvq is not None or kc.spec.qjl:
                     continue
-                seg = lambda bits: {"idx": mx.zeros((1, hkv, 4096, bits * p // 32), dtype=mx.uint32),
-                                    "norm": mx.zeros((1, hkv, 4096), dtype=mx.float16)}
+                seg = lambda bits: {
+                    "idx": mx.zeros((1, hkv, 4096, bits * p // 32), dtype=mx.uint32),
+                    "norm": mx.zeros((1, hkv, 4096), dtype=mx.float16),
+                }
                 for exact in (False, True):
                     rows = lambda n, dt: (mx.zeros((1, hkv, n, p), dtype=dt),) * 2
-                    view = CompressedKV(kc, vc, ((seg(kc.spec.bits), seg(vc.spec.bits), 4096),),
-                                        4100, mx.zeros((1, hkv, 1, p)),
-                                        rows(9, mx.float32) if exact else None,
-                                        rows(4, mx.float16) if exact else None)
+                    view = CompressedKV(
+                        kc,
+                        vc,
+                        ((seg(kc.spec.bits), seg(vc.spec.bits), 4096),),
+                        4100,
+                        mx.zeros((1, hkv, 1, p)),
+                        rows(9, mx.float32) if exact else None,
+                        rows(4, mx.float16) if exact else None,
+                    )
                     for dt in (mx.float16, mx.bfloat16, mx.float32):
                         rec.origin = f"decode step {name} P={p} H={hkv} r={r} exact={exact} {dt}"
                         attend_step.attention(mx.zeros((1, hkv * r, 1, p), dtype=dt), view, 0.1)
@@ -87,8 +104,10 @@ def extra_launches(tool, full: bool) -> list:
         from longctx.kernels import prefill_encode as pe
         from longctx.kernels import rotate as rt
 
-        for bits in sorted({p.key_bits for p in PRESETS.values() if p.kind == "turbo"}
-                           | {p.value_bits for p in PRESETS.values() if p.kind == "turbo"}):
+        for bits in sorted(
+            {p.key_bits for p in PRESETS.values() if p.kind == "turbo"}
+            | {p.value_bits for p in PRESETS.values() if p.kind == "turbo"}
+        ):
             for p in (64, 128, 256):
                 for hkv in (1, 3, 8):
                     for dt in (mx.float16, mx.bfloat16, mx.float32):
@@ -96,19 +115,21 @@ def extra_launches(tool, full: bool) -> list:
                             rec.origin = f"prefill_encode b={bits} P={p} H={hkv} {dt} held={held}"
                             wd = bits * p // 32
                             pe.prefill_encode(
-                                mx.zeros((1, hkv, 512, p), dtype=dt), mx.zeros((1, hkv, 1, p)),
-                                mx.ones((p,)), mx.zeros(((1 << bits) - 1,)),
+                                mx.zeros((1, hkv, 512, p), dtype=dt),
+                                mx.zeros((1, hkv, 1, p)),
+                                mx.ones((p,)),
+                                mx.zeros(((1 << bits) - 1,)),
                                 mx.zeros((1, hkv, 128, p), dtype=mx.float16) if held else None,
                                 mx.zeros((1, hkv, 4096, wd), dtype=mx.uint32) if held else None,
-                                mx.zeros((1, hkv, 4096), dtype=mx.float16) if held else None)
+                                mx.zeros((1, hkv, 4096), dtype=mx.float16) if held else None,
+                            )
         for p in (64, 128, 256):
             for hkv, r in ((1, 4), (3, 3), (8, 4)):
                 for dt in (mx.float16, mx.bfloat16, mx.float32):
                     rec.origin = f"rotate P={p} H={hkv} r={r} {dt}"
                     x = mx.zeros((1, hkv * r, 512, p), dtype=dt)
                     rt.rotate(x, mx.ones((p,)))
-                    rt.rotate(x.astype(mx.float16), mx.ones((p,)), inverse=True,
-                              mean=mx.zeros((1, hkv, 1, p)), out_dtype=dt)
+                    rt.rotate(x.astype(mx.float16), mx.ones((p,)), inverse=True, mean=mx.zeros((1, hkv, 1, p)), out_dtype=dt)
         # The simdgroup-matrix decode step (kernels/decode_attend_simdgroup.py, which the decode
         # step above launches at tq4 and P = 64 / 128), at every row count it takes, and its
         # fallback, the portable kernel, at the same shapes (with and without the exact tokens).
@@ -118,21 +139,31 @@ def extra_launches(tool, full: bool) -> list:
         for p in ds.DIMS:
             for r in range(1, ds.MAX_ROWS + 1) if full else (1, 3, 4, 8):
                 for hkv, length in ((1, 1), (1, 17), (8, 4096)) if full else ((1, 1), (8, 4096)):
-                    seg = {"idx": mx.zeros((1, hkv, length, p // 8), dtype=mx.uint32),
-                           "norm": mx.zeros((1, hkv, length), dtype=mx.float16)}
+                    seg = {
+                        "idx": mx.zeros((1, hkv, length, p // 8), dtype=mx.uint32),
+                        "norm": mx.zeros((1, hkv, length), dtype=mx.float16),
+                    }
                     for dt in (mx.float16, mx.bfloat16, mx.float32):
                         rec.origin = f"decode_attend_simdgroup P={p} H={hkv} r={r} L={length} {dt}"
                         q = mx.zeros((1, hkv, r, p), dtype=dt)
-                        ds.decode_attend_simdgroup_partials(q, seg, seg, mx.zeros((16,)),
-                                                            mx.ones((p,)), scale=0.1)
+                        ds.decode_attend_simdgroup_partials(q, seg, seg, mx.zeros((16,)), mx.ones((p,)), scale=0.1)
                         rec.origin = f"decode_attend_partials tq4 P={p} H={hkv} r={r} L={length} {dt}"
                         rows = (mx.zeros((1, hkv, 4, p)),) * 2
                         for exact in (False, True):
                             da.decode_attend_partials(
-                                q, seg, seg, mx.zeros((16,)), mx.zeros((16,)), mx.ones((p,)),
-                                key_bits=4, value_bits=4, scale=0.1,
-                                sink=rows if exact else None, window=rows if exact else None,
-                                v_signs=mx.ones((p,)) if exact else None)
+                                q,
+                                seg,
+                                seg,
+                                mx.zeros((16,)),
+                                mx.zeros((16,)),
+                                mx.ones((p,)),
+                                key_bits=4,
+                                value_bits=4,
+                                scale=0.1,
+                                sink=rows if exact else None,
+                                window=rows if exact else None,
+                                v_signs=mx.ones((p,)) if exact else None,
+                            )
     return rec.launches
 
 
@@ -163,10 +194,11 @@ def _short_names(generate_sources, most: int = 200):
         for v in variants:
             if len(v.kernel_name) > most:
                 digest = hashlib.sha1(v.kernel_name.encode()).hexdigest()[:16]
-                short = f"{v.kernel_name[:most - 17]}_{digest}"
+                short = f"{v.kernel_name[: most - 17]}_{digest}"
                 v.source = v.source.replace(v.kernel_name, short)
                 v.kernel_name = short
         return mismatches
+
     return wrapped
 
 
@@ -180,8 +212,7 @@ def main(argv: list[str]) -> int:
     tool.generate_sources = _short_names(tool.generate_sources)
     _with_simdgroup_shim(tool)
     rc = tool.main(argv)
-    print("note: lc_decode_attend_mma is CUDA only (never launched on Metal); see this script's "
-          "docstring")
+    print("note: lc_decode_attend_mma is CUDA only (never launched on Metal); see this script's docstring")
     return rc
 
 

@@ -16,8 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-FILES = {"speed": ["README.md", "docs/performance.md"], "quality": ["docs/presets.md"],
-         "quality_summary": ["README.md"]}
+FILES = {"speed": ["README.md", "docs/performance.md"], "quality": ["docs/presets.md"], "quality_summary": ["README.md"]}
 
 
 def _load(name: str) -> dict | None:
@@ -42,55 +41,101 @@ def speed() -> str:
     rows = []
     d = _load("real_model_cpu.json")
     if d:
-        rows.append((f"ingest {d['tokens']:,} tokens, {d['model']} tq4 (`real_model.py`)", _card(d),
-                     f"{d['ingest_tok_s']:.1f} tok/s", f"fresh `ask`: {d['median_first_token_s']:.1f} s to the first token",
-                     "real_model_cpu.json"))
+        rows.append(
+            (
+                f"ingest {d['tokens']:,} tokens, {d['model']} tq4 (`real_model.py`)",
+                _card(d),
+                f"{d['ingest_tok_s']:.1f} tok/s",
+                f"fresh `ask`: {d['median_first_token_s']:.1f} s to the first token",
+                "real_model_cpu.json",
+            )
+        )
     d = _load("serve_cpu.json")
     if d:
-        rows.append((f"follow-up question, {d['model']}: served vs a fresh `ask -c` (`serve.py`)", _card(d),
-                     f"{d['median_served_s']:.2f} s vs {d['median_fresh_s']:.1f} s to the first token",
-                     f"{d['speedup']:.1f}× faster", "serve_cpu.json"))
+        rows.append(
+            (
+                f"follow-up question, {d['model']}: served vs a fresh `ask -c` (`serve.py`)",
+                _card(d),
+                f"{d['median_served_s']:.2f} s vs {d['median_fresh_s']:.1f} s to the first token",
+                f"{d['speedup']:.1f}× faster",
+                "serve_cpu.json",
+            )
+        )
     d = _load("restore_cpu.json")
     if d:
         r = {row["tokens"]: row for row in d["rows"]}
         n = max(r)
-        rows.append((f"restore + first token vs prefilling again, {d['model']}, {n:,} tokens (`restore.py`)",
-                     _card(d), f"{r[n]['c_tq4_process_s']:.2f} s vs {r[n]['a_reprefill_s']:.1f} s",
-                     f"{r[n]['a_reprefill_s'] / r[n]['c_tq4_process_s']:.0f}× faster", "restore_cpu.json"))
+        rows.append(
+            (
+                f"restore + first token vs prefilling again, {d['model']}, {n:,} tokens (`restore.py`)",
+                _card(d),
+                f"{r[n]['c_tq4_process_s']:.2f} s vs {r[n]['a_reprefill_s']:.1f} s",
+                f"{r[n]['a_reprefill_s'] / r[n]['c_tq4_process_s']:.0f}× faster",
+                "restore_cpu.json",
+            )
+        )
     d = _load("attend_h100.json")
     if d:
         h = d["head_to_head"]
         ks = sorted(h, key=int)
-        rows.append(("decode-step attention vs MLX fp16 SDPA, 8B shape, 4k / 8k / 32k / 128k (`attend.py`)", _card(d),
-                     " / ".join(f"{h[k]['pipelined_ms']['fused_tq4']:.3f}" for k in ks) + " ms",
-                     " / ".join(_x(h[k]["speedup"]) for k in ks), "attend_h100.json"))
+        rows.append(
+            (
+                "decode-step attention vs MLX fp16 SDPA, 8B shape, 4k / 8k / 32k / 128k (`attend.py`)",
+                _card(d),
+                " / ".join(f"{h[k]['pipelined_ms']['fused_tq4']:.3f}" for k in ks) + " ms",
+                " / ".join(_x(h[k]["speedup"]) for k in ks),
+                "attend_h100.json",
+            )
+        )
         c = d.get("chained") or {}
         if c:
             ks = sorted(c, key=int)
-            rows.append(("same, per layer of 8 chained layers (one evaluation a token)", _card(d),
-                         " / ".join(f"{c[k]['per_layer_ms']['fused_tq4']:.3f}" for k in ks) + " ms",
-                         " / ".join(_x(c[k]["speedup"]) for k in ks), "attend_h100.json"))
+            rows.append(
+                (
+                    "same, per layer of 8 chained layers (one evaluation a token)",
+                    _card(d),
+                    " / ".join(f"{c[k]['per_layer_ms']['fused_tq4']:.3f}" for k in ks) + " ms",
+                    " / ".join(_x(c[k]["speedup"]) for k in ks),
+                    "attend_h100.json",
+                )
+            )
     d = _load("prefill_h100.json")
     if d:
         r = d["ratios"]
-        rows.append(("prefill, 8B shape, 8k / 32k tokens: speed, peak memory (`prefill_shapes.py`)", _card(d),
-                     " / ".join(_x(r[f"llama-3.1-8b tq4 {n}"]["speed_vs_fp16"]) for n in (8192, 32768)) + " speed",
-                     " / ".join(_x(r[f"llama-3.1-8b tq4 {n}"]["peak_vs_fp16"]) for n in (8192, 32768)) + " peak",
-                     "prefill_h100.json"))
+        rows.append(
+            (
+                "prefill, 8B shape, 8k / 32k tokens: speed, peak memory (`prefill_shapes.py`)",
+                _card(d),
+                " / ".join(_x(r[f"llama-3.1-8b tq4 {n}"]["speed_vs_fp16"]) for n in (8192, 32768)) + " speed",
+                " / ".join(_x(r[f"llama-3.1-8b tq4 {n}"]["peak_vs_fp16"]) for n in (8192, 32768)) + " peak",
+                "prefill_h100.json",
+            )
+        )
     d = _load("answer_h100.json")
     if d:
         r = d["ratios"]
         rate = {(row["kv"], row["tokens"]): row["decode_tok_s"] for row in d["rows"]}
         if "4-bit tq4 131072" in r:
             t = r["4-bit tq4 131072"]
-            rows.append(("answer decode, 8B 4-bit, 128k cached (`answer_shapes.py`)", _card(d),
-                         f"{rate[('tq4', 131072)]:.0f} tok/s", f"{_x(t['decode_vs_fp16'])} fp16; ingest "
-                         f"{_x(t['prefill_vs_fp16'])}, peak {_x(t['prefill_peak_vs_fp16'])}", "answer_h100.json"))
+            rows.append(
+                (
+                    "answer decode, 8B 4-bit, 128k cached (`answer_shapes.py`)",
+                    _card(d),
+                    f"{rate[('tq4', 131072)]:.0f} tok/s",
+                    f"{_x(t['decode_vs_fp16'])} fp16; ingest {_x(t['prefill_vs_fp16'])}, peak {_x(t['prefill_peak_vs_fp16'])}",
+                    "answer_h100.json",
+                )
+            )
         if "4-bit tq4:portable 131072" in r:  # the kernel Macs run, forced on CUDA: the Mac proxy
-            rows.append(("same with the portable kernel (what Metal runs), 32k / 128k: the Mac proxy", _card(d),
-                         " / ".join(f"{rate[('tq4:portable', n)]:.0f}" for n in (32768, 131072)) + " tok/s",
-                         " / ".join(_x(r[f"4-bit tq4:portable {n}"]["decode_vs_fp16"]) for n in (32768, 131072))
-                         + " fp16", "answer_h100.json"))
+            rows.append(
+                (
+                    "same with the portable kernel (what Metal runs), 32k / 128k: the Mac proxy",
+                    _card(d),
+                    " / ".join(f"{rate[('tq4:portable', n)]:.0f}" for n in (32768, 131072)) + " tok/s",
+                    " / ".join(_x(r[f"4-bit tq4:portable {n}"]["decode_vs_fp16"]) for n in (32768, 131072)) + " fp16",
+                    "answer_h100.json",
+                )
+            )
     head = "| what (benchmark) | machine | longctx tq4 | vs fp16 / baseline | results file |\n|---|---|---|---|---|\n"
     return head + "".join(f"| {a} | {b} | {c} | {e} | `{f}` |\n" for a, b, c, e, f in rows)
 
@@ -99,10 +144,12 @@ def quality() -> str:
     d = _load("kv_quality_cpu.json")
     if not d:
         return "(no results yet: `python benchmarks/kv_quality.py`)\n"
-    out = [f"{d['model']} ({d['dtype']}, CPU), {d['text']}; {d['method']}. KL(fp16 ‖ preset) in nats per "
-           "answer token; NIAH: needles found of those fp16 found and of all (RULER string match).\n",
-           "| tokens | preset | bits/ch | answer KL | perplexity vs fp16 | top-1 agreement | NIAH |",
-           "|---|---|---|---|---|---|---|"]
+    out = [
+        f"{d['model']} ({d['dtype']}, CPU), {d['text']}; {d['method']}. KL(fp16 ‖ preset) in nats per "
+        "answer token; NIAH: needles found of those fp16 found and of all (RULER string match).\n",
+        "| tokens | preset | bits/ch | answer KL | perplexity vs fp16 | top-1 agreement | NIAH |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for run in d["runs"]:
         base = run["presets"]["fp16"]["niah"]
         for name, p in run["presets"].items():
@@ -124,10 +171,14 @@ def quality_summary() -> str:
     runs = d["runs"]
     names = sorted(runs[0]["presets"], key=lambda p: -runs[0]["presets"][p]["bits_per_channel"])
     lengths = " / ".join(f"{r['tokens'] / 1024:.0f}k" for r in runs)
-    out = [f"{d['model']} on the CPU, license texts with 5 needles, at {lengths} tokens "
-           "([docs/presets.md](docs/presets.md) has every cell):\n",
-           "| preset | bits/ch | answer KL vs fp16 | perplexity vs fp16 | needles found (fp16: "
-           + " / ".join(f"{sum(r['presets']['fp16']['niah']):g}" for r in runs) + ") |", "|---|---|---|---|---|"]
+    out = [
+        f"{d['model']} on the CPU, license texts with 5 needles, at {lengths} tokens "
+        "([docs/presets.md](docs/presets.md) has every cell):\n",
+        "| preset | bits/ch | answer KL vs fp16 | perplexity vs fp16 | needles found (fp16: "
+        + " / ".join(f"{sum(r['presets']['fp16']['niah']):g}" for r in runs)
+        + ") |",
+        "|---|---|---|---|---|",
+    ]
     for name in names:
         if name == "fp16":
             continue
@@ -137,8 +188,15 @@ def quality_summary() -> str:
             return " / ".join(fmt(c) if c else "—" for c in cells)
 
         bits = next(c for c in reversed(cells) if c)["bits_per_channel"]
-        out.append(f"| `{name}` | {bits:.2f} | " + row(lambda c: f"{c['answer_kl']:.4f}") + " | "
-                   + row(lambda c: f"{c['ppl_delta_pct']:+.1f}%") + " | " + row(lambda c: f"{sum(c['niah']):g}") + " |")
+        out.append(
+            f"| `{name}` | {bits:.2f} | "
+            + row(lambda c: f"{c['answer_kl']:.4f}")
+            + " | "
+            + row(lambda c: f"{c['ppl_delta_pct']:+.1f}%")
+            + " | "
+            + row(lambda c: f"{sum(c['niah']):g}")
+            + " |"
+        )
     return "\n".join(out) + "\n"
 
 

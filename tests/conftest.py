@@ -42,15 +42,29 @@ def _byte_tokenizer() -> tuple[dict, dict]:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>",
-              "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,
-              "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+    }
     return json.loads(tok.to_str()), config
 
 
-def make_tiny_model(path: Path, seed: int = 0, context: int = 4096, n_kv_heads: int = 2,
-                    head_dim: int = 32, layers: int = 2, model_type: str = "llama",
-                    attn_gain: float = 1.0, embed_std: float = 0.5, **extra) -> Path:
+def make_tiny_model(
+    path: Path,
+    seed: int = 0,
+    context: int = 4096,
+    n_kv_heads: int = 2,
+    head_dim: int = 32,
+    layers: int = 2,
+    model_type: str = "llama",
+    attn_gain: float = 1.0,
+    embed_std: float = 0.5,
+    **extra,
+) -> Path:
     """Write a random-weight mlx-lm directory (default: a GQA llama) with a byte-level tokenizer;
     `extra` adds or overrides config entries of other architectures (tests/families.py).
 
@@ -69,11 +83,22 @@ def make_tiny_model(path: Path, seed: int = 0, context: int = 4096, n_kv_heads: 
     arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
     tok_json, tok_config = _byte_tokenizer()
     vocab = len(tok_json["model"]["vocab"])
-    config = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": layers,
-              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": n_kv_heads,
-              "head_dim": head_dim, "rms_norm_eps": 1e-5, "vocab_size": vocab, "rope_theta": 10000.0,
-              "max_position_embeddings": context, "tie_word_embeddings": True, "eos_token_id": 2,
-              **extra}
+    config = {
+        "model_type": model_type,
+        "hidden_size": 64,
+        "num_hidden_layers": layers,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": context,
+        "tie_word_embeddings": True,
+        "eos_token_id": 2,
+        **extra,
+    }
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))
     # Larger-than-default embeddings make the random model's greedy choices well separated.

@@ -64,7 +64,6 @@ def state_errors(out, ref) -> dict:
         "out_rel": float(np.linalg.norm(o1 - o2) / max(np.linalg.norm(o2), 1e-30)),
         "m_abs": float(np.abs(m1[seen] - m2[seen]).max()) if seen.any() else 0.0,
         "l_rel": float(np.abs(l1[seen] / l2[seen] - 1).max()) if seen.any() else 0.0,
-        "unseen_ok": bool(np.all(l1[~seen] == 0) and np.all(a1[~seen] == 0)
-                          and np.all(np.isneginf(m1[~seen]))),
+        "unseen_ok": bool(np.all(l1[~seen] == 0) and np.all(a1[~seen] == 0) and np.all(np.isneginf(m1[~seen]))),
         "finite": bool(np.all(np.isfinite(a1)) and np.all(np.isfinite(l1))),
     }

@@ -297,10 +297,22 @@ EMU_IDS = r"""
   const uint32_t lc_warp = lc_e_tid >> 5;
 """
 
-_C_TYPES = {mx.uint8: "uint8_t", mx.uint32: "uint32_t", mx.int32: "int32_t",
-            mx.float32: "float", mx.float16: "lc_half_t", mx.bfloat16: "lc_bf16_t"}
-_NP = {mx.uint8: np.uint8, mx.uint32: np.uint32, mx.int32: np.int32, mx.float32: np.float32,
-       mx.float16: np.float16, mx.bfloat16: np.uint16}  # bfloat16: its bits
+_C_TYPES = {
+    mx.uint8: "uint8_t",
+    mx.uint32: "uint32_t",
+    mx.int32: "int32_t",
+    mx.float32: "float",
+    mx.float16: "lc_half_t",
+    mx.bfloat16: "lc_bf16_t",
+}
+_NP = {
+    mx.uint8: np.uint8,
+    mx.uint32: np.uint32,
+    mx.int32: np.int32,
+    mx.float32: np.float32,
+    mx.float16: np.float16,
+    mx.bfloat16: np.uint16,
+}  # bfloat16: its bits
 MAXD = 8
 
 
@@ -313,31 +325,34 @@ def _emu_source(spec, launch) -> str:
     params, call = [], []
     for i, (name, arr) in enumerate(zip(spec.inputs, launch.inputs)):
         t = _C_TYPES[arr.dtype]
-        params += [f"const {t}* {name}", f"const int32_t* {name}_shape",
-                   f"const int64_t* {name}_strides"]
+        params += [f"const {t}* {name}", f"const int32_t* {name}_shape", f"const int64_t* {name}_strides"]
         call += [f"(const {t}*)bufs[{i}]", f"shapes + {i * MAXD}", f"strides + {i * MAXD}"]
     n_in = len(launch.inputs)
     for j, (name, dt) in enumerate(zip(spec.outputs, launch.output_dtypes)):
         params.append(f"{_C_TYPES[dt]}* {name}")
         call.append(f"({_C_TYPES[dt]}*)bufs[{n_in + j}]")
-    consts = "".join(f"  typedef {_C_TYPES[v]} {k};\n" if isinstance(v, mx.Dtype)
-                     else f"  constexpr int {k} = {int(v)};\n" for k, v in launch.template)
-    return (f"{header}\nstatic void lc_kernel({', '.join(params)}) {{\n{consts}{body}\n}}\n"
-            "extern \"C\" void lc_launch(void** bufs, const int32_t* shapes, const int64_t* strides,"
-            " int n_tg, int nt, const int32_t* order) {\n"
-            "  std::barrier<> gb(nt);\n  lc_group_bar = &gb;\n"
-            "  std::vector<std::unique_ptr<std::barrier<>>> wb;\n"
-            "  for (int w = 0; w < nt / 32; ++w) {\n"
-            "    wb.emplace_back(new std::barrier<>(32));\n    lc_warps[w].bar = wb.back().get();\n  }\n"
-            "  std::vector<std::thread> ts;\n"
-            "  for (int t = 0; t < nt; ++t) ts.emplace_back([=, &gb]() {\n"
-            "    lc_e_tid = (uint32_t)t;\n"
-            "    for (int g = 0; g < n_tg; ++g) {\n"
-            "      lc_e_tg = (uint32_t)order[g];\n"
-            "      lc_e_gid = (uint32_t)(order[g] * nt + t);\n"
-            f"      lc_kernel({', '.join(call)});\n"
-            "      gb.arrive_and_wait();\n    }\n  });\n"
-            "  for (auto& th : ts) th.join();\n}\n")
+    consts = "".join(
+        f"  typedef {_C_TYPES[v]} {k};\n" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {int(v)};\n"
+        for k, v in launch.template
+    )
+    return (
+        f"{header}\nstatic void lc_kernel({', '.join(params)}) {{\n{consts}{body}\n}}\n"
+        "extern \"C\" void lc_launch(void** bufs, const int32_t* shapes, const int64_t* strides,"
+        " int n_tg, int nt, const int32_t* order) {\n"
+        "  std::barrier<> gb(nt);\n  lc_group_bar = &gb;\n"
+        "  std::vector<std::unique_ptr<std::barrier<>>> wb;\n"
+        "  for (int w = 0; w < nt / 32; ++w) {\n"
+        "    wb.emplace_back(new std::barrier<>(32));\n    lc_warps[w].bar = wb.back().get();\n  }\n"
+        "  std::vector<std::thread> ts;\n"
+        "  for (int t = 0; t < nt; ++t) ts.emplace_back([=, &gb]() {\n"
+        "    lc_e_tid = (uint32_t)t;\n"
+        "    for (int g = 0; g < n_tg; ++g) {\n"
+        "      lc_e_tg = (uint32_t)order[g];\n"
+        "      lc_e_gid = (uint32_t)(order[g] * nt + t);\n"
+        f"      lc_kernel({', '.join(call)});\n"
+        "      gb.arrive_and_wait();\n    }\n  });\n"
+        "  for (auto& th : ts) th.join();\n}\n"
+    )
 
 
 _LIBS: dict = {}
@@ -353,15 +368,23 @@ def _compile(src: str):
         cpp = BUILD / f"k_{digest}.cpp"
         cpp.write_text(src)
         tmp = BUILD / f"k_{digest}.{os.getpid()}.so"
-        res = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
-                              "-Wno-unused-variable", "-o", str(tmp), str(cpp)],
-                             capture_output=True, text=True)
+        res = subprocess.run(
+            ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unused-variable", "-o", str(tmp), str(cpp)],
+            capture_output=True,
+            text=True,
+        )
         if res.returncode:
             raise RuntimeError(f"g++ failed for the emulated kernel:\n{res.stderr[-6000:]}")
         tmp.rename(so)
     lib = ctypes.CDLL(str(so))
-    lib.lc_launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p,
-                              ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.lc_launch.argtypes = [
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
     _LIBS[digest] = lib
     return lib
 
@@ -376,7 +399,7 @@ def _embed(a: np.ndarray, odd_rows: bool = False) -> np.ndarray:
     pad = int(odd_rows and a.ndim == 4)
     shape[-1] += pad
     big = np.full(shape, 0x5A if a.dtype.kind in "ui" else np.nan, dtype=a.dtype)
-    view = big[..., 1:1 + a.shape[-2], pad:]
+    view = big[..., 1 : 1 + a.shape[-2], pad:]
     view[...] = a
     return view
 
@@ -397,30 +420,27 @@ def emulator(strided: bool = True, odd_rows: bool = False):
         ins = []
         for a in launch.inputs:
             x = np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
-            ins.append(_embed(x, odd_rows) if strided and not spec.row_contiguous
-                       else np.ascontiguousarray(x))
+            ins.append(_embed(x, odd_rows) if strided and not spec.row_contiguous else np.ascontiguousarray(x))
         outs = [_poison(s, d) for s, d in zip(launch.output_shapes, launch.output_dtypes)]
         shapes = np.zeros((len(ins), MAXD), dtype=np.int32)
         strides = np.zeros((len(ins), MAXD), dtype=np.int64)
         for i, x in enumerate(ins):
-            shapes[i, :x.ndim] = x.shape
-            strides[i, :x.ndim] = [s // x.itemsize for s in x.strides]
-        bufs = (ctypes.c_void_p * (len(ins) + len(outs)))(
-            *[x.ctypes.data for x in ins], *[o.ctypes.data for o in outs])
+            shapes[i, : x.ndim] = x.shape
+            strides[i, : x.ndim] = [s // x.itemsize for s in x.strides]
+        bufs = (ctypes.c_void_p * (len(ins) + len(outs)))(*[x.ctypes.data for x in ins], *[o.ctypes.data for o in outs])
         tx = launch.threadgroup[0]
         assert tx % 32 == 0 and launch.threadgroup[1:] == (1, 1) and launch.grid[1:] == (1, 1)
         n_tg = -(-launch.grid[0] // tx)
         # threadgroups in a shuffled order, as a GPU may run them (one after another here)
         order = np.random.default_rng(n_tg).permutation(n_tg).astype(np.int32)
-        lib.lc_launch(bufs, shapes.ctypes.data, strides.ctypes.data, n_tg, tx,
-                      order.ctypes.data)
-        return [mx.array(o).view(mx.bfloat16) if d == mx.bfloat16 else mx.array(o)
-                for o, d in zip(outs, launch.output_dtypes)]
+        lib.lc_launch(bufs, shapes.ctypes.data, strides.ctypes.data, n_tg, tx, order.ctypes.data)
+        return [mx.array(o).view(mx.bfloat16) if d == mx.bfloat16 else mx.array(o) for o, d in zip(outs, launch.output_dtypes)]
 
     return execute
 
 
 # --- CUDA: the source MLX's cuda_kernel builds, compiled with nvcc --------------------------
+
 
 def cuda_source(spec, launch) -> str:
     """What `mx.fast.cuda_kernel` compiles for this spec and launch (`runtime.cuda_kernels`: mlx
@@ -428,9 +448,16 @@ def cuda_source(spec, launch) -> str:
     from longctx.runtime import cuda_kernels
 
     header, body = _prelude.assemble(spec, "cuda")
-    return cuda_kernels.mlx_source(f"custom_kernel_{spec.name}", header, body, spec.inputs,
-                                   launch.inputs, spec.outputs, launch.output_dtypes,
-                                   launch.template)
+    return cuda_kernels.mlx_source(
+        f"custom_kernel_{spec.name}",
+        header,
+        body,
+        spec.inputs,
+        launch.inputs,
+        spec.outputs,
+        launch.output_dtypes,
+        launch.template,
+    )
 
 
 def nvcc_check(spec, launch, arch: str = "sm_90") -> str:
@@ -445,22 +472,41 @@ def nvcc_check(spec, launch, arch: str = "sm_90") -> str:
     digest = hashlib.sha1(src.encode()).hexdigest()[:16]
     cu = BUILD / f"c_{digest}.cu"
     cu.write_text(src)
-    res = subprocess.run(["nvcc", "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v",
-                          "-I", str(BUILD / "stub_include"), "-o", str(BUILD / f"c_{digest}.cubin"),
-                          str(cu)], capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            "nvcc",
+            "-std=c++17",
+            f"-arch={arch}",
+            "-cubin",
+            "-Xptxas",
+            "-v",
+            "-I",
+            str(BUILD / "stub_include"),
+            "-o",
+            str(BUILD / f"c_{digest}.cubin"),
+            str(cu),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if res.returncode:
         raise RuntimeError(f"nvcc failed:\n{res.stderr[-6000:]}")
     return res.stderr
 
 
-def nvrtc_check(spec, launch, libnvrtc: str, cccl_include: str | None = None,
-                cuda_include: str = "/usr/local/cuda/include", arch: str = "sm_90") -> bytes:
+def nvrtc_check(
+    spec,
+    launch,
+    libnvrtc: str,
+    cccl_include: str | None = None,
+    cuda_include: str = "/usr/local/cuda/include",
+    arch: str = "sm_90",
+) -> bytes:
     """Compile with NVRTC itself, as MLX's JIT does (`runtime.cuda_kernels`: same options, MLX's
     device header stubbed). Returns the cubin; raises with NVRTC's log on failure."""
     from longctx.runtime import cuda_kernels
 
     includes = [cuda_include] + ([cccl_include] if cccl_include else [])
     nvrtc = cuda_kernels._Nvrtc(libnvrtc, includes)
-    cubin, _ = nvrtc.compile(cuda_source(spec, launch), spec.name,
-                             f"mlx::core::cu::custom_kernel_{spec.name}", arch)
+    cubin, _ = nvrtc.compile(cuda_source(spec, launch), spec.name, f"mlx::core::cu::custom_kernel_{spec.name}", arch)
     return cubin

@@ -61,14 +61,16 @@ def _family(job: dict, fam: dict) -> dict:
     finally:
         store.close()
     entry = entries["fp16"]
-    lay = (prompt.Layout(prefix_text="", suffix_text=entry.question_suffix) if entry.question_suffix
-           else prompt.layout(lm.tokenizer, entry.name, ""))
+    lay = (
+        prompt.Layout(prefix_text="", suffix_text=entry.question_suffix)
+        if entry.question_suffix
+        else prompt.layout(lm.tokenizer, entry.name, "")
+    )
     suffix = prompt.question_tokens(lm.tokenizer, lay, job["question"])
     out = {"kinds": [type(c).__name__ for c in caches["tq4"]], "greedy": {}, "text": {}}
     for p, cache in caches.items():
         out["greedy"][p] = engine.greedy_tokens(lm.model, suffix, kvcache.fork(cache), n)
-        out["text"][p] = "".join(engine.generate(lm.model, lm.tokenizer, suffix, kvcache.fork(cache),
-                                                 max_tokens=n))
+        out["text"][p] = "".join(engine.generate(lm.model, lm.tokenizer, suffix, kvcache.fork(cache), max_tokens=n))
     forced = mx.array([suffix + out["greedy"]["fp16"]], dtype=mx.int32)  # (1, Lq + n)
     logits = {p: lm.model(forced, cache=kvcache.fork(c))[0] for p, c in caches.items()}  # (L, V)
     out["kl"] = _kl(logits["fp16"], logits["tq4"])
@@ -81,8 +83,11 @@ def _family(job: dict, fam: dict) -> dict:
     for p, e in entries.items():
         path = str(manage.export(e.id, os.path.join(fam["export_dir"], f"{p}.safetensors")))
         stock, meta = load_prompt_cache(path, return_metadata=True)
-        exported = {"types": [type(c).__name__ for c in stock], "offsets": [c.offset for c in stock],
-                    "entry": meta.get("longctx_entry")}
+        exported = {
+            "types": [type(c).__name__ for c in stock],
+            "offsets": [c.offset for c in stock],
+            "entry": meta.get("longctx_entry"),
+        }
         # plain mlx-lm attention from here on; each continuation from a freshly loaded cache
         exported["kl"] = _kl(logits["fp16"], lm.model(forced, cache=stock)[0])
         own = mx.array([suffix + out["greedy"][p]], dtype=mx.int32)  # this entry's own answer

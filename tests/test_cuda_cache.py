@@ -20,19 +20,27 @@ import pytest
 from longctx.runtime import cuda_kernels as cc
 from longctx.kernels import _prelude
 
-SPEC = _prelude.KernelSpec(name="lc_probe", inputs=("x", "n"), outputs=("out",),
-                           source="out[lc_gid] = x[lc_gid] + 1.0f;")
+SPEC = _prelude.KernelSpec(name="lc_probe", inputs=("x", "n"), outputs=("out",), source="out[lc_gid] = x[lc_gid] + 1.0f;")
 
 
 def _launch(template=(("NT", 32),), dtype=mx.float32):
-    return _prelude.Launch([mx.zeros((32,), dtype), mx.array([32], mx.int32)], list(template),
-                           (32, 1, 1), (32, 1, 1), [(32,)], [mx.float32])
+    return _prelude.Launch(
+        [mx.zeros((32,), dtype), mx.array([32], mx.int32)], list(template), (32, 1, 1), (32, 1, 1), [(32,)], [mx.float32]
+    )
 
 
 def test_mlx_source_is_build_kernel_text():
     launch = _launch(template=(("NT", 32), ("T", mx.bfloat16)), dtype=mx.bfloat16)
-    src = cc.mlx_source("custom_kernel_k", "#define H 1\n", "BODY x_strides", ("x", "n"),
-                        launch.inputs, ("out",), launch.output_dtypes, launch.template)
+    src = cc.mlx_source(
+        "custom_kernel_k",
+        "#define H 1\n",
+        "BODY x_strides",
+        ("x", "n"),
+        launch.inputs,
+        ("out",),
+        launch.output_dtypes,
+        launch.template,
+    )
     assert src == (
         '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
         "#define H 1\nnamespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
@@ -40,7 +48,8 @@ def test_mlx_source_is_build_kernel_text():
         "    const __nv_bfloat16* x,\n    const __grid_constant__ Strides x_strides,\n"
         "    const int32_t* n,\n    float* out) {\n"
         "  constexpr int NT = 32;\n  using T = __nv_bfloat16;\n\n"
-        "BODY x_strides\n}\n\n} // namespace mlx::core::cu\n")
+        "BODY x_strides\n}\n\n} // namespace mlx::core::cu\n"
+    )
     assert cc.template_suffix(launch.template) == "_32_bfloat16_t"
     # no template: no constants block
     plain = cc.mlx_source("k", "", "B", ("x",), [mx.zeros((2,))], ("o",), [mx.float16], [])
@@ -102,13 +111,11 @@ def test_prepare_writes_then_hits(fake):
     assert _prep(launch) == "write"
     (ptx,) = folder.glob("*.ptx")
     kernel = "custom_kernel_lc_probe_0_32"
-    src = cc.mlx_source(kernel, "", SPEC.source, SPEC.inputs, launch.inputs, SPEC.outputs,
-                        launch.output_dtypes, launch.template)
+    src = cc.mlx_source(kernel, "", SPEC.source, SPEC.inputs, launch.inputs, SPEC.outputs, launch.output_dtypes, launch.template)
     assert ptx.name == cc.module_name(kernel, src) + ".ptx"
     assert ptx.read_bytes() == b"\x7fELF cubin"
     # MLX reads "name<TAB>mangled" lines; the arch line has no tab (MLX skips it)
-    assert ptx.with_suffix(".txt").read_text() == \
-        f"mlx::core::cu::{kernel}\t_Zmangled\narch sm_90a\n"
+    assert ptx.with_suffix(".txt").read_text() == f"mlx::core::cu::{kernel}\t_Zmangled\narch sm_90a\n"
     assert nvrtc.calls == [(ptx.stem, "mlx::core::cu::" + kernel, "sm_90a")]
     assert not [f for f in folder.iterdir() if f.suffix not in (".ptx", ".txt")]  # no tmp left
     hits = cc.STATS["hit"]
@@ -154,12 +161,12 @@ def _nvrtc_from(folder: str) -> cc._Nvrtc:
     return cc._Nvrtc()
 
 
-@pytest.mark.skipif(not os.environ.get("LONGCTX_TEST_NVRTC"),
-                    reason="set LONGCTX_TEST_NVRTC to a folder holding pip's nvidia/ packages")
+@pytest.mark.skipif(
+    not os.environ.get("LONGCTX_TEST_NVRTC"), reason="set LONGCTX_TEST_NVRTC to a folder holding pip's nvidia/ packages"
+)
 def test_prepare_compiles_and_writes(monkeypatch, tmp_path):
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cc, "_STATE", {"nvrtc": _nvrtc_from(os.environ["LONGCTX_TEST_NVRTC"]),
-                                       "arch": "sm_90a"})
+    monkeypatch.setattr(cc, "_STATE", {"nvrtc": _nvrtc_from(os.environ["LONGCTX_TEST_NVRTC"]), "arch": "sm_90a"})
     monkeypatch.setattr(cc, "MLX_VERSIONS", (mx.__version__,))
     monkeypatch.setattr(cc.sys, "platform", "linux")
     header, body = _prelude.assemble(SPEC, "cuda")
@@ -182,20 +189,30 @@ def test_cuda_kernel_cache_file_is_loaded():
     adding 2 where the kernel's own body adds 1. A wrong prediction (another source text, hash or
     name than MLX's) leaves the file unread: MLX compiles the kernel's body, and 1 is added."""
     token = os.urandom(4).hex()  # a kernel no process has built (its digest is new)
-    spec = _prelude.KernelSpec(name="lc_probe", inputs=("x", "n"), outputs=("out",),
-                               source=f"const int lc_t = 0x{token}; (void)lc_t;\n"
-                                      "out[lc_gid] = x[lc_gid] + 1.0f;")
+    spec = _prelude.KernelSpec(
+        name="lc_probe",
+        inputs=("x", "n"),
+        outputs=("out",),
+        source=f"const int lc_t = 0x{token}; (void)lc_t;\nout[lc_gid] = x[lc_gid] + 1.0f;",
+    )
     launch = _launch()
     _prelude._mlx_kernel(spec, "cuda")
     name, header, body = _prelude._SOURCES[("cuda", spec)]
     assert cc.enabled()
     assert cc.prepare(name, header, body, spec.inputs, spec.outputs, launch) == "write"
     kernel = "custom_kernel_" + name + cc.template_suffix(launch.template)
-    src = cc.mlx_source(kernel, header, body, spec.inputs, launch.inputs, spec.outputs,
-                        launch.output_dtypes, launch.template)
+    src = cc.mlx_source(kernel, header, body, spec.inputs, launch.inputs, spec.outputs, launch.output_dtypes, launch.template)
     path = cc.cache_dir() / (cc.module_name(kernel, src) + ".ptx")
-    other = cc.mlx_source(kernel, header, body.replace("+ 1.0f", "+ 2.0f"), spec.inputs,
-                          launch.inputs, spec.outputs, launch.output_dtypes, launch.template)
+    other = cc.mlx_source(
+        kernel,
+        header,
+        body.replace("+ 1.0f", "+ 2.0f"),
+        spec.inputs,
+        launch.inputs,
+        spec.outputs,
+        launch.output_dtypes,
+        launch.template,
+    )
     nvrtc, arch = cc._nvrtc_and_arch()
     cubin, mangled = nvrtc.compile(other, "probe", "mlx::core::cu::" + kernel, arch)
     assert path.with_suffix(".txt").read_text().split("\n")[0].split("\t")[1] == mangled
@@ -214,13 +231,13 @@ def test_dispatcher_prepares_each_cuda_variant_once(monkeypatch):
 
     def fake_cuda_kernel(*, name, source, header, **kw):
         made[name] = (header, source)
-        return lambda **launch: [mx.zeros(s, d) for s, d in
-                                 zip(launch["output_shapes"], launch["output_dtypes"])]
+        return lambda **launch: [mx.zeros(s, d) for s, d in zip(launch["output_shapes"], launch["output_dtypes"])]
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", fake_cuda_kernel)
     monkeypatch.setattr(_prelude, "CUDA_PREPARE", lambda *a: seen.append(a))
-    spec = _prelude.KernelSpec(name="lc_probe_dispatch", inputs=("x", "n"), outputs=("out",),
-                               source=f"out[lc_gid] = (float)0x{os.urandom(3).hex()};")
+    spec = _prelude.KernelSpec(
+        name="lc_probe_dispatch", inputs=("x", "n"), outputs=("out",), source=f"out[lc_gid] = (float)0x{os.urandom(3).hex()};"
+    )
     with _prelude.force_backend("cuda"):
         for template in ((("NT", 32),), (("NT", 32),), (("NT", 64),)):
             _prelude.run(spec, _launch(template))
@@ -261,6 +278,6 @@ def test_cuda_kernel_files_serve_the_answer_path(monkeypatch):
         k = mx.random.normal((1, h, lq, d)).astype(mx.bfloat16)
         q = mx.random.normal((1, hq, lq, d)).astype(mx.bfloat16)
         view, _ = fork.update_and_fetch(k, k)
-        mx.eval(compressed_attention(q, view, d ** -0.5, mask="causal" if lq > 1 else None))
+        mx.eval(compressed_attention(q, view, d**-0.5, mask="causal" if lq > 1 else None))
     assert cc.STATS["skip"] == before["skip"], cc.STATS["last_skip"]
     assert cc.STATS["hit"] + cc.STATS["write"] > before["hit"] + before["write"]

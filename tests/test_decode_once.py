@@ -14,8 +14,7 @@ from longctx.kvcache.turbo import TurboQuantCache
 from longctx.quant import lut
 from longctx.quant.codec import QuantSpec, VectorCodec
 
-SPECS = [QuantSpec(b) for b in range(1, 9)] + [QuantSpec(2, 2), QuantSpec(3, 1), QuantSpec(3, qjl=True),
-                                              QuantSpec(4, 4)]
+SPECS = [QuantSpec(b) for b in range(1, 9)] + [QuantSpec(2, 2), QuantSpec(3, 1), QuantSpec(3, qjl=True), QuantSpec(4, 4)]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
@@ -91,8 +90,7 @@ def test_numpy_dense_path_equals_blocked_path(monkeypatch, name, dim, lq, mask, 
     dense.decode_prefix()
     calls = []
     real = attend_cpu.attention
-    monkeypatch.setattr(attend_cpu, "attention",
-                        lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(attend_cpu, "attention", lambda *a: calls.append(1) or real(*a))
     q = mx.random.normal((2, 4, lq, dim), key=mx.random.key(21)) * 3.0
     outs = []
     for cache in (blocked, dense):

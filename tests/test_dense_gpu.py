@@ -44,8 +44,7 @@ def test_dequant_reference_is_codec_decode(preset):
     seg_k, seg_v, _ = view.segments[0]
     for codec, enc in ((kc, seg_k), (vc, seg_v)):
         bits2 = codec.spec.bits2 if codec.rvq is not None else 0
-        got = dq.dequant_reference(enc, kernel_table(codec), bits=codec.spec.bits, bits2=bits2,
-                                   p=codec.padded_dim)
+        got = dq.dequant_reference(enc, kernel_table(codec), bits=codec.spec.bits, bits2=bits2, p=codec.padded_dim)
         want = codec.decode_rotated(enc).astype(mx.float16)
         assert mx.array_equal(got, want)
 
@@ -59,12 +58,11 @@ def test_dequant_head_and_after_rows():
     out = dq.dequant(seg_k, kernel_table(kc), bits=4, p=64, head=head, after=after)
     n = seg_k["norm"].shape[2]
     assert out.shape == (1, 2, 4 + n + 9, 64) and out.dtype == mx.float16
-    assert mx.array_equal(out[:, :, :4], head) and mx.array_equal(out[:, :, 4 + n:], after)
+    assert mx.array_equal(out[:, :, :4], head) and mx.array_equal(out[:, :, 4 + n :], after)
 
 
 @pytest.mark.parametrize("preset", TURBO, ids=lambda p: p.name)
-@pytest.mark.parametrize("hq,hkv,lq,mask", [(4, 2, 300, "causal"), (6, 3, 129, "causal"),
-                                            (2, 2, 65, None), (8, 2, 100, "array")])
+@pytest.mark.parametrize("hq,hkv,lq,mask", [(4, 2, 300, "causal"), (6, 3, 129, "causal"), (2, 2, 65, None), (8, 2, 100, "array")])
 def test_dense_path_matches_blocked_path(preset, hq, hkv, lq, mask):
     view = _filled(preset, hkv=hkv, new=lq)
     q = mx.random.normal((1, hq, lq, 64)) * 2.0
@@ -101,8 +99,7 @@ def test_gpu_dequant(name, p, length):
     from kernel_cases import random_segment
 
     b1, b2, qjl, bv = preset_bits(name)
-    _, _, keys, values, kt, vt = random_segment(1, 3, 1, p, length, b1, b2, bv, qjl, seed=length,
-                                                capacity=length + 5)
+    _, _, keys, values, kt, vt = random_segment(1, 3, 1, p, length, b1, b2, bv, qjl, seed=length, capacity=length + 5)
     head = mx.random.normal((1, 3, 4, p)).astype(mx.float16)
     after = mx.random.normal((1, 3, 7, p)).astype(mx.float16)
     for enc, table, bits, bits2 in ((keys, kt, b1, b2), (values, vt, bv, 0)):
@@ -134,8 +131,7 @@ def test_encode_takes_the_fused_kernel_on_a_gpu():
         return list(hq.hadamard_quantize_reference(*launch.inputs))
 
     x = mx.random.normal((1, 2, 37, 128)) * 3.0
-    for spec, fused in ((QuantSpec(4), True), (QuantSpec(3, bits2=0, qjl=True), False),
-                        (QuantSpec(2, bits2=2), False)):
+    for spec, fused in ((QuantSpec(4), True), (QuantSpec(3, bits2=0, qjl=True), False), (QuantSpec(2, bits2=2), False)):
         codec = VectorCodec(128, spec, seed=5)
         want = codec.encode(x)
         launched.clear()
@@ -161,23 +157,36 @@ def _references():
         ins = launch.inputs
         if spec.name == "lc_prefill_encode":
             w, t = (int(v) for v in np.array(ins[7])[:2])
-            return list(pe.prefill_encode_reference(*ins[:4], ins[4] if w else None,
-                                                    ins[5] if t else None, ins[6] if t else None))
+            return list(
+                pe.prefill_encode_reference(*ins[:4], ins[4] if w else None, ins[5] if t else None, ins[6] if t else None)
+            )
         if spec.name == "lc_rotate":
             tpl = dict(launch.template)
-            return [rt.rotate_reference(ins[0], ins[1], inverse=bool(tpl["INV"]),
-                                        mean=ins[2] if tpl["HAS_MEAN"] else None,
-                                        out_dtype=tpl["OT"])]
+            return [
+                rt.rotate_reference(
+                    ins[0], ins[1], inverse=bool(tpl["INV"]), mean=ins[2] if tpl["HAS_MEAN"] else None, out_dtype=tpl["OT"]
+                )
+            ]
         if spec.name == "lc_dequant":
             s, w = (int(v) for v in np.array(ins[6])[:2])
             tpl = dict(launch.template)
             enc = {"idx": ins[0], "norm": ins[2]}
             if tpl["B2"]:
                 enc["idx2"] = ins[1]
-            return [dq.dequant_reference(enc, ins[3], bits=tpl["B1"], bits2=tpl["B2"], p=tpl["P"],
-                                         head=ins[4] if s else None, after=ins[5] if w else None)]
+            return [
+                dq.dequant_reference(
+                    enc,
+                    ins[3],
+                    bits=tpl["B1"],
+                    bits2=tpl["B2"],
+                    p=tpl["P"],
+                    head=ins[4] if s else None,
+                    after=ins[5] if w else None,
+                )
+            ]
         if spec.name == "lc_hadamard_quantize":
             from longctx.kernels import hadamard_quant as hq
+
             return list(hq.hadamard_quantize_reference(*ins))
         raise AssertionError(f"unexpected kernel {spec.name}")
 
@@ -198,8 +207,7 @@ def _assert_close_outputs(got: list, want: list) -> None:
         assert np.abs(a - b).max() / np.abs(b).max() < 2e-2  # bf16 outputs
 
 
-def _prefill(preset, chunks, fused, monkeypatch, hkv=2, d=64, hq=4, seed=0, refs=True,
-             compiled=False):
+def _prefill(preset, chunks, fused, monkeypatch, hkv=2, d=64, hq=4, seed=0, refs=True, compiled=False):
     """Chunked prefill of one layer's cache through the GPU code paths (kernel references, or
     with `refs=False` the device's kernels; `compiled`: the compiled update and attention, which
     under the references executor trace the references); returns (cache, attention outputs per
@@ -209,19 +217,21 @@ def _prefill(preset, chunks, fused, monkeypatch, hkv=2, d=64, hq=4, seed=0, refs
     k = (mx.random.normal((1, hkv, total, d)) * 2.0 + 0.5).astype(mx.bfloat16)
     v = mx.random.normal((1, hkv, total, d)).astype(mx.bfloat16)
     q = mx.random.normal((1, hq, total, d)).astype(mx.bfloat16)
-    cache = TurboQuantCache(preset, layer=1, paths=turbo.Paths(
-        compile="1" if compiled else "0", compile_under_executor=refs and compiled))
+    cache = TurboQuantCache(
+        preset, layer=1, paths=turbo.Paths(compile="1" if compiled else "0", compile_under_executor=refs and compiled)
+    )
     if not fused:
         monkeypatch.setattr(TurboQuantCache, "_fused_room", lambda self, n: None)
     outs, counts = [], []
     run, launched = _references()
     lo = 0
     import contextlib
+
     with _prelude.executor(run, as_backend="cuda") if refs else contextlib.nullcontext():
         for n in chunks:
             launched.clear()
-            view, _ = cache.update_and_fetch(k[:, :, lo:lo + n], v[:, :, lo:lo + n])
-            outs.append(compressed_attention(q[:, :, lo:lo + n], view, scale=0.125, mask="causal"))
+            view, _ = cache.update_and_fetch(k[:, :, lo : lo + n], v[:, :, lo : lo + n])
+            outs.append(compressed_attention(q[:, :, lo : lo + n], view, scale=0.125, mask="causal"))
             mx.eval(outs[-1], cache.state)
             counts.append(list(launched))
             lo += n
@@ -240,8 +250,7 @@ def test_fused_prefill_chunks_match_the_unfused_update(name, monkeypatch):
     got_cache, got, counts = _prefill(preset, chunks, True, monkeypatch)
     _assert_close_outputs(got, want)  # bf16 outputs
     for c in counts[1:]:
-        assert sorted(c) == sorted(["lc_prefill_encode"] * 2 + ["lc_dequant"] * 2
-                                   + ["lc_rotate"] * 2), c
+        assert sorted(c) == sorted(["lc_prefill_encode"] * 2 + ["lc_dequant"] * 2 + ["lc_rotate"] * 2), c
     assert got_cache.offset == want_cache.offset and got_cache.tail_len == want_cache.tail_len
     wk, wv = want_cache.window
     gk, gv = got_cache.window
@@ -315,14 +324,15 @@ def test_gpu_prefill_encode(p, bits, held):
     wd = bits * p // 32
     kw = {}
     if held:
-        kw = dict(prev=mx.array(rng.normal(size=(1, 8, 128, p)).astype(np.float16)),
-                  old_idx=mx.array(rng.integers(0, 2**32, size=(1, 8, 1000, wd), dtype=np.uint32)),
-                  old_norm=mx.array(rng.random(size=(1, 8, 1000)).astype(np.float16)))
+        kw = dict(
+            prev=mx.array(rng.normal(size=(1, 8, 128, p)).astype(np.float16)),
+            old_idx=mx.array(rng.integers(0, 2**32, size=(1, 8, 1000, wd), dtype=np.uint32)),
+            old_norm=mx.array(rng.random(size=(1, 8, 1000)).astype(np.float16)),
+        )
     rot, idx, norm = pe.prefill_encode(x, mu, codec.rotation.signs, bounds, **kw)
     want = pe.prefill_encode_reference(x, mu, codec.rotation.signs, bounds, **kw)
     t, w = (1000, 128) if held else (0, 0)
-    hi, hn = hq.hadamard_quantize((x.astype(mx.float32) - mu).reshape(-1, p), codec.rotation.signs,
-                                  bounds)
+    hi, hn = hq.hadamard_quantize((x.astype(mx.float32) - mu).reshape(-1, p), codec.rotation.signs, bounds)
     assert mx.array_equal(idx[:, :, t:].reshape(-1, wd), hi)  # the unfused kernel's, exactly
     assert mx.array_equal(norm[:, :, t:].reshape(-1), hn)
     assert mx.array_equal(idx[:, :, :t], want[1][:, :, :t])
@@ -368,8 +378,7 @@ def test_gpu_fused_prefill_chunks_match_the_unfused_update(name, compiled, monke
     turbo._ENCODE.clear()
     dense_gpu._COMPILED.clear()
     monkeypatch.setattr(_prelude, "_VERIFIED", set())  # every variant unchecked again
-    got_cache, got, _ = _prefill(preset, chunks, True, monkeypatch, hkv=8, d=128, hq=32, refs=False,
-                                 compiled=compiled)
+    got_cache, got, _ = _prefill(preset, chunks, True, monkeypatch, hkv=8, d=128, hq=32, refs=False, compiled=compiled)
     # compiled: the first chunk is eager (its sink), the second's traces met unchecked variants
     # and gave way to eager calls, the last two chunks' traces were kept
     assert (len(turbo._ENCODE), len(dense_gpu._COMPILED)) == ((2, 2) if compiled else (0, 0))

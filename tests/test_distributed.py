@@ -50,28 +50,38 @@ def _ports(n: int) -> int:
 
 
 def _launch(env: dict, n: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [str(LAUNCH), "--backend", "ring", "-n", str(n), "--starting-port", str(_ports(n)), "--",
-           sys.executable, "-m", "longctx", *args]
+    cmd = [
+        str(LAUNCH),
+        "--backend",
+        "ring",
+        "-n",
+        str(n),
+        "--starting-port",
+        str(_ports(n)),
+        "--",
+        sys.executable,
+        "-m",
+        "longctx",
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _cli(env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "longctx", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "longctx", *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _answer(res: subprocess.CompletedProcess) -> str:
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count('"answer"') == 1, res.stdout  # rank 0 alone prints
-    return json.loads(res.stdout[res.stdout.index("{"):])["answer"]
+    return json.loads(res.stdout[res.stdout.index("{") :])["answer"]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     model = make_tiny_model(root / "tiny", context=2048, attn_gain=2.0)
-    env = {**os.environ, "LONGCTX_HOME": str(root / "home"), "LONGCTX_MODEL": str(model),
-           "LONGCTX_PEER_TIMEOUT": "30"}
+    env = {**os.environ, "LONGCTX_HOME": str(root / "home"), "LONGCTX_MODEL": str(model), "LONGCTX_PEER_TIMEOUT": "30"}
     for name in ("a.txt", "b.txt", "c.txt"):
         (root / name).write_text(TEXT + f"This is {name}.\n")
     return root, env
@@ -106,7 +116,7 @@ def test_two_ranks_answer_as_one_process_and_store_their_heads(setup):
         if value.ndim < 2:
             continue
         for r, part in enumerate(parts):
-            want, got = np.array(value[:, r:r + 1]), np.array(part[key])
+            want, got = np.array(value[:, r : r + 1]), np.array(part[key])
             assert got.shape == want.shape, key
             if want.dtype.kind == "u":  # packed indices: the same codes but for rare ties
                 assert (got == want).mean() > 0.98, key
@@ -145,9 +155,13 @@ def test_three_ranks_are_refused_before_any_work(setup):
 
 
 def _spawn(env: dict, hostfile: Path, rank: int, extra: dict, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "longctx", *args],
-                            env={**env, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), **extra},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "longctx", *args],
+        env={**env, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), **extra},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_a_rank_killed_mid_ingest_leaves_no_entry_and_every_rank_fails(setup, tmp_path):
@@ -157,8 +171,10 @@ def test_a_rank_killed_mid_ingest_leaves_no_entry_and_every_rank_fails(setup, tm
     base = _ports(2)
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
-    ranks = [_spawn(env, hostfile, 0, {}, "ingest", str(doc)),
-             _spawn(env, hostfile, 1, {"LONGCTX_FAILPOINT": "ingest:prefilled"}, "ingest", str(doc))]
+    ranks = [
+        _spawn(env, hostfile, 0, {}, "ingest", str(doc)),
+        _spawn(env, hostfile, 1, {"LONGCTX_FAILPOINT": "ingest:prefilled"}, "ingest", str(doc)),
+    ]
     outs = [p.communicate(timeout=300) for p in ranks]
     assert ranks[0].returncode == 1 and "nothing of it is kept" in outs[0][1]
     assert ranks[1].returncode != 0  # SIGKILLed
@@ -179,14 +195,14 @@ def test_a_peer_that_never_comes_times_out_in_one_line(setup, tmp_path):
 
 # -- pipeline parallelism: each rank a run of whole layers (mlx-lm's `pipeline`, qwen2 has it) ------
 
+
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     """A 3-layer qwen2: stage 1 holds layer 0 alone, stage 0 layers 1-2 (an uneven split, so one
     stage's small cache parts are stacked and the other's are not)."""
     root = tmp_path_factory.mktemp("pipe")
     model = make_tiny_model(root / "tiny-qwen2", seed=4, context=2048, attn_gain=2.0, model_type="qwen2", layers=3)
-    env = {**os.environ, "LONGCTX_HOME": str(root / "home"), "LONGCTX_MODEL": str(model),
-           "LONGCTX_PEER_TIMEOUT": "30"}
+    env = {**os.environ, "LONGCTX_HOME": str(root / "home"), "LONGCTX_MODEL": str(model), "LONGCTX_PEER_TIMEOUT": "30"}
     (root / "p.txt").write_text(TEXT + "This is p.txt.\n")
     return root, env
 
@@ -237,8 +253,7 @@ def test_pipeline_stages_answer_as_one_process_store_their_layers_and_merge(qwen
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     stages = sorted((e for e in _entries(env) if e["topology"]), key=lambda e: e["topology"])
     assert [e["topology"] for e in stages] == ["pipeline:2:0:1-3", "pipeline:2:1:0-1"]
-    two = _answer(_launch(env, 2, "ask", QUESTION, "--doc", "p.txt", "--json", "--max-tokens", "8",
-                          "--parallel", "pipeline"))
+    two = _answer(_launch(env, 2, "ask", QUESTION, "--doc", "p.txt", "--json", "--max-tokens", "8", "--parallel", "pipeline"))
 
     # asked from the wrong topology: one line saying how
     alone = _cli(env, "ask", QUESTION, "--doc", "p.txt")
@@ -292,15 +307,14 @@ def test_a_family_without_pipeline_is_refused_in_one_line(setup):
 
 # -- data parallelism: whole-model ranks ingest disjoint segments of a long document -------------
 
+
 def _long_document(env: dict, tmp_path: Path) -> tuple[Path, dict]:
     """A document past a 1024-token model's context, and the environment that cuts it into
     300-token segments."""
     model = make_tiny_model(tmp_path / "tiny-1k", seed=4, context=1024, attn_gain=2.0, model_type="qwen2", layers=2)
     long = tmp_path / "long.txt"
-    long.write_text("\n\n".join(f"Part {i}. " + TEXT.splitlines()[0].replace("412", str(400 + i))
-                                for i in range(12)) + "\n")
-    return long, {**env, "LONGCTX_HOME": str(tmp_path / "one"), "LONGCTX_MODEL": str(model),
-                  "LONGCTX_SEGMENT_TOKENS": "300"}
+    long.write_text("\n\n".join(f"Part {i}. " + TEXT.splitlines()[0].replace("412", str(400 + i)) for i in range(12)) + "\n")
+    return long, {**env, "LONGCTX_HOME": str(tmp_path / "one"), "LONGCTX_MODEL": str(model), "LONGCTX_SEGMENT_TOKENS": "300"}
 
 
 def test_data_parallel_segments_make_the_same_group_as_one_process(qwen, tmp_path):
@@ -341,9 +355,10 @@ def test_a_data_parallel_rank_killed_leaves_no_group_and_the_other_fails_in_one_
     base = _ports(2)
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
-    ranks = [_spawn(env, hostfile, 0, {}, "ingest", str(long), "--parallel", "data"),
-             _spawn(env, hostfile, 1, {"LONGCTX_FAILPOINT": "ingest:prefilled"}, "ingest", str(long),
-                    "--parallel", "data")]
+    ranks = [
+        _spawn(env, hostfile, 0, {}, "ingest", str(long), "--parallel", "data"),
+        _spawn(env, hostfile, 1, {"LONGCTX_FAILPOINT": "ingest:prefilled"}, "ingest", str(long), "--parallel", "data"),
+    ]
     outs = [p.communicate(timeout=300) for p in ranks]
     assert ranks[0].returncode == 1 and "Another rank failed while ingesting 'long.txt'" in outs[0][1], outs[0][1]
     assert len([ln for ln in outs[0][1].splitlines() if ln.startswith("error")]) == 1 and "Traceback" not in outs[0][1]

@@ -24,20 +24,28 @@ NOTES = SAMPLES / "notes.md"
 
 # (page, sentence as written, question, expected answer) -- kept in step with samples/README.md.
 REPORT_FACTS = [
-    (1, "The cooperative was founded in 1987 in the town of Port Ellery.",
-     "In what year was the cooperative founded?", "1987"),
-    (1, "The cooperative was founded in 1987 in the town of Port Ellery.",
-     "In which town was the cooperative founded?", "Port Ellery"),
-    (1, "The cooperative has 3,412 members.",
-     "How many members does the cooperative have?", "3,412"),
-    (2, "The chief engineer of the cooperative is Marta Okonkwo.",
-     "Who is the chief engineer of the cooperative?", "Marta Okonkwo"),
-    (2, "Every turbine in the fleet is a Selkie T-40.",
-     "Which turbine model does the cooperative use?", "Selkie T-40"),
-    (2, "The total installed capacity is 48 megawatts.",
-     "What is the total installed capacity of the cooperative?", "48 megawatts"),
-    (2, "The largest tidal array is Gannet Reef.",
-     "What is the largest tidal array of the cooperative?", "Gannet Reef"),
+    (1, "The cooperative was founded in 1987 in the town of Port Ellery.", "In what year was the cooperative founded?", "1987"),
+    (
+        1,
+        "The cooperative was founded in 1987 in the town of Port Ellery.",
+        "In which town was the cooperative founded?",
+        "Port Ellery",
+    ),
+    (1, "The cooperative has 3,412 members.", "How many members does the cooperative have?", "3,412"),
+    (
+        2,
+        "The chief engineer of the cooperative is Marta Okonkwo.",
+        "Who is the chief engineer of the cooperative?",
+        "Marta Okonkwo",
+    ),
+    (2, "Every turbine in the fleet is a Selkie T-40.", "Which turbine model does the cooperative use?", "Selkie T-40"),
+    (
+        2,
+        "The total installed capacity is 48 megawatts.",
+        "What is the total installed capacity of the cooperative?",
+        "48 megawatts",
+    ),
+    (2, "The largest tidal array is Gannet Reef.", "What is the largest tidal array of the cooperative?", "Gannet Reef"),
 ]
 REPORT_TABLE_ROWS = [
     "Array Turbines Capacity (MW) Output (GWh) Availability (%)",
@@ -50,9 +58,11 @@ REPORT_TABLE_ROWS = [
     "Electricity sales to members 9,870 10,640 7.8",
     "Surplus returned to members 1,150 1,390 20.9",
 ]
-NOTES_FACTS = ["The survey was led by Dr. Ines Halvorsen.",
-               "The survey boat is called the Dunlin.",
-               "The deepest point measured was 83 metres."]
+NOTES_FACTS = [
+    "The survey was led by Dr. Ines Halvorsen.",
+    "The survey boat is called the Dunlin.",
+    "The deepest point measured was 83 metres.",
+]
 
 
 def _pdf_bytes(writer: PdfWriter) -> bytes:
@@ -79,6 +89,7 @@ def report() -> Document:
 
 # --- the sample report ------------------------------------------------------------------------
 
+
 def test_report_metadata(report: Document) -> None:
     assert report.kind == "pdf"
     assert report.name == "report.pdf"
@@ -90,13 +101,12 @@ def test_report_metadata(report: Document) -> None:
 
 
 @pytest.mark.parametrize(("page", "sentence", "question", "answer"), REPORT_FACTS)
-def test_report_contains_fact_on_its_page(report: Document, page: int, sentence: str,
-                                          question: str, answer: str) -> None:
+def test_report_contains_fact_on_its_page(report: Document, page: int, sentence: str, question: str, answer: str) -> None:
     assert sentence in report.text
     assert answer in sentence
     start = report.text.index(f"[Page {page}]\n")
     end = report.text.find(f"[Page {page + 1}]\n")
-    assert sentence in report.text[start:end if end != -1 else None]
+    assert sentence in report.text[start : end if end != -1 else None]
 
 
 def test_report_page_markers(report: Document) -> None:
@@ -137,6 +147,7 @@ def test_read_is_deterministic_and_frozen(report: Document) -> None:
 
 
 # --- PDFs built on the fly --------------------------------------------------------------------
+
 
 def test_synthetic_pdf_spaces_collapsed(tmp_path: Path) -> None:
     path = _write(tmp_path, "t.pdf", _text_pdf(["Hello    world   \nsecond  line", "Page two."]))
@@ -208,8 +219,7 @@ def test_password_for_unencrypted_pdf_is_ignored() -> None:
     assert read_document(REPORT, password="unused").pages == 4
 
 
-def test_missing_crypto_dependency_is_reported(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_crypto_dependency_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     writer = PdfWriter(clone_from=REPORT)
     writer.encrypt("s3cret", algorithm="RC4-128")
     path = _write(tmp_path, "aes.pdf", _pdf_bytes(writer))
@@ -270,6 +280,7 @@ def test_all_pages_unreadable_is_damaged(tmp_path: Path, monkeypatch: pytest.Mon
 
 # --- text and markdown ------------------------------------------------------------------------
 
+
 def test_notes_markdown() -> None:
     doc = read_document(NOTES)
     assert doc.kind == "markdown" and doc.pages == 1 and doc.encoding == "utf-8"
@@ -280,15 +291,24 @@ def test_notes_markdown() -> None:
     assert doc.empty_pages == ()
 
 
-@pytest.mark.parametrize(("name", "kind"), [("a.txt", "text"), ("a.text", "text"),
-                                            ("a.md", "markdown"), ("a.MARKDOWN", "markdown"),
-                                            ("a.rst", "text"), ("README", "text")])
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("a.txt", "text"),
+        ("a.text", "text"),
+        ("a.md", "markdown"),
+        ("a.MARKDOWN", "markdown"),
+        ("a.rst", "text"),
+        ("README", "text"),
+    ],
+)
 def test_text_kinds(tmp_path: Path, name: str, kind: str) -> None:
     calls: list[tuple[int, int]] = []
-    doc = read_document(_write(tmp_path, name, "# Title\n\n  indented caf\u00e9\n".encode()),
-                        progress=lambda done, total: calls.append((done, total)))
-    assert (doc.kind, doc.text, doc.name, doc.pages) == (kind, "# Title\n\n  indented caf\u00e9\n",
-                                                         name, 1)
+    doc = read_document(
+        _write(tmp_path, name, "# Title\n\n  indented caf\u00e9\n".encode()),
+        progress=lambda done, total: calls.append((done, total)),
+    )
+    assert (doc.kind, doc.text, doc.name, doc.pages) == (kind, "# Title\n\n  indented caf\u00e9\n", name, 1)
     assert calls == [(1, 1)]
 
 
@@ -336,6 +356,7 @@ def test_binary_content_is_refused(tmp_path: Path, name: str) -> None:
 
 # --- files that are not there or hold nothing -------------------------------------------------
 
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(DocumentError, match="not found") as err:
         read_document(tmp_path / "nope.pdf")
@@ -347,12 +368,15 @@ def test_directory(tmp_path: Path) -> None:
         read_document(tmp_path)
 
 
-@pytest.mark.parametrize(("name", "data", "word"), [
-    ("empty.txt", b"", "empty"),
-    ("empty.pdf", b"", "empty"),
-    ("blank.md", b" \n\t\r\n  ", "blank"),
-    ("blank16.txt", " \n \n".encode("utf-16"), "blank"),
-])
+@pytest.mark.parametrize(
+    ("name", "data", "word"),
+    [
+        ("empty.txt", b"", "empty"),
+        ("empty.pdf", b"", "empty"),
+        ("blank.md", b" \n\t\r\n  ", "blank"),
+        ("blank16.txt", " \n \n".encode("utf-16"), "blank"),
+    ],
+)
 def test_empty_files(tmp_path: Path, name: str, data: bytes, word: str) -> None:
     with pytest.raises(DocumentError, match=word) as err:
         read_document(_write(tmp_path, name, data))
@@ -360,10 +384,14 @@ def test_empty_files(tmp_path: Path, name: str, data: bytes, word: str) -> None:
 
 
 def test_every_error_is_one_line(tmp_path: Path) -> None:
-    cases = [tmp_path / "missing.txt", tmp_path,
-             _write(tmp_path, "e.txt", b""), _write(tmp_path, "h.pdf", b"<html>"),
-             _write(tmp_path, "cut.pdf", REPORT.read_bytes()[:3000]),
-             _write(tmp_path, "l.txt", b"\xff\xfe"[1:] + b"abc")]
+    cases = [
+        tmp_path / "missing.txt",
+        tmp_path,
+        _write(tmp_path, "e.txt", b""),
+        _write(tmp_path, "h.pdf", b"<html>"),
+        _write(tmp_path, "cut.pdf", REPORT.read_bytes()[:3000]),
+        _write(tmp_path, "l.txt", b"\xff\xfe"[1:] + b"abc"),
+    ]
     for path in cases:
         with pytest.raises(DocumentError) as err:
             read_document(path)

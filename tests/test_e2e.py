@@ -24,8 +24,7 @@ REPORT = Path(__file__).resolve().parent.parent / "samples" / "report.pdf"
 
 def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "LONGCTX_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "longctx", *args], capture_output=True, text=True,
-                          env=env, timeout=900)
+    return subprocess.run([sys.executable, "-m", "longctx", *args], capture_output=True, text=True, env=env, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +42,13 @@ def test_ingest_reports_the_document(ingested):
     assert entry["model_id"] == "SmolLM2-135M-Instruct" and entry["kv_preset"] == "fp16"
 
 
-@pytest.mark.parametrize("question,fact", [
-    ("Who is the chief engineer of the cooperative?", "Marta Okonkwo"),
-    ("In what year was the cooperative founded?", "1987"),
-])
+@pytest.mark.parametrize(
+    "question,fact",
+    [
+        ("Who is the chief engineer of the cooperative?", "Marta Okonkwo"),
+        ("In what year was the cooperative founded?", "1987"),
+    ],
+)
 def test_answers_contain_the_facts(ingested, question, fact):
     home, _ = ingested
     run = _cli("ask", question, "--max-tokens", "40", home=home)
@@ -79,8 +81,7 @@ def test_restored_answer_matches_a_fresh_full_prompt_run(ingested, monkeypatch):
 
 def test_errors_are_one_line_and_exit_1(ingested, tmp_path):
     home, _ = ingested
-    for args in (["ingest", str(tmp_path / "missing.pdf")], ["ask", "q", "--doc", "nope"],
-                 ["info", "nope"]):
+    for args in (["ingest", str(tmp_path / "missing.pdf")], ["ask", "q", "--doc", "nope"], ["info", "nope"]):
         run = _cli(*args, home=home)
         assert run.returncode == 1, (args, run.stderr)
         assert run.stderr.strip().startswith("error:") and "Traceback" not in run.stderr
@@ -155,8 +156,22 @@ def test_export_to_mlx_lm_prompt_cache(ingested_tq4, tmp_path):
     assert cache[0].offset == tq4["tokens"] and meta["longctx_entry"] == tq4["id"]
     assert Path(meta["model"]).is_dir()
     # mlx-lm's own CLI answers from the exported cache (it prefills only the question).
-    run = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", "--prompt-cache-file", str(out),
-                          "--prompt", "Who is the chief engineer of the cooperative?", "--max-tokens", "20"],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "generate",
+            "--prompt-cache-file",
+            str(out),
+            "--prompt",
+            "Who is the chief engineer of the cooperative?",
+            "--max-tokens",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "Marta Okonkwo" in run.stdout

@@ -59,6 +59,7 @@ def _slow_at(n: int):
         for layer in cache:
             layer.state = layer.state + ids.shape[1]
         return ids
+
     return call
 
 
@@ -76,8 +77,7 @@ def test_chunks_shrink_past_the_pair_bound():
     assert [engine.chunk_at(d, 512, 0) for d in (0, 10**6)] == [512, 512]
     assert engine.chunk_at(131000, 512) == 512  # the default setting: fixed chunks
     pairs = 5 * 2**22
-    assert [engine.chunk_at(d, 512, pairs) for d in (0, 32768, 65536, 131000, 10**6)] == [
-        512, 512, 256, 128, 64]
+    assert [engine.chunk_at(d, 512, pairs) for d in (0, 32768, 65536, 131000, 10**6)] == [512, 512, 256, 128, 64]
     for done in range(0, 300000, 7919):
         n = engine.chunk_at(done, 512, pairs)
         assert n % engine.MIN_CHUNK == 0 and (n == 64 or n * (done + n) <= pairs)
@@ -120,7 +120,7 @@ def test_a_pair_bound_prefill_fills_the_same_cache(tiny_model):
     for a, b in zip(*caches):
         assert a.offset == b.offset == len(ids)
         for x, y in zip(a.state[:2], b.state[:2]):  # keys, values: their first `offset` rows
-            x, y = x[:, :, :a.offset], y[:, :, :b.offset]
+            x, y = x[:, :, : a.offset], y[:, :, : b.offset]
             err = (mx.linalg.norm((x - y).flatten()) / mx.linalg.norm(y.flatten())).item()
             assert err < 1e-5, err
 
@@ -154,8 +154,9 @@ def test_the_inflight_bound_waits_for_older_layers_and_changes_nothing(tiny_mode
         queued.clear()
         waited.clear()
         cache = kvcache.make(lm.model, kvcache.get_preset("tq4"))
-        engine.prefill(lm.model, ids, cache, chunk=128, inflight=budget, queue_every=1,
-                       order="token")  # the chunk-by-chunk loop's bound
+        engine.prefill(
+            lm.model, ids, cache, chunk=128, inflight=budget, queue_every=1, order="token"
+        )  # the chunk-by-chunk loop's bound
         caches.append(cache)
         assert not turbo._PENDING  # drained after every chunk
         if budget == 0:

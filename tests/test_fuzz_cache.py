@@ -39,22 +39,35 @@ CASES = int(os.environ.get("LONGCTX_FUZZ_CASES", "5000"))  # ~2 ms each on a 2-c
 SEED = int(os.environ.get("LONGCTX_FUZZ_SEED", "0"))
 CHECKSUM_MB = int(os.environ.get("LONGCTX_FUZZ_MB", "8"))
 
-DTYPE_NAMES = ["BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "BF16", "F32",
-               "F64", "C64", "XX", ""]
-RAW_KINDS = ("truncate", "flip", "insert", "delete", "header_len", "json_text", "append", "zero_run",
-             "deep_json", "forge_nofix")
-FORGE_OPS = ("shape", "dtype", "offsets", "swap_offsets", "swap_names", "swap_checksums", "drop_tensor",
-             "meta_value", "drop_meta", "add_meta", "reorder", "kv_config", "version", "nesting")
+DTYPE_NAMES = ["BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "BF16", "F32", "F64", "C64", "XX", ""]
+RAW_KINDS = ("truncate", "flip", "insert", "delete", "header_len", "json_text", "append", "zero_run", "deep_json", "forge_nofix")
+FORGE_OPS = (
+    "shape",
+    "dtype",
+    "offsets",
+    "swap_offsets",
+    "swap_names",
+    "swap_checksums",
+    "drop_tensor",
+    "meta_value",
+    "drop_meta",
+    "add_meta",
+    "reorder",
+    "kv_config",
+    "version",
+    "nesting",
+)
 
 
 # -- the file's structure, parsed independently of longctx.store.format --------------------------
 def split(data: bytes) -> tuple[dict, bytes]:
     (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + n]), data[8 + n:]
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
 
 
 def join(header: dict, body: bytes, fix_checksum: bool = True) -> bytes:
     """Serialize like the writer; with fix_checksum, recompute `header_sha256` over the new header."""
+
     def dump(h: dict) -> bytes:
         raw = json.dumps(h, separators=(",", ":"), ensure_ascii=True).encode()
         return raw + b" " * (-len(raw) % 8)
@@ -116,8 +129,7 @@ def _forge(header: dict, m: Mutation) -> None:
     elif m.op == "meta_value":
         keys = sorted(meta)
         key = keys[m.b % len(keys)]
-        meta[key] = ["", "0", "-1", "99999999", meta[key][:-1], meta[key] + "0", "{}", "[]",
-                     "1" * 5000, "x"][m.c % 10]
+        meta[key] = ["", "0", "-1", "99999999", meta[key][:-1], meta[key] + "0", "{}", "[]", "1" * 5000, "x"][m.c % 10]
     elif m.op == "drop_meta":
         keys = sorted(meta)
         del meta[keys[m.b % len(keys)]]
@@ -130,12 +142,10 @@ def _forge(header: dict, m: Mutation) -> None:
         header.update(items)
     elif m.op == "kv_config":
         cfg = json.loads(meta["kv_config"])
-        field = ["head_dims", "kv_heads", "name", "kind", "key_bits", "value_bits", "window",
-                 "seed"][m.b % 8]
+        field = ["head_dims", "kv_heads", "name", "kind", "key_bits", "value_bits", "window", "seed"][m.b % 8]
         value = cfg.get(field)
         if isinstance(value, list):
-            value = [[], value[:-1], value + value[-1:], [v + 1 for v in value], [0] * len(value),
-                     ["x"] * len(value)][m.c % 6]
+            value = [[], value[:-1], value + value[-1:], [v + 1 for v in value], [0] * len(value), ["x"] * len(value)][m.c % 6]
         elif isinstance(value, int) and not isinstance(value, bool):
             value = [value + 1, 0, -1, 1 << 62, 9][m.c % 5]
         else:
@@ -167,7 +177,7 @@ def mutate(original: bytes, m: Mutation) -> bytes:
         return bytes(data[:pos] + bytes([m.c % 256]) * (1 + m.b % 16) + data[pos:])
     if m.kind == "delete":
         pos = m.a % size
-        return bytes(data[:pos] + data[pos + 1 + m.b % 16:])
+        return bytes(data[:pos] + data[pos + 1 + m.b % 16 :])
     if m.kind == "header_len":
         new = [n + 1, n - 1, n + 8, n - 8, 0, 1, 1 << 63, size, size - 8, n ^ (1 << (m.b % 64))][m.a % 10]
         return struct.pack("<Q", new % (1 << 64)) + bytes(data[8:])
@@ -181,11 +191,11 @@ def mutate(original: bytes, m: Mutation) -> bytes:
         depth = 1000 + m.a % 100_000
         head = b'{"__metadata__":' + b"[" * depth + b"]" * depth + b"}"
         head += b" " * (-len(head) % 8)
-        return struct.pack("<Q", len(head)) + head + original[8 + n:]
+        return struct.pack("<Q", len(head)) + head + original[8 + n :]
     if m.kind == "zero_run":
         pos = m.a % size
         length = 1 + m.b % 4096
-        data[pos:pos + length] = bytes(len(data[pos:pos + length]))
+        data[pos : pos + length] = bytes(len(data[pos : pos + length]))
         return bytes(data)
     header, body = split(original)
     _forge(header, m)
@@ -250,8 +260,7 @@ def _snapshot(loaded: tuple[dict, dict]) -> tuple[dict, dict]:
     return {k: (str(v.dtype), tuple(v.shape), raw(v)) for k, v in arrays.items()}, meta
 
 
-RELIED_ON = ("format_version", "model_id", "weights_sha256", "tokenizer_sha256", "document_sha256",
-             "tokens", "kv_config")
+RELIED_ON = ("format_version", "model_id", "weights_sha256", "tokenizer_sha256", "document_sha256", "tokens", "kv_config")
 
 
 def run_case(target: Target, m: Mutation) -> str:
@@ -295,11 +304,18 @@ def fuzz(target: Target, cases: int, seed: int) -> dict:
         else:
             row[outcome] += 1
     target.path.write_bytes(target.original)
-    return {"cases": cases, "seed": seed, "seconds": time.perf_counter() - start,
-            "slowest_case_seconds": slowest, "crashes": len(crashes),
-            "accepted_corrupt": len(accepted_corrupt), "by_kind": counts,
-            "crash_examples": crashes[:20], "accepted_corrupt_examples": accepted_corrupt[:20],
-            "file_bytes": len(target.original)}
+    return {
+        "cases": cases,
+        "seed": seed,
+        "seconds": time.perf_counter() - start,
+        "slowest_case_seconds": slowest,
+        "crashes": len(crashes),
+        "accepted_corrupt": len(accepted_corrupt),
+        "by_kind": counts,
+        "crash_examples": crashes[:20],
+        "accepted_corrupt_examples": accepted_corrupt[:20],
+        "file_bytes": len(target.original),
+    }
 
 
 def checksum_cost(workdir: Path, megabytes: int, repeats: int = 5) -> dict:
@@ -316,13 +332,32 @@ def checksum_cost(workdir: Path, megabytes: int, repeats: int = 5) -> dict:
         for tag in ("k", "v"):
             arrays[f"{i}.{tag}"] = mx.random.normal((1, heads, tokens, dim)).astype(mx.float16)
     kv = {"name": "fp16", "kind": "fp16", "head_dims": [dim] * layers, "kv_heads": [heads] * layers}
-    meta = {"model_id": "synthetic", "weights_sha256": "0" * 64, "tokenizer_sha256": "0" * 64,
-            "document_sha256": "1" * 64, "tokens": str(tokens), "kv_config": json.dumps(kv)}
+    meta = {
+        "model_id": "synthetic",
+        "weights_sha256": "0" * 64,
+        "tokenizer_sha256": "0" * 64,
+        "document_sha256": "1" * 64,
+        "tokens": str(tokens),
+        "kv_config": json.dumps(kv),
+    }
     store = Store(workdir / "bench-store")
-    entry = Entry(id="0123456789abcdef", name="bench", path="bench.txt", document_sha256="1" * 64,
-                  kind="text", pages=1, tokens=tokens, model_id="synthetic", model_spec="-",
-                  weights_sha256="0" * 64, tokenizer_sha256="0" * 64, kv_preset="fp16",
-                  file="0123456789abcdef.safetensors", bytes=0, created=0.0)
+    entry = Entry(
+        id="0123456789abcdef",
+        name="bench",
+        path="bench.txt",
+        document_sha256="1" * 64,
+        kind="text",
+        pages=1,
+        tokens=tokens,
+        model_id="synthetic",
+        model_spec="-",
+        weights_sha256="0" * 64,
+        tokenizer_sha256="0" * 64,
+        kv_preset="fp16",
+        file="0123456789abcdef.safetensors",
+        bytes=0,
+        created=0.0,
+    )
     path = store.cache_path(entry.id)
     size = fmt.write(path, arrays, meta, tag=entry.id)
     del arrays
@@ -350,9 +385,13 @@ def checksum_cost(workdir: Path, megabytes: int, repeats: int = 5) -> dict:
     store.close()
     path.unlink()
     med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
-    return {"file_bytes": size, "repeats": repeats, "median_seconds": med,
-            "verified_over_unverified": med["verified_load"] / med["unverified_mx_load"],
-            "checksum_gb_per_s": size / med["sha256_only"] / 1e9}
+    return {
+        "file_bytes": size,
+        "repeats": repeats,
+        "median_seconds": med,
+        "verified_over_unverified": med["verified_load"] / med["unverified_mx_load"],
+        "checksum_gb_per_s": size / med["sha256_only"] / 1e9,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -375,9 +414,11 @@ def _same_home(target, monkeypatch):
 def test_seeded_campaign_has_no_crash_and_accepts_no_corrupt_file(target):
     result = fuzz(target, CASES, SEED)
     by_kind = result["by_kind"]
-    print(f"{result['cases']} cases in {result['seconds']:.1f} s (seed {SEED}, slowest case "
-          f"{result['slowest_case_seconds'] * 1e3:.1f} ms): "
-          + ", ".join(f"{k} {r['rejected']}/{r['tried']} rejected" for k, r in sorted(by_kind.items())))
+    print(
+        f"{result['cases']} cases in {result['seconds']:.1f} s (seed {SEED}, slowest case "
+        f"{result['slowest_case_seconds'] * 1e3:.1f} ms): "
+        + ", ".join(f"{k} {r['rejected']}/{r['tried']} rejected" for k, r in sorted(by_kind.items()))
+    )
     assert result["crashes"] == 0, result["crash_examples"]
     assert result["accepted_corrupt"] == 0, result["accepted_corrupt_examples"]
     assert sum(r["tried"] for r in by_kind.values()) == CASES
@@ -390,8 +431,10 @@ def test_seeded_campaign_has_no_crash_and_accepts_no_corrupt_file(target):
 def test_checksums_verify_a_cache_at_a_cost_the_load_can_carry(tmp_path):
     cost = checksum_cost(tmp_path, CHECKSUM_MB, repeats=3)
     med = cost["median_seconds"]
-    print(f"checksums on {cost['file_bytes'] / 1e6:.0f} MB: sha256 alone {med['sha256_only']:.3f} s "
-          f"({cost['checksum_gb_per_s']:.2f} GB/s), verified load {med['verified_load']:.3f} s vs "
-          f"unverified mx.load {med['unverified_mx_load']:.3f} s, verify only {med['verify_only']:.3f} s")
+    print(
+        f"checksums on {cost['file_bytes'] / 1e6:.0f} MB: sha256 alone {med['sha256_only']:.3f} s "
+        f"({cost['checksum_gb_per_s']:.2f} GB/s), verified load {med['verified_load']:.3f} s vs "
+        f"unverified mx.load {med['unverified_mx_load']:.3f} s, verify only {med['verify_only']:.3f} s"
+    )
     assert cost["file_bytes"] >= 0.9 * CHECKSUM_MB * 1e6
     assert all(s > 0 for s in med.values()) and cost["checksum_gb_per_s"] > 0

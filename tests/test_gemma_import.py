@@ -72,17 +72,17 @@ def test_tokenizer_round_trips_and_splits_like_sentencepiece(lm):
 
 
 def test_greedy_completion_is_coherent(lm):
-    for text, word in [("The Eiffel Tower is located in the city of", "Paris"),
-                       ("Water boils at a temperature of", "100")]:
-        out = engine.greedy_tokens(lm.model, lm.tokenizer.encode(text),
-                                   kvcache.make(lm.model, kvcache.get_preset("fp16")), 8)
+    for text, word in [("The Eiffel Tower is located in the city of", "Paris"), ("Water boils at a temperature of", "100")]:
+        out = engine.greedy_tokens(lm.model, lm.tokenizer.encode(text), kvcache.make(lm.model, kvcache.get_preset("fp16")), 8)
         assert word in lm.tokenizer.decode(out)
 
 
 def test_sliding_window_layers_persist_through_ingest_and_restore(lm, tmp_path):
     doc = tmp_path / "island.txt"
-    doc.write_text("The lighthouse keeper of Varrow Island is Ada Quill. The island has many sheep "
-                   "and one small ferry that crosses twice a day. " * 24)
+    doc.write_text(
+        "The lighthouse keeper of Varrow Island is Ada Quill. The island has many sheep "
+        "and one small ferry that crosses twice a day. " * 24
+    )
     entry = session.ingest(doc, models.GEMMA_MODEL, "tq4").entry
     assert entry.tokens > 600  # past the 512-token window: the rotating layers have wrapped
     store = Store()

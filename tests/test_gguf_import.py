@@ -24,15 +24,17 @@ from longctx.errors import ModelError  # noqa: E402
 from longctx.runtime import gguf_import, gguf_tokenizer, models, packaged  # noqa: E402
 
 # mlx-lm name -> GGUF layer part (the importer's table read backwards, per architecture)
-ARCH_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-           "gemma3_text": "gemma3", "phi3": "phi3"}
-FAMILY = {"llama": {}, "qwen2": COMPRESSED["qwen2"], "qwen3": COMPRESSED["qwen3"],
-          "gemma2": COMPRESSED["gemma2"],
-          "gemma3_text": {**COMPRESSED["gemma3_text"], "sliding_window_pattern": 6},
-          "phi3": COMPRESSED["phi3"]}
+ARCH_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+FAMILY = {
+    "llama": {},
+    "qwen2": COMPRESSED["qwen2"],
+    "qwen3": COMPRESSED["qwen3"],
+    "gemma2": COMPRESSED["gemma2"],
+    "gemma3_text": {**COMPRESSED["gemma3_text"], "sliding_window_pattern": 6},
+    "phi3": COMPRESSED["phi3"],
+}
 # The f16 fields of one block of each K-quant: (block bytes, offsets of its f16 scales)
-K_BLOCKS = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)),
-            "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+K_BLOCKS = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
 
 
 def _gguf_name(mlx_name: str, arch_name: str) -> str:
@@ -42,8 +44,10 @@ def _gguf_name(mlx_name: str, arch_name: str) -> str:
         if base == mlx:
             return f"{top}.{suffix}"
     _, _, layer, part = base.split(".", 3)
-    table = {**{v: k for k, v in gguf_import._LAYER_NAMES.items() if k not in ("post_attention_norm",)},
-             **{v: k for k, v in arch.renames.items()}}
+    table = {
+        **{v: k for k, v in gguf_import._LAYER_NAMES.items() if k not in ("post_attention_norm",)},
+        **{v: k for k, v in arch.renames.items()},
+    }
     if arch_name.startswith("gemma"):
         table["post_attention_layernorm"] = "post_attention_norm"
     return f"blk.{layer}.{table[part]}.{suffix}"
@@ -59,7 +63,7 @@ def _k_quant_bytes(rows: int, cols: int, kind: str, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
     for off in f16s:
-        raw[:, :, off:off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        raw[:, :, off : off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -138,8 +142,12 @@ def _logits(model_dir: Path, ids: list[int]):
 @pytest.mark.parametrize("model_type", list(ARCH_OF))
 def test_imported_model_gives_the_original_logits(tmp_path, model_type):
     layers = 6 if model_type == "gemma3_text" else 2  # mlx-lm's Gemma-3 needs a global layer
-    src = make_tiny_model(tmp_path / model_type, model_type=model_type, layers=layers,
-                          **{k: v for k, v in FAMILY[model_type].items() if k != "model_type"})
+    src = make_tiny_model(
+        tmp_path / model_type,
+        model_type=model_type,
+        layers=layers,
+        **{k: v for k, v in FAMILY[model_type].items() if k != "model_type"},
+    )
     gg = write_gguf(src, tmp_path / f"{model_type}.gguf")
     out = gguf_import.import_gguf(gg, tmp_path / "imported", "tiny", "0" * 64)
     ids = [5, 40, 77, 3, 120, 9, 33, 200, 14, 61]
@@ -153,8 +161,12 @@ def test_imported_model_gives_the_original_logits(tmp_path, model_type):
 def test_every_tensor_type_comes_back_as_gguf_dequantizes_it(tmp_path, kind):
     import mlx.core as mx
 
-    src = make_tiny_model(tmp_path / "m", model_type="qwen2", intermediate_size=256,
-                          **{k: v for k, v in FAMILY["qwen2"].items() if k != "model_type"})
+    src = make_tiny_model(
+        tmp_path / "m",
+        model_type="qwen2",
+        intermediate_size=256,
+        **{k: v for k, v in FAMILY["qwen2"].items() if k != "model_type"},
+    )
     gg = write_gguf(src, tmp_path / "m.gguf", types={"mlp.down_proj.weight": kind})
     reader, _ = gguf_import.read_gguf(gg)
     t = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
@@ -173,10 +185,17 @@ def test_every_tensor_type_comes_back_as_gguf_dequantizes_it(tmp_path, kind):
         cfg = json.loads((q / "config.json").read_text())["quantization"]
         spec = cfg["model.layers.1.mlp.down_proj"]
         assert spec["bits"] == bits
-        deq = mx.dequantize(qw["model.layers.1.mlp.down_proj.weight"], qw["model.layers.1.mlp.down_proj.scales"],
-                            qw["model.layers.1.mlp.down_proj.biases"], group_size=spec["group_size"], bits=bits)
+        deq = mx.dequantize(
+            qw["model.layers.1.mlp.down_proj.weight"],
+            qw["model.layers.1.mlp.down_proj.scales"],
+            qw["model.layers.1.mlp.down_proj.biases"],
+            group_size=spec["group_size"],
+            bits=bits,
+        )
         span = float(np.abs(want).max()) or 1.0
-        assert float(np.abs(np.array(deq.astype(mx.float32)) - want).max()) < span * (2 / (2**bits - 1) + 2.0**-7)  # steps of bf16 scales
+        assert float(np.abs(np.array(deq.astype(mx.float32)) - want).max()) < span * (
+            2 / (2**bits - 1) + 2.0**-7
+        )  # steps of bf16 scales
     ids = [5, 40, 77, 3]
     assert np.isfinite(_logits(q, ids)).all()
 
@@ -196,8 +215,7 @@ def test_quantized_import_runs_close_to_the_float_one(tmp_path):
 def test_byte_level_tokenizers_round_trip(tmp_path, pre):
     from tokenizers import Tokenizer
 
-    src = make_tiny_model(tmp_path / "m", model_type="qwen2", **{k: v for k, v in FAMILY["qwen2"].items()
-                                                                   if k != "model_type"})
+    src = make_tiny_model(tmp_path / "m", model_type="qwen2", **{k: v for k, v in FAMILY["qwen2"].items() if k != "model_type"})
     out = gguf_import.import_gguf(write_gguf(src, tmp_path / "m.gguf", pre=pre), tmp_path / "o", "t", "0" * 64)
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     text = "Hello  world's 12345 <|im_start|>x\n\n\tcafé ☕"
@@ -206,8 +224,13 @@ def test_byte_level_tokenizers_round_trip(tmp_path, pre):
     assert 1 in enc.ids  # <|im_start|> is one special token, not split into bytes
     pieces = tok.pre_tokenizer.pre_tokenize_str("abc 12345 x")
     digits = [p for p, _ in pieces if p.replace("Ġ", "").isdigit()]
-    expect = {"qwen2": ["1", "2", "3", "4", "5"], "smollm": ["1", "2", "3", "4", "5"],
-              "llama-bpe": ["123", "45"], "gpt-4o": ["123", "45"], "gpt2": ["Ġ12345"]}
+    expect = {
+        "qwen2": ["1", "2", "3", "4", "5"],
+        "smollm": ["1", "2", "3", "4", "5"],
+        "llama-bpe": ["123", "45"],
+        "gpt-4o": ["123", "45"],
+        "gpt2": ["Ġ12345"],
+    }
     assert [d.replace("Ġ", "") for d in digits] == [d.replace("Ġ", "") for d in expect[pre]]
 
 
@@ -217,9 +240,15 @@ def test_sentencepiece_vocabulary_merges_by_score():
     tokens = pieces + normal
     types = [2, 3, 3] + [6] * 256 + [1] * len(normal)
     scores = [0.0] * len(pieces) + [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]
-    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.scores": scores, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-            "tokenizer.ggml.unknown_token_id": 0}
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
     from tokenizers import Tokenizer
 
     tok_json, config, eos = gguf_tokenizer.tokenizer_files(meta, 4096)
@@ -232,8 +261,7 @@ def test_sentencepiece_vocabulary_merges_by_score():
 
 
 def test_refusals_name_what_is_unknown(tmp_path):
-    src = make_tiny_model(tmp_path / "m", model_type="qwen2", **{k: v for k, v in FAMILY["qwen2"].items()
-                                                                   if k != "model_type"})
+    src = make_tiny_model(tmp_path / "m", model_type="qwen2", **{k: v for k, v in FAMILY["qwen2"].items() if k != "model_type"})
     with pytest.raises(ModelError, match="pre-tokenizer 'mystery'"):
         gguf_import.import_gguf(write_gguf(src, tmp_path / "a.gguf", pre="mystery"), tmp_path / "a", "t", "0" * 64)
     bad = tmp_path / "b.gguf"
@@ -257,8 +285,7 @@ def test_a_gguf_path_resolves_and_ingests_through_the_cli(tmp_path):
 
     from longctx.cli import app
 
-    src = make_tiny_model(tmp_path / "m", model_type="qwen2", **{k: v for k, v in FAMILY["qwen2"].items()
-                                                                   if k != "model_type"})
+    src = make_tiny_model(tmp_path / "m", model_type="qwen2", **{k: v for k, v in FAMILY["qwen2"].items() if k != "model_type"})
     gg = write_gguf(src, tmp_path / "tiny-qwen2.gguf")
     ref = models.resolve(str(gg))
     assert ref.model_id == "tiny-qwen2" and (ref.path / "longctx.json").exists()
@@ -330,7 +357,20 @@ def test_packaged_default_model_assembles_to_the_pinned_file(tmp_path):
         # ids as Qwen2's own tokenizer.json gives them
         assert tok.encode("Hello world").ids == [9707, 1879]
         assert tok.encode("<|im_start|>user\nWhat is 12345?<|im_end|>").ids == [
-            151644, 872, 198, 3838, 374, 220, 16, 17, 18, 19, 20, 30, 151645]
+            151644,
+            872,
+            198,
+            3838,
+            374,
+            220,
+            16,
+            17,
+            18,
+            19,
+            20,
+            30,
+            151645,
+        ]
         assert eos[0] == 151645 and "<|im_start|>" in config["chat_template"]
     finally:
         gguf_path.unlink()

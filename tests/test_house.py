@@ -11,8 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_result_tables_are_generated_from_the_results_files():
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tables.py"), "--check"], capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "tables.py"), "--check"], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -24,14 +25,15 @@ def test_readme_is_short_and_has_the_two_setup_commands():
     assert commands[:2] == [
         'bash scripts/setup.sh && .venv/bin/longctx ingest samples/report.pdf && .venv/bin/longctx ask '
         '"Who is the chief engineer of the cooperative?"',
-        "bash scripts/setup.sh --test && .venv/bin/python -m pytest -q"]
+        "bash scripts/setup.sh --test && .venv/bin/python -m pytest -q",
+    ]
     assert len(commands) == 2
 
 
 def test_ci_runs_the_readme_test_command_and_ruff():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "bash scripts/setup.sh --test && .venv/bin/python -m pytest -q" in ci
-    assert "ruff check" in ci
+    assert "ruff check" in ci and "ruff format --check" in ci
 
 
 def _import_graph() -> dict[str, set[str]]:
@@ -64,8 +66,7 @@ def _import_graph() -> dict[str, set[str]]:
                     up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                     base = ".".join(up + ([node.module] if node.module else []))
                 # `from P import n`: the module P.n where n is one, else P's own namespace
-                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
-                         for a in node.names]
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
             else:
                 continue
             for n in names:
@@ -130,12 +131,15 @@ def test_no_module_reaches_into_another_modules_private_names():
                         bad.append(f"{p.relative_to(ROOT)}:{node.lineno} imports {a.name}")
                     aliases.add(a.asname or a.name)
             elif isinstance(node, ast.Import):
-                aliases.update(a.asname or a.name.split(".")[0] for a in node.names
-                               if a.name.startswith("longctx"))
+                aliases.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("longctx"))
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id in aliases and node.attr.startswith("_")
-                    and not node.attr.startswith("__")):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
                 bad.append(f"{p.relative_to(ROOT)}:{node.lineno} reads {node.value.id}.{node.attr}")
     assert bad == []
 

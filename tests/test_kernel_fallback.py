@@ -34,8 +34,7 @@ class fallbacks(warnings.catch_warnings):
 
     @property
     def names(self) -> set:
-        return {str(w.message).split()[1] for w in self.caught
-                if issubclass(w.category, _prelude.KernelFallbackWarning)}
+        return {str(w.message).split()[1] for w in self.caught if issubclass(w.category, _prelude.KernelFallbackWarning)}
 
 
 class Broken:
@@ -46,8 +45,10 @@ class Broken:
 
     def __call__(self, spec, launch):
         self.calls += 1
-        raise RuntimeError("[metal::Device] Unable to build metal library from source\n"
-                           "program_source:209:31: error: C-style cast ... address spaces")
+        raise RuntimeError(
+            "[metal::Device] Unable to build metal library from source\n"
+            "program_source:209:31: error: C-style cast ... address spaces"
+        )
 
 
 def test_failing_kernel_falls_back_once_with_one_warning():
@@ -73,17 +74,17 @@ def test_failing_kernel_falls_back_once_with_one_warning():
 def test_without_a_reference_the_error_propagates():
     with _prelude.executor(Broken(), as_backend="cuda"):
         with pytest.raises(RuntimeError, match="Unable to build"):
-            _prelude.run(kp._PACK, _prelude.Launch([mx.zeros((2, 32), dtype=mx.uint8)],
-                                                   [("B", 2)], (64, 1, 1), (64, 1, 1),
-                                                   [(2, 2)], [mx.uint32]))
+            _prelude.run(
+                kp._PACK,
+                _prelude.Launch([mx.zeros((2, 32), dtype=mx.uint8)], [("B", 2)], (64, 1, 1), (64, 1, 1), [(2, 2)], [mx.uint32]),
+            )
 
 
 @pytest.mark.parametrize("preset", ["tq4", "tq3+qjl", "rvq2+2"])
 def test_decode_attend_falls_back_to_its_reference(preset):
     b1, b2, qjl, bv = preset_bits(preset)
     q, qp, keys, values, kt, vt = random_segment(1, 2, 8, 64, 300, b1, b2, bv, qjl, seed=3)
-    kw = dict(key_bits=b1, key_bits2=b2, value_bits=bv, scale=0.125, q_proj=qp, lq=2,
-              causal_base=290)
+    kw = dict(key_bits=b1, key_bits2=b2, value_bits=bv, scale=0.125, q_proj=qp, lq=2, causal_base=290)
     want = da.decode_attend_reference(q, keys, values, kt, vt, **kw)
     with _prelude.executor(Broken(), as_backend="metal"):
         with fallbacks() as fell:

@@ -18,8 +18,9 @@ import tempfile
 # (concurrent writers of one cache file can hand a reader half a module).
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("MLX_PTX_CACHE_DIR", os.path.join(
-        tempfile.gettempdir(), f"mlx_ptx_{os.environ['PYTEST_XDIST_WORKER']}"))
+    os.environ.setdefault(
+        "MLX_PTX_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"mlx_ptx_{os.environ['PYTEST_XDIST_WORKER']}")
+    )
 
 import mlx.core as mx
 import numpy as np
@@ -52,6 +53,7 @@ def _rng(seed=0):
 
 
 # --- references vs the library (CPU and GPU) -------------------------------------------------
+
 
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_pack_reference_is_packing_layout(bits):
@@ -118,8 +120,8 @@ def test_fused_attention_path_matches_mlx_path(name, hq_, hkv, lq, d):
     view = _two_segment_view(kvcache.get_preset(name), hkv, d)
     q = mx.random.normal((1, hq_, lq, d))
     mask = "causal" if lq > 1 else None
-    a = compressed_attention(q, view, d ** -0.5, mask=mask, fused=False, block=64)
-    b = compressed_attention(q, view, d ** -0.5, mask=mask, fused=True)
+    a = compressed_attention(q, view, d**-0.5, mask=mask, fused=False, block=64)
+    b = compressed_attention(q, view, d**-0.5, mask=mask, fused=True)
     err = float(mx.abs(a - b).max() / mx.abs(a).max())
     assert err < 1e-5, err
 
@@ -135,8 +137,7 @@ def test_compiled_path_serves_every_layer_with_its_own_arrays(monkeypatch, name,
     from longctx.kvcache import attend_fused, turbo
 
     preset = kvcache.get_preset(name)
-    views = [_two_segment_view(preset, 2, 64, seed=s, layer=layer)
-             for s, layer in ((0, 0), (1, 5), (2, 0))]
+    views = [_two_segment_view(preset, 2, 64, seed=s, layer=layer) for s, layer in ((0, 0), (1, 5), (2, 0))]
     q = mx.random.normal((1, 6, lq, 64))
     mask = "causal" if lq > 1 else None
     eager = [dataclasses.replace(view, paths=turbo.Paths(compile="0")) for view in views]
@@ -165,9 +166,20 @@ def test_decode_attend_reference_causal_is_dense_softmax(name):
     q_proj = kc.qjl_project(q_rot) if kc.spec.qjl else None
     causal_base = 40
     m, l, acc = da.decode_attend_reference(
-        q_rot, seg_k, seg_v, kernel_table(kc), kernel_table(vc), key_bits=kc.spec.bits,
-        key_bits2=kc.spec.bits2, value_bits=vc.spec.bits, scale=0.125, q_proj=q_proj, lq=lq,
-        causal_base=causal_base, block=32)
+        q_rot,
+        seg_k,
+        seg_v,
+        kernel_table(kc),
+        kernel_table(vc),
+        key_bits=kc.spec.bits,
+        key_bits2=kc.spec.bits2,
+        value_bits=vc.spec.bits,
+        scale=0.125,
+        q_proj=q_proj,
+        lq=lq,
+        causal_base=causal_base,
+        block=32,
+    )
     s = q_rot @ kc.decode_rotated(seg_k).swapaxes(-1, -2)
     if q_proj is not None:
         s = s + kc.qjl_correction(q_proj, seg_k)
@@ -182,17 +194,20 @@ def test_split_combine_reference_merges_splits():
     q, qp, keys, values, kt, vt = random_segment(1, 2, 4, 64, 300, 3, 0, 3, False)
     kw = dict(key_bits=3, value_bits=3, scale=0.125)
     whole = da.decode_attend_reference(q, keys, values, kt, vt, **kw)
-    parts = [da.decode_attend_reference(q, {k: a[:, :, lo:hi] for k, a in keys.items()},
-                                        {k: a[:, :, lo:hi] for k, a in values.items()}, kt, vt,
-                                        **kw) for lo, hi in ((0, 100), (100, 250), (250, 300))]
+    parts = [
+        da.decode_attend_reference(
+            q, {k: a[:, :, lo:hi] for k, a in keys.items()}, {k: a[:, :, lo:hi] for k, a in values.items()}, kt, vt, **kw
+        )
+        for lo, hi in ((0, 100), (100, 250), (250, 300))
+    ]
     stack = [mx.stack([p[i].reshape(2, 4, -1) for p in parts], axis=1) for i in range(3)]
     m, l, acc = sc.split_combine_reference(stack[0][..., 0], stack[1][..., 0], stack[2])
-    errs = state_errors((m[..., None].reshape(1, 2, 4, 1), l.reshape(1, 2, 4, 1),
-                         acc.reshape(1, 2, 4, 64)), whole)
+    errs = state_errors((m[..., None].reshape(1, 2, 4, 1), l.reshape(1, 2, 4, 1), acc.reshape(1, 2, 4, 64)), whole)
     assert errs["out_rel"] < 1e-6 and errs["l_rel"] < 1e-5
 
 
 # --- dispatch on the CPU ------------------------------------------------------------------
+
 
 def test_public_functions_use_references_on_cpu():
     if ON_GPU:
@@ -202,8 +217,7 @@ def test_public_functions_use_references_on_cpu():
     assert mx.array_equal(kp.unpack(kp.pack(x, 3), 3, 40), x)
     q, qp, keys, values, kt, vt = random_segment(1, 1, 2, 64, 50, 3, 0, 3, True)
     kw = dict(key_bits=3, value_bits=3, scale=0.125, q_proj=qp)
-    for a, b in zip(da.decode_attend(q, keys, values, kt, vt, **kw),
-                    da.decode_attend_reference(q, keys, values, kt, vt, **kw)):
+    for a, b in zip(da.decode_attend(q, keys, values, kt, vt, **kw), da.decode_attend_reference(q, keys, values, kt, vt, **kw)):
         assert mx.array_equal(a, b)
 
 
@@ -269,6 +283,7 @@ def test_shape_errors():
 
 # --- kernels vs references on the GPU ----------------------------------------------------------
 
+
 @gpu
 @pytest.mark.parametrize("bits", range(1, 9))
 @pytest.mark.parametrize("n", [1, 17, 128, 4095])
@@ -328,11 +343,8 @@ def test_gpu_qjl_encode(dim):
 
 def _gpu_decode_case(name, p, gqa, length, lq=1, causal_base=None, capacity=None, seed=0):
     b1, b2, qjl, bv = preset_bits(name)
-    q, qp, keys, values, kt, vt = random_segment(1, 8, gqa * lq, p,
-                                                  length, b1, b2, bv, qjl, seed=seed,
-                                                  capacity=capacity)
-    kw = dict(key_bits=b1, key_bits2=b2, value_bits=bv, scale=p ** -0.5, q_proj=qp, lq=lq,
-              causal_base=causal_base)
+    q, qp, keys, values, kt, vt = random_segment(1, 8, gqa * lq, p, length, b1, b2, bv, qjl, seed=seed, capacity=capacity)
+    kw = dict(key_bits=b1, key_bits2=b2, value_bits=bv, scale=p**-0.5, q_proj=qp, lq=lq, causal_base=causal_base)
     out = da.decode_attend(q, keys, values, kt, vt, **kw)
     ref = da.decode_attend_reference(q, keys, values, kt, vt, **kw)
     errs = state_errors(out, ref)
@@ -371,8 +383,8 @@ def test_gpu_decode_attend_causal_and_strided(name):
 def test_gpu_fused_attention_end_to_end(name):
     view = _two_segment_view(kvcache.get_preset(name), 8, 128, seed=4)
     q = mx.random.normal((1, 32, 1, 128))
-    a = compressed_attention(q, view, 128 ** -0.5, fused=False)
-    b = compressed_attention(q, view, 128 ** -0.5)  # auto: fused on a GPU
+    a = compressed_attention(q, view, 128**-0.5, fused=False)
+    b = compressed_attention(q, view, 128**-0.5)  # auto: fused on a GPU
     assert float(mx.abs(a - b).max() / mx.abs(a).max()) < 1e-4
 
 
@@ -441,8 +453,7 @@ def _step_view(H, P, L, n_sink, n_win, name="tq4", seed=0):
     seg_k, seg_v = kc.encode(normal(1, H, L, P)), vc.encode(normal(1, H, L, P))
     sink = (normal(1, H, n_sink, P, dtype=np.float16),) * 2 if n_sink else None
     window = (normal(1, H, n_win, P), normal(1, H, n_win, P)) if n_win else None
-    return CompressedKV(kc, vc, ((seg_k, seg_v, L),), n_sink + L + n_win, normal(1, H, 1, P),
-                        window, sink)
+    return CompressedKV(kc, vc, ((seg_k, seg_v, L),), n_sink + L + n_win, normal(1, H, 1, P), window, sink)
 
 
 def _rel(got, want) -> float:
@@ -450,8 +461,7 @@ def _rel(got, want) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("n_sink,n_win,qdt", [(4, 37, "float16"), (0, 0, "float32"),
-                                              (0, 20, "float32"), (3, 0, "float16")])
+@pytest.mark.parametrize("n_sink,n_win,qdt", [(4, 37, "float16"), (0, 0, "float32"), (0, 20, "float32"), (3, 0, "float16")])
 def test_decode_step_references(n_sink, n_win, qdt):
     """The two-launch decode step's references (the CPU path and the kernels' oracle): the
     partials of unrotated queries and the finish (merge, rotation back, exact tokens, mean)
@@ -465,19 +475,27 @@ def test_decode_step_references(n_sink, n_win, qdt):
     kc, vc = view.key_codec, view.value_codec
     seg_k, seg_v, _ = view.segments[0]
     q = mx.array(np.random.default_rng(1).normal(size=(1, H * r, 1, P))).astype(getattr(mx, qdt))
-    parts = da.decode_attend_partials(q.reshape(1, H, r, P), seg_k, seg_v, kernel_table(kc),
-                                      kernel_table(vc), kc.rotation.signs, key_bits=4,
-                                      value_bits=4, scale=0.125)
-    got = df.decode_finish(*parts, q.reshape(1, H, r, P), view.sink, view.window,
-                           vc.rotation.signs, view.value_mean, 0.125).reshape(q.shape)
+    parts = da.decode_attend_partials(
+        q.reshape(1, H, r, P),
+        seg_k,
+        seg_v,
+        kernel_table(kc),
+        kernel_table(vc),
+        kc.rotation.signs,
+        key_bits=4,
+        value_bits=4,
+        scale=0.125,
+    )
+    got = df.decode_finish(
+        *parts, q.reshape(1, H, r, P), view.sink, view.window, vc.rotation.signs, view.value_mean, 0.125
+    ).reshape(q.shape)
     want = compressed_attention(q, view, 0.125, fused=False)
     assert got.dtype == q.dtype
     assert _rel(got, want) < (2e-3 if qdt == "float16" else 1e-5)
 
 
 @gpu
-@pytest.mark.parametrize("shape", [(8, 4, 128, 4096), (8, 4, 128, 32768), (3, 3, 64, 5000),
-                                   (1, 4, 256, 3000), (2, 16, 64, 700)])
+@pytest.mark.parametrize("shape", [(8, 4, 128, 4096), (8, 4, 128, 32768), (3, 3, 64, 5000), (1, 4, 256, 3000), (2, 16, 64, 700)])
 @pytest.mark.parametrize("qdt", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("name", ["tq4", "tq3", "tq4k3v", "tq4:portable"])
 def test_gpu_decode_step(shape, qdt, name, monkeypatch):
@@ -494,11 +512,10 @@ def test_gpu_decode_step(shape, qdt, name, monkeypatch):
     view = _step_view(H, P, L, 4, 57, name, seed=L)
     q = (mx.random.normal((1, H * r, 1, P), key=mx.random.key(L)) * 2).astype(getattr(mx, qdt))
     assert choose_path(view, None, 1, rows=r)[0] == "fused-step"
-    got = (attend_step.attention(q, view, P ** -0.5, tensor_cores=False) if portable
-           else compressed_attention(q, view, P ** -0.5))
-    want = compressed_attention(q, view, P ** -0.5, fused=False)
+    got = attend_step.attention(q, view, P**-0.5, tensor_cores=False) if portable else compressed_attention(q, view, P**-0.5)
+    want = compressed_attention(q, view, P**-0.5, fused=False)
     assert choose_path(view, None, 1, rows=r, fused_step=False)[0] == "fused-compiled"
-    compiled = compressed_attention(q, view, P ** -0.5, fused_step=False)
+    compiled = compressed_attention(q, view, P**-0.5, fused_step=False)
     assert got.dtype == q.dtype
     tol = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 2e-5}[qdt]
     if dm.applies(P, r, view.key_codec, view.value_codec):
@@ -508,8 +525,9 @@ def test_gpu_decode_step(shape, qdt, name, monkeypatch):
 
 @gpu
 @pytest.mark.skipif(_prelude.backend() != "cuda", reason="the tensor-core kernel is CUDA only")
-@pytest.mark.parametrize("shape", [(8, 4, 128, 131072), (4, 7, 128, 32768), (3, 3, 64, 5000),
-                                   (1, 8, 256, 3001), (2, 1, 128, 17), (8, 4, 128, 4095)])
+@pytest.mark.parametrize(
+    "shape", [(8, 4, 128, 131072), (4, 7, 128, 32768), (3, 3, 64, 5000), (1, 8, 256, 3001), (2, 1, 128, 17), (8, 4, 128, 4095)]
+)
 @pytest.mark.parametrize("qdt", ["bfloat16", "float32"])
 def test_gpu_decode_attend_mma(shape, qdt):
     """On the device, the tensor-core kernel's split states merge to the portable kernel's
@@ -518,15 +536,13 @@ def test_gpu_decode_attend_mma(shape, qdt):
     from longctx.quant.rotation import rademacher_signs
 
     H, r, P, L = shape
-    q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=L,
-                                               capacity=L + 300)
+    q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=L, capacity=L + 300)
     q = q.astype(getattr(mx, qdt))
     signs = mx.array(rademacher_signs(P, 9))
-    got = dm.decode_attend_mma_partials(q, keys, values, kt, signs, scale=P ** -0.5)
+    got = dm.decode_attend_mma_partials(q, keys, values, kt, signs, scale=P**-0.5)
     assert not _prelude.failed(dm.NAME)
     with _prelude.force_backend("cpu"):
-        ref = da.decode_attend_partials(q, keys, values, kt, kt, signs, key_bits=4,
-                                        value_bits=4, scale=P ** -0.5)
+        ref = da.decode_attend_partials(q, keys, values, kt, kt, signs, key_bits=4, value_bits=4, scale=P**-0.5)
 
     def merged(state):
         m, l, acc = sc.split_combine_reference(*state)
@@ -544,8 +560,7 @@ def _gpu_step_case(H, r, P, L, q_dtype):
     from longctx.kernels import decode_finish as dfin
     from longctx.quant.rotation import rademacher_signs
 
-    q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=L,
-                                               capacity=L + 300)
+    q, _, keys, values, kt, _ = random_segment(1, H, r, P, L, 4, 0, 4, False, seed=L, capacity=L + 300)
     q = q.astype(q_dtype)
     rng = np.random.default_rng(L)
 
@@ -557,20 +572,16 @@ def _gpu_step_case(H, r, P, L, q_dtype):
     k_signs, v_signs = mx.array(rademacher_signs(P, 9)), mx.array(rademacher_signs(P, 10))
     mean = normal(1, H, 1, P)
     count = dfin.count(37)
-    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5,
-            q.dtype, count)
+    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P**-0.5, q.dtype, count)
     with _prelude.force_backend("cpu"):
-        parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
-                                          value_bits=4, scale=P ** -0.5)
-        want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
-                                            mx.float32, count)
+        parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4, value_bits=4, scale=P**-0.5)
+        want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P**-0.5, mx.float32, count)
     return args, want
 
 
 @gpu
 @pytest.mark.skipif(_prelude.backend() != "cuda", reason="the tensor-core kernel is CUDA only")
-@pytest.mark.parametrize("shape", [(8, 4, 128, 131072), (4, 7, 128, 32768), (2, 1, 128, 17),
-                                   (8, 4, 128, 4095)])
+@pytest.mark.parametrize("shape", [(8, 4, 128, 131072), (4, 7, 128, 32768), (2, 1, 128, 17), (8, 4, 128, 4095)])
 @pytest.mark.parametrize("qdt", ["bfloat16", "float32"])
 def test_gpu_decode_step_mma_whole(shape, qdt):
     """On the device, the whole step in one launch (the last threadgroup of each KV head runs
@@ -600,14 +611,12 @@ def test_gpu_decode_step_mma_whole(shape, qdt):
         if again:
             assert _rel(o, outs[0]) < again
         else:
-            assert np.array_equal(np.array(o.astype(mx.float32)),
-                                  np.array(outs[0].astype(mx.float32)))
+            assert np.array_equal(np.array(o.astype(mx.float32)), np.array(outs[0].astype(mx.float32)))
 
 
 @gpu
 @pytest.mark.skipif(_prelude.backend() != "cuda", reason="the tensor-core kernel is CUDA only")
-@pytest.mark.parametrize("shape", [(8, 4, 128, 131072), (4, 7, 128, 32768), (2, 1, 128, 17),
-                                   (8, 4, 128, 4095)])
+@pytest.mark.parametrize("shape", [(8, 4, 128, 131072), (4, 7, 128, 32768), (2, 1, 128, 17), (8, 4, 128, 4095)])
 def test_gpu_decode_step_mma_dynamic(shape):
     """On the device, the whole step with its keys handed out while it runs (`dynamic=True`, at
     every length) equals the references within fp16 rounding with a sink and a window; ten
@@ -650,18 +659,24 @@ def test_gpu_decode_steps_through_a_fork(name):
         new = mx.random.normal((2, 1, 8, 1, 128), key=mx.random.key(10 + step)).astype(mx.bfloat16)
         view, _ = fork.update_and_fetch(new[0], new[1])
         q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(20 + step)).astype(mx.bfloat16)
-        got = compressed_attention(q, view, 128 ** -0.5)
-        want = compressed_attention(q, view, 128 ** -0.5, fused=False)
+        got = compressed_attention(q, view, 128**-0.5)
+        want = compressed_attention(q, view, 128**-0.5, fused=False)
         assert _rel(got, want) < 1e-2, step
     assert len(attend_step._COMPILED) == 1
 
 
 def _same_fields(a, b) -> bool:
     """Two objects' fields hold the same values (arrays, nested in tuples, lists and dicts)."""
+
     def same(x, y):
         if isinstance(x, mx.array) or isinstance(y, mx.array):
-            return (isinstance(x, mx.array) and isinstance(y, mx.array) and x.shape == y.shape
-                    and x.dtype == y.dtype and mx.array_equal(x, y).item())
+            return (
+                isinstance(x, mx.array)
+                and isinstance(y, mx.array)
+                and x.shape == y.shape
+                and x.dtype == y.dtype
+                and mx.array_equal(x, y).item()
+            )
         if isinstance(x, (tuple, list)):
             return type(x) is type(y) and len(x) == len(y) and all(map(same, x, y))
         if isinstance(x, dict):
@@ -692,8 +707,7 @@ def test_decode_step_plan_replays_and_checks(monkeypatch):
     parent.seal()
     fork = TurboQuantCache.from_arrays(preset, 0, parent.arrays(), 64).fork(exact_new=300)
     full = []
-    monkeypatch.setattr(attend_step, "attention", lambda *a, _f=attend_step.attention, **k:
-                        full.append(1) or _f(*a, **k))
+    monkeypatch.setattr(attend_step, "attention", lambda *a, _f=attend_step.attention, **k: full.append(1) or _f(*a, **k))
     attend_step._COMPILED.clear()
     with _prelude.force_backend("cuda"):
         question = mx.random.normal((2, 1, 2, 250, 64), key=mx.random.key(4)).astype(mx.bfloat16)
@@ -729,8 +743,7 @@ def test_decode_step_plan_replays_and_checks(monkeypatch):
     with _prelude.force_backend("cpu"):  # another backend: the full path decides again
         assert attend_step.replay(q, view, 0.125) is None
         # a view without a window (benchmarks/attend.py's) keeps a plan too
-        bare = dataclasses.replace(fork.view(), window=None, window_buffer=None, sink=None,
-                                   plan=[None])
+        bare = dataclasses.replace(fork.view(), window=None, window_buffer=None, sink=None, plan=[None])
     with _prelude.force_backend("cuda"):
         n = len(full)
         first = [compressed_attention(q, bare, 0.125) for _ in range(2)]
@@ -819,15 +832,18 @@ def test_decode_finish_reference_reads_the_count_inside_a_trace():
     kc, vc = view.key_codec, view.value_codec
     seg_k, seg_v, _ = view.segments[0]
     q = mx.array(np.random.default_rng(2).normal(size=(1, H, r, P)).astype(np.float32))
-    parts = da.decode_attend_partials(q, seg_k, seg_v, kernel_table(kc), kernel_table(vc),
-                                      kc.rotation.signs, key_bits=4, value_bits=4, scale=0.125)
-    fn = mx.compile(lambda count: df.decode_finish_reference(
-        *parts, q, view.sink, view.window, vc.rotation.signs, view.value_mean, 0.125,
-        mx.float32, count))
+    parts = da.decode_attend_partials(
+        q, seg_k, seg_v, kernel_table(kc), kernel_table(vc), kc.rotation.signs, key_bits=4, value_bits=4, scale=0.125
+    )
+    fn = mx.compile(
+        lambda count: df.decode_finish_reference(
+            *parts, q, view.sink, view.window, vc.rotation.signs, view.value_mean, 0.125, mx.float32, count
+        )
+    )
     for n in (40, 7, 23, 1):
-        want = df.decode_finish(*parts, q, view.sink, (view.window[0][:, :, :n],
-                                                       view.window[1][:, :, :n]),
-                                vc.rotation.signs, view.value_mean, 0.125)
+        want = df.decode_finish(
+            *parts, q, view.sink, (view.window[0][:, :, :n], view.window[1][:, :, :n]), vc.rotation.signs, view.value_mean, 0.125
+        )
         got = fn(mx.array([n], dtype=mx.int32))
         assert _rel(got, want) < 1e-5, n
 
@@ -845,8 +861,7 @@ def test_kernel_launches_pass_no_array_of_eight_bytes_or_less():
 
     def record(spec, launch):
         unread = {id(a) for a in da_mod._DUMMIES + df._DUMMY}
-        small.extend((spec.name, a.shape, a.dtype) for a in launch.inputs
-                     if a.nbytes <= 8 and id(a) not in unread)
+        small.extend((spec.name, a.shape, a.dtype) for a in launch.inputs if a.nbytes <= 8 and id(a) not in unread)
         return [mx.zeros(s, dtype=d) for s, d in zip(launch.output_shapes, launch.output_dtypes)]
 
     preset = kvcache.get_preset("tq4")
@@ -856,14 +871,14 @@ def test_kernel_launches_pass_no_array_of_eight_bytes_or_less():
             kv = mx.random.normal((2, 1, 2, n, 128), key=mx.random.key(n)).astype(mx.bfloat16)
             view, _ = parent.update_and_fetch(kv[0], kv[1])
             q = mx.random.normal((1, 8, n, 128), key=mx.random.key(1)).astype(mx.bfloat16)
-            mx.eval(compressed_attention(q, view, 128 ** -0.5, mask="causal"))
+            mx.eval(compressed_attention(q, view, 128**-0.5, mask="causal"))
         parent.seal()
         fork = TurboQuantCache.from_arrays(preset, 0, parent.arrays(), 128).fork(exact_new=64)
         for _ in range(3):  # decode steps: the tensor-core kernel and the finish
             new = mx.random.normal((2, 1, 2, 1, 128), key=mx.random.key(7)).astype(mx.bfloat16)
             view, _ = fork.update_and_fetch(new[0], new[1])
             q = mx.random.normal((1, 8, 1, 128), key=mx.random.key(8)).astype(mx.bfloat16)
-            mx.eval(compressed_attention(q, view, 128 ** -0.5))
+            mx.eval(compressed_attention(q, view, 128**-0.5))
     assert small == []
     assert _prelude.constant((3,), mx.int32).tolist() == [3, 0, 0, 0]
     assert _prelude.constant((0.5,), mx.float16).nbytes == 16
@@ -881,21 +896,32 @@ def test_no_kernel_module_global_is_set_from_outside():
     found = []
     for path in [*root.glob("longctx/**/*.py"), *root.glob("benchmarks/**/*.py")]:
         tree = ast.parse(path.read_text())
-        kernel_names = {a.asname or a.name for node in ast.walk(tree)
-                        if isinstance(node, ast.ImportFrom) and node.module
-                        and node.module.endswith("kernels") for a in node.names
-                        if not a.name.startswith("_")}
+        kernel_names = {
+            a.asname or a.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith("kernels")
+            for a in node.names
+            if not a.name.startswith("_")
+        }
         for node in ast.walk(tree):
-            targets = (node.targets if isinstance(node, ast.Assign)
-                       else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign))
-                       else [])
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
             for t in targets:
-                for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
-                    if (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name)
-                            and e.value.id in kernel_names):
+                for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id in kernel_names:
                         found.append(f"{path.relative_to(root)}:{e.lineno} {e.value.id}.{e.attr}")
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "setattr" and node.args
-                    and isinstance(node.args[0], ast.Name) and node.args[0].id in kernel_names):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "setattr"
+                and node.args
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id in kernel_names
+            ):
                 found.append(f"{path.relative_to(root)}:{node.lineno} setattr")
     assert found == []

@@ -33,8 +33,7 @@ kernel_emu = pytest.importorskip("kernel_emu")
 
 if os.environ.get("LONGCTX_KERNEL_EMU") == "1" and not kernel_emu.available():
     raise RuntimeError("LONGCTX_KERNEL_EMU=1 needs g++ on the PATH")  # CI must not skip quietly
-pytestmark = pytest.mark.skipif(os.environ.get("LONGCTX_KERNEL_EMU") != "1",
-                                reason="opt-in: LONGCTX_KERNEL_EMU=1 (needs g++)")
+pytestmark = pytest.mark.skipif(os.environ.get("LONGCTX_KERNEL_EMU") != "1", reason="opt-in: LONGCTX_KERNEL_EMU=1 (needs g++)")
 
 
 @pytest.fixture
@@ -110,10 +109,10 @@ def test_decode_attend(emulated, monkeypatch, case):
     if target:
         monkeypatch.setattr(da, "TARGET_GROUPS", target)
     monkeypatch.setattr(da, "PREFETCH", bool(prefetch))
-    kw = dict(key_bits=b1, key_bits2=b2, value_bits=bv, scale=P ** -0.5, q_proj=qp, lq=lq,
-              causal_base=causal_base)
-    errs = state_errors(da.decode_attend(q, keys, values, kt, vt, **kw),
-                        da.decode_attend_reference(q, keys, values, kt, vt, **kw))
+    kw = dict(key_bits=b1, key_bits2=b2, value_bits=bv, scale=P**-0.5, q_proj=qp, lq=lq, causal_base=causal_base)
+    errs = state_errors(
+        da.decode_attend(q, keys, values, kt, vt, **kw), da.decode_attend_reference(q, keys, values, kt, vt, **kw)
+    )
     assert errs["finite"] and errs["unseen_ok"], errs
     assert errs["out_rel"] < 1e-5 and errs["l_rel"] < 1e-5 and errs["m_abs"] < 1e-5, errs
 
@@ -127,8 +126,9 @@ def test_decode_attend_row_layouts(name, strided, odd_rows):
     q, qp, keys, values, kt, vt = random_segment(1, 2, 4, 128, 300, b1, b2, bv, qjl, seed=1)
     kw = dict(key_bits=b1, key_bits2=b2, value_bits=bv, scale=0.1, q_proj=qp)
     with _prelude.executor(kernel_emu.emulator(strided, odd_rows)):
-        errs = state_errors(da.decode_attend(q, keys, values, kt, vt, **kw),
-                            da.decode_attend_reference(q, keys, values, kt, vt, **kw))
+        errs = state_errors(
+            da.decode_attend(q, keys, values, kt, vt, **kw), da.decode_attend_reference(q, keys, values, kt, vt, **kw)
+        )
     assert errs["finite"] and errs["out_rel"] < 1e-5 and errs["l_rel"] < 1e-5, errs
 
 
@@ -167,10 +167,15 @@ def test_cuda_sources_compile_without_spills():
             for p, r in ((128, 4), (128, 8), (64, 16), (256, 4), (64, 3)):
                 b1, b2, qjl, bv = preset_bits(name)
                 q, qp, keys, values, kt, vt = random_segment(1, 1, r, p, 40, b1, b2, bv, qjl)
-                da.decode_attend(q, keys, values, kt, vt, key_bits=b1, key_bits2=b2,
-                                 value_bits=bv, scale=0.1, q_proj=qp, causal_base=7)
-        for name, p, r, dt in (("tq4", 128, 4, mx.bfloat16), ("tq3", 64, 3, mx.float16),
-                               ("tq4", 256, 8, mx.float32), ("tq4", 64, 3, mx.float16)):
+                da.decode_attend(
+                    q, keys, values, kt, vt, key_bits=b1, key_bits2=b2, value_bits=bv, scale=0.1, q_proj=qp, causal_base=7
+                )
+        for name, p, r, dt in (
+            ("tq4", 128, 4, mx.bfloat16),
+            ("tq3", 64, 3, mx.float16),
+            ("tq4", 256, 8, mx.float32),
+            ("tq4", 64, 3, mx.float16),
+        ):
             # the decode step: one launch at P = 128, else two (the tensor-core partials with
             # the exact tokens at P = 64 / 256, tq4)
             from longctx.kvcache import attend_step
@@ -183,15 +188,13 @@ def test_cuda_sources_compile_without_spills():
         assert spills and all(a == "0" and b == "0" for a, b in spills), (name, template, report)
 
 
-@pytest.mark.parametrize("name,p,length", [("tq4", 64, 37), ("tq3", 128, 5), ("rvq2+2", 64, 9),
-                                           ("tq5k4v", 256, 3)])
+@pytest.mark.parametrize("name,p,length", [("tq4", 64, 37), ("tq3", 128, 5), ("rvq2+2", 64, 9), ("tq5k4v", 256, 3)])
 def test_dequant(emulated, name, p, length):
 
     from longctx.kernels import dequant as dq
 
     b1, b2, qjl, bv = preset_bits(name)
-    _, _, keys, values, kt, vt = random_segment(1, 2, 1, p, length, b1, b2, bv, qjl, seed=length,
-                                                capacity=length + 3)
+    _, _, keys, values, kt, vt = random_segment(1, 2, 1, p, length, b1, b2, bv, qjl, seed=length, capacity=length + 3)
     head = mx.array(np.random.default_rng(1).normal(size=(1, 2, 4, p)).astype(np.float16))
     after = mx.array(np.random.default_rng(2).normal(size=(1, 2, 5, p)).astype(np.float16))
     for enc, table, bits, bits2 in ((keys, kt, b1, b2), (values, vt, bv, 0)):
@@ -241,8 +244,9 @@ def _step_view(H, R, P, L, name, n_sink, n_win, seed):
     # the window: the valid prefix of larger fp32 buffers, as `TurboQuantCache` keeps it
     wbuf = (normal(1, H, n_win + 7, P), normal(1, H, n_win + 7, P))
     window = (wbuf[0][:, :, :n_win], wbuf[1][:, :, :n_win])
-    return CompressedKV(kc, vc, ((seg_k, seg_v, L),), n_sink + L + n_win, normal(1, H, 1, P),
-                        window if n_win else None, sink if n_sink else None)
+    return CompressedKV(
+        kc, vc, ((seg_k, seg_v, L),), n_sink + L + n_win, normal(1, H, 1, P), window if n_win else None, sink if n_sink else None
+    )
 
 
 @pytest.mark.parametrize("kernel", ["tensor-cores", "portable"])
@@ -261,18 +265,18 @@ def test_decode_step(monkeypatch, case, kernel):
     if target:
         monkeypatch.setattr(da, "TARGET_GROUPS", target)
     tensor_cores = kernel != "portable"
-    want = attention.compressed_attention(q, view, P ** -0.5, fused=False)
+    want = attention.compressed_attention(q, view, P**-0.5, fused=False)
     launched = []
     with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
         assert attention.choose_path(view, None, 1, True, rows=R)[0] == "fused-step"
-        got = attend_step.attention(q, view, P ** -0.5, tensor_cores=tensor_cores)
+        got = attend_step.attention(q, view, P**-0.5, tensor_cores=tensor_cores)
     mma = tensor_cores and name == "tq4" and P in dm.DIMS and R <= 8
     whole = mma and P == 32 * dm.WARPS
     # the portable kernel takes the sink and the window in its splits where they fit
     exact = (n_sink or n_win) and da.exact_fits(P, R, view.value_codec.spec.bits)
-    assert launched == ([ds.STEP_NAME] if whole else
-                        [dm.NAME if mma else da.EXACT_NAME if exact else "lc_decode_attend",
-                         "lc_decode_finish"])
+    assert launched == (
+        [ds.STEP_NAME] if whole else [dm.NAME if mma else da.EXACT_NAME if exact else "lc_decode_attend", "lc_decode_finish"]
+    )
     assert got.dtype == q.dtype and got.shape == q.shape
     a, b = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     # the tensor-core kernel's products are fp16 (fp32 accumulation)
@@ -285,17 +289,24 @@ def test_decode_step(monkeypatch, case, kernel):
         bufs = [mx.concatenate([w, mx.full((1, H, 9, P), 1e4)], axis=2) for w in (wk, wv)]
         buffered = dataclasses.replace(view, window_buffer=(*bufs, mx.arange(n_win + 9) < n_win))
         with _prelude.executor(kernel_emu.emulator()):
-            got2 = attend_step.attention(q, buffered, P ** -0.5, tensor_cores=tensor_cores)
+            got2 = attend_step.attention(q, buffered, P**-0.5, tensor_cores=tensor_cores)
         assert np.array_equal(np.array(got2), np.array(got))
 
 
-@pytest.mark.parametrize("S,R,P,n_sink,n_win", [(1, 4, 128, 0, 0), (200, 4, 64, 2, 9),
-                                                (66, 4, 128, 0, 0), (67, 16, 128, 1, 3),
-                                                (300, 3, 32, 0, 40), (129, 1, 128, 1, 0),
-                                                (50, 2, 32, 40, 30)])  # a sink over two tiles
+@pytest.mark.parametrize(
+    "S,R,P,n_sink,n_win",
+    [
+        (1, 4, 128, 0, 0),
+        (200, 4, 64, 2, 9),
+        (66, 4, 128, 0, 0),
+        (67, 16, 128, 1, 3),
+        (300, 3, 32, 0, 40),
+        (129, 1, 128, 1, 0),
+        (50, 2, 32, 40, 30),
+    ],
+)  # a sink over two tiles
 @pytest.mark.parametrize("by_warp", [True, False], ids=["warp-per-key", "thread-per-key"])
-def test_decode_finish_merges_many_splits(emulated, monkeypatch, S, R, P, n_sink, n_win,
-                                          by_warp):
+def test_decode_finish_merges_many_splits(emulated, monkeypatch, S, R, P, n_sink, n_win, by_warp):
     """The finish kernel's split merge over more splits than threads (blocks of P splits), with
     empty splits (m = -inf, l = 0, acc = 0) among them and a row whose splits are all empty,
     equals its MLX reference; the exact tokens scored a warp per key or a thread per key."""
@@ -321,10 +332,9 @@ def test_decode_finish_merges_many_splits(emulated, monkeypatch, S, R, P, n_sink
     window = (normal(1, H, n_win, P), normal(1, H, n_win, P)) if n_win else None
     signs = mx.array(np.where(rng.random(P) < 0.5, -1.0, 1.0).astype(np.float32))
     mean = normal(1, H, 1, P)
-    args = (m_p, l_p, acc_p, q, sink, window, signs, mean, P ** -0.5)
+    args = (m_p, l_p, acc_p, q, sink, window, signs, mean, P**-0.5)
     got = dfin.decode_finish(*args, out_dtype=mx.float32)
-    want = dfin.decode_finish_reference(*args, mx.float32,
-                                        dfin.count(n_win) if window is not None else None)
+    want = dfin.decode_finish_reference(*args, mx.float32, dfin.count(n_win) if window is not None else None)
     assert np.allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
 
 
@@ -350,15 +360,13 @@ def test_decode_attend_mma(monkeypatch, case, odd_rows):
     B, H, R, P, L, cap, qdt, sm = case
     if sm:
         monkeypatch.setattr(da, "SM_COUNT", sm)
-    q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L,
-                                               capacity=cap)
+    q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L, capacity=cap)
     q = q.astype(getattr(mx, qdt))
     keys["norm"] = (keys["norm"].astype(mx.float32) * mx.linspace(0.2, 2.0, L)).astype(mx.float16)
     signs = mx.array(rademacher_signs(P, 5))
-    ref = da.decode_attend_partials(q, keys, values, kt, kt, signs, key_bits=4, value_bits=4,
-                                    scale=P ** -0.5)
+    ref = da.decode_attend_partials(q, keys, values, kt, kt, signs, key_bits=4, value_bits=4, scale=P**-0.5)
     with _prelude.executor(kernel_emu.emulator(True, odd_rows)):
-        got = dm.decode_attend_mma_partials(q, keys, values, kt, signs, scale=P ** -0.5)
+        got = dm.decode_attend_mma_partials(q, keys, values, kt, signs, scale=P**-0.5)
         assert not _prelude.failed(dm.NAME)
     chunk, n_split = dm.splits(L, B * H, P)
     assert got[0].shape == (B * H, n_split, R) and got[2].shape == (B * H, n_split, R, P)
@@ -391,8 +399,7 @@ def _exact_step_inputs(B, H, P, n_sink, n_win, seed):
         return mx.array(rng.normal(size=shape).astype(np.float32))
 
     sink = (normal(B, H, n_sink, P), normal(B, H, n_sink, P)) if n_sink else None
-    window = ((normal(B, H, 2 * n_win, P)[:, :, :n_win], normal(B, H, 2 * n_win, P)[:, :, :n_win])
-              if n_win else None)
+    window = (normal(B, H, 2 * n_win, P)[:, :, :n_win], normal(B, H, 2 * n_win, P)[:, :, :n_win]) if n_win else None
     k_signs, v_signs = mx.array(rademacher_signs(P, 5)), mx.array(rademacher_signs(P, 6))
     return sink, window, k_signs, v_signs, normal(B, H, 1, P), dfin.count(n_win)
 
@@ -415,26 +422,22 @@ def test_decode_attend_mma_partials_take_the_exact_tokens(monkeypatch, case):
     B, H, R, P, L, n_sink, n_win, qdt, sm = case
     q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + P)
     q = q.astype(getattr(mx, qdt))
-    sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win,
-                                                                     seed=P)
-    scale = P ** -0.5
-    parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
-                                      value_bits=4, scale=scale)
-    want = np.array(dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, scale,
-                                                 mx.float32, count))
+    sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win, seed=P)
+    scale = P**-0.5
+    parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4, value_bits=4, scale=scale)
+    want = np.array(dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, scale, mx.float32, count))
     folded = dfin.exact_into_partials(*parts, q, sink, window, v_signs, scale, count)
-    ref = np.array(dfin.decode_finish_reference(*folded, q, None, None, v_signs, mean, scale,
-                                                mx.float32))
+    ref = np.array(dfin.decode_finish_reference(*folded, q, None, None, v_signs, mean, scale, mx.float32))
     assert np.linalg.norm(ref - want) / np.linalg.norm(want) < 1e-5
     if sm:
         monkeypatch.setattr(da, "SM_COUNT", sm)
     with _prelude.executor(kernel_emu.emulator()):
-        got = ds.decode_step_mma_partials(q, keys, values, kt, k_signs, scale=scale, sink=sink,
-                                          window=window, v_signs=v_signs, valid_array=count)
+        got = ds.decode_step_mma_partials(
+            q, keys, values, kt, k_signs, scale=scale, sink=sink, window=window, v_signs=v_signs, valid_array=count
+        )
         assert not _prelude.failed(dm.NAME)
     assert got[0].shape == (B * H, dm.splits(L, B * H, P)[1], R)
-    out = np.array(dfin.decode_finish_reference(*got, q, None, None, v_signs, mean, scale,
-                                                mx.float32))
+    out = np.array(dfin.decode_finish_reference(*got, q, None, None, v_signs, mean, scale, mx.float32))
     assert np.isfinite(out).all() and np.linalg.norm(out - want) / np.linalg.norm(want) < 2e-3
 
 
@@ -449,8 +452,7 @@ PORTABLE_EXACT_CASES = [  # B, H, R, P, L, n_sink, n_win (of a 2x longer buffer)
 ]
 
 
-@pytest.mark.parametrize("case", PORTABLE_EXACT_CASES,
-                         ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}-v{c[9]}")
+@pytest.mark.parametrize("case", PORTABLE_EXACT_CASES, ids=lambda c: f"P{c[3]}-R{c[2]}-L{c[4]}-v{c[9]}")
 def test_decode_attend_partials_take_the_exact_tokens(monkeypatch, case):
     """The portable kernel (the one Metal runs) with the exact tokens folded into its splits,
     merged by a finish without exact tokens, gives the step's output: the reference partials
@@ -466,23 +468,32 @@ def test_decode_attend_partials_take_the_exact_tokens(monkeypatch, case):
         count = dfin.count(n_win - 2)
     else:
         count = dfin.count(0)
-    scale = P ** -0.5
+    scale = P**-0.5
     assert da.exact_fits(P, R, bv)
-    parts = da.decode_attend_partials(q, keys, values, kt, vt, k_signs, key_bits=4,
-                                      value_bits=bv, scale=scale)
-    want = np.array(dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, scale,
-                                                 mx.float32, count))
+    parts = da.decode_attend_partials(q, keys, values, kt, vt, k_signs, key_bits=4, value_bits=bv, scale=scale)
+    want = np.array(dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, scale, mx.float32, count))
     if sm:
         monkeypatch.setattr(da, "SM_COUNT", sm)
     launched = []
     with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
-        got = da.decode_attend_partials(q, keys, values, kt, vt, k_signs, key_bits=4,
-                                        value_bits=bv, scale=scale, sink=sink, window=window,
-                                        v_signs=v_signs, valid_array=count)
+        got = da.decode_attend_partials(
+            q,
+            keys,
+            values,
+            kt,
+            vt,
+            k_signs,
+            key_bits=4,
+            value_bits=bv,
+            scale=scale,
+            sink=sink,
+            window=window,
+            v_signs=v_signs,
+            valid_array=count,
+        )
         assert not _prelude.failed(da.EXACT_NAME)
     assert launched == [da.EXACT_NAME] and got[0].shape[1] > 1
-    out = np.array(dfin.decode_finish_reference(*got, q, None, None, v_signs, mean, scale,
-                                                mx.float32))
+    out = np.array(dfin.decode_finish_reference(*got, q, None, None, v_signs, mean, scale, mx.float32))
     assert np.isfinite(out).all() and np.linalg.norm(out - want) / np.linalg.norm(want) < 1e-4
 
 
@@ -503,14 +514,10 @@ def _whole_case(case):
     B, H, R, P, L, n_sink, n_win, qdt, _ = case
     q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L + R)
     q = q.astype(getattr(mx, qdt))
-    sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win,
-                                                                     seed=L)
-    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5, mx.float32,
-            count)
-    parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
-                                      value_bits=4, scale=P ** -0.5)
-    want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
-                                        mx.float32, count)
+    sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, n_sink, n_win, seed=L)
+    args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P**-0.5, mx.float32, count)
+    parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4, value_bits=4, scale=P**-0.5)
+    want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P**-0.5, mx.float32, count)
     return args, want
 
 
@@ -592,12 +599,9 @@ def test_decode_step_mma_static_and_dynamic_share_a_count_array(monkeypatch):
     for L, dynamic in ((2500, True), (1500, False), (2500, True)):
         q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L)
         sink, window, k_signs, v_signs, mean, count = _exact_step_inputs(B, H, P, 2, 9, seed=L)
-        args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P ** -0.5,
-                mx.float32, count)
-        parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4,
-                                          value_bits=4, scale=P ** -0.5)
-        want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P ** -0.5,
-                                            mx.float32, count)
+        args = (q, keys, values, kt, k_signs, sink, window, v_signs, mean, P**-0.5, mx.float32, count)
+        parts = da.decode_attend_partials(q, keys, values, kt, kt, k_signs, key_bits=4, value_bits=4, scale=P**-0.5)
+        want = dfin.decode_finish_reference(*parts, q, sink, window, v_signs, mean, P**-0.5, mx.float32, count)
         launched = []
         with _prelude.executor(_Recording(kernel_emu.emulator(), launched)):
             got, counts = ds.decode_step_mma(*args, counts, dynamic=dynamic)
@@ -620,7 +624,7 @@ def test_decode_step_falls_back_to_the_portable_kernel(broken):
     H, R, P, L = 2, 4, 64 if broken == dm.NAME else 128, 300
     view = _step_view(H, R, P, L, "tq4", 2, 9, seed=3)
     q = mx.array(np.random.default_rng(4).normal(size=(1, H * R, 1, P)).astype("float32"))
-    want = attention.compressed_attention(q, view, P ** -0.5, fused=False)
+    want = attention.compressed_attention(q, view, P**-0.5, fused=False)
     inner, launched = kernel_emu.emulator(), []
 
     def failing(spec, launch):
@@ -634,21 +638,22 @@ def test_decode_step_falls_back_to_the_portable_kernel(broken):
     with _prelude.executor(failing):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            first = attend_step.attention(q, view, P ** -0.5, tensor_cores=tensor_cores)
+            first = attend_step.attention(q, view, P**-0.5, tensor_cores=tensor_cores)
         assert [w.category.__name__ for w in caught] == ["KernelFallbackWarning"]
         assert _prelude.failed(broken)
         launched.clear()
-        second = attend_step.attention(q, view, P ** -0.5, tensor_cores=tensor_cores)
-        assert launched == [{ds.STEP_NAME: dm.NAME, dm.NAME: da.EXACT_NAME,
-                             da.EXACT_NAME: da._SPEC.name}[broken], "lc_decode_finish"]
+        second = attend_step.attention(q, view, P**-0.5, tensor_cores=tensor_cores)
+        assert launched == [
+            {ds.STEP_NAME: dm.NAME, dm.NAME: da.EXACT_NAME, da.EXACT_NAME: da._SPEC.name}[broken],
+            "lc_decode_finish",
+        ]
     # the tensor-core kernel's products are fp16
     for got, tol in ((first, 2e-5), (second, 2e-3 if broken == ds.STEP_NAME else 2e-5)):
         a, b = np.array(got), np.array(want)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < tol
 
 
-@pytest.mark.parametrize("dim,bits,dtype", [(64, 3, mx.float32), (128, 4, mx.bfloat16),
-                                            (256, 2, mx.float16)])
+@pytest.mark.parametrize("dim,bits,dtype", [(64, 3, mx.float32), (128, 4, mx.bfloat16), (256, 2, mx.float16)])
 @pytest.mark.parametrize("prev,old", [(0, 0), (2, 5)])
 def test_prefill_encode(emulated, dim, bits, dtype, prev, old):
     from longctx.kernels import prefill_encode as pe
@@ -662,8 +667,7 @@ def test_prefill_encode(emulated, dim, bits, dtype, prev, old):
     if prev:
         kw["prev"] = mx.array(rng.normal(size=(1, 3, prev, dim)).astype(np.float16))
     if old:
-        kw["old_idx"] = mx.array(rng.integers(0, 2**32, size=(1, 3, old, bits * dim // 32),
-                                              dtype=np.uint32))
+        kw["old_idx"] = mx.array(rng.integers(0, 2**32, size=(1, 3, old, bits * dim // 32), dtype=np.uint32))
         kw["old_norm"] = mx.array(rng.random(size=(1, 3, old)).astype(np.float16))
     rot, idx, norm = pe.prefill_encode(x, mu, codec.rotation.signs, bounds, **kw)
     want = pe.prefill_encode_reference(x, mu, codec.rotation.signs, bounds, **kw)
@@ -683,8 +687,7 @@ def test_prefill_encode(emulated, dim, bits, dtype, prev, old):
 
 
 @pytest.mark.parametrize("p", [64, 128, 256])
-@pytest.mark.parametrize("inverse,mean,dtype", [(False, False, mx.float16), (True, True, mx.bfloat16),
-                                                (True, False, mx.float32)])
+@pytest.mark.parametrize("inverse,mean,dtype", [(False, False, mx.float16), (True, True, mx.bfloat16), (True, False, mx.float32)])
 def test_rotate(emulated, p, inverse, mean, dtype):
     from longctx.kernels import rotate as rt
 
@@ -722,8 +725,7 @@ def test_layer_major_prefill_through_the_fused_encode(tmp_path, monkeypatch):
 
     def arrays(cache):
         kvcache.seal(cache)
-        return {k: np.array(v.astype(mx.float32))
-                for k, v in kvcache.to_arrays(cache, preset).items()}
+        return {k: np.array(v.astype(mx.float32)) for k, v in kvcache.to_arrays(cache, preset).items()}
 
     # each layer called chunk by chunk (not on runs of chunks), so that its keys and values are
     # the fp16 prefill's bit for bit: the comparison is of the encode alone
@@ -736,17 +738,17 @@ def test_layer_major_prefill_through_the_fused_encode(tmp_path, monkeypatch):
         engine.prefill(model, tokens, exact, chunk=chunk)
         oracle = kvcache.make(model, preset, eager)
         for c, e in zip(oracle, exact):
-            k, v = e.keys[..., :e.offset, :], e.values[..., :e.offset, :]
+            k, v = e.keys[..., : e.offset, :], e.values[..., : e.offset, :]
             for lo in range(0, len(tokens), chunk):
-                c.update_and_fetch(k[:, :, lo:lo + chunk], v[:, :, lo:lo + chunk])
+                c.update_and_fetch(k[:, :, lo : lo + chunk], v[:, :, lo : lo + chunk])
         got, want = arrays(layered), arrays(oracle)
     assert got.keys() == want.keys()
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
-
 # --- Metal's simdgroup-matrix decode step (kernels/decode_attend_simdgroup.py) ---------------
+
 
 def test_simdgroup_matrix_emulation():
     """The emulator's simdgroup matrices do what MSL says: a load with a row stride (from
@@ -755,7 +757,9 @@ def test_simdgroup_matrix_emulation():
     from longctx.kernels._prelude import KernelSpec, Launch
 
     spec = KernelSpec(
-        name="lc_test_simdgroup", inputs=("a", "b", "c"), outputs=("d_out", "e_out", "f_out"),
+        name="lc_test_simdgroup",
+        inputs=("a", "b", "c"),
+        outputs=("d_out", "e_out", "f_out"),
         header="#if defined(LC_METAL)\n#define LC_HALF half\n#endif\n",
         source=r"""
   LC_SHARED LC_HALF a_s[8 * 12];
@@ -778,13 +782,15 @@ def test_simdgroup_matrix_emulation():
   simdgroup_float8x8 gm(2.0f);
   simdgroup_multiply(dm, gm, cm);
   simdgroup_store(dm, f_out, 8);
-""")
+""",
+    )
     rng = np.random.default_rng(0)
     a = rng.normal(size=(8, 12)).astype(np.float16)
     b = rng.normal(size=(8, 12)).astype(np.float16)
     c = rng.normal(size=(8, 8)).astype(np.float32)
-    launch = Launch([mx.array(a.ravel()), mx.array(b.ravel()), mx.array(c.ravel())], [],
-                    (32, 1, 1), (32, 1, 1), [(64,)] * 3, [mx.float32] * 3)
+    launch = Launch(
+        [mx.array(a.ravel()), mx.array(b.ravel()), mx.array(c.ravel())], [], (32, 1, 1), (32, 1, 1), [(64,)] * 3, [mx.float32] * 3
+    )
     d, e, f = (np.array(x).reshape(8, 8) for x in kernel_emu.emulator()(spec, launch))
     want = a[:, 3:11].astype(np.float64) @ b[:, 1:9].astype(np.float64).T + c
     assert np.abs(d - want).max() < 1e-5
@@ -815,15 +821,13 @@ def test_decode_attend_simdgroup(monkeypatch, case, odd_rows):
     B, H, R, P, L, cap, qdt, target = case
     if target:
         monkeypatch.setattr(dsg, "TARGET_GROUPS", target)
-    q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L,
-                                               capacity=cap)
+    q, _, keys, values, kt, _ = random_segment(B, H, R, P, L, 4, 0, 4, False, seed=L, capacity=cap)
     q = q.astype(getattr(mx, qdt))
     keys["norm"] = (keys["norm"].astype(mx.float32) * mx.linspace(0.2, 2.0, L)).astype(mx.float16)
     signs = mx.array(rademacher_signs(P, 5))
-    ref = da.decode_attend_partials(q, keys, values, kt, kt, signs, key_bits=4, value_bits=4,
-                                    scale=P ** -0.5)
+    ref = da.decode_attend_partials(q, keys, values, kt, kt, signs, key_bits=4, value_bits=4, scale=P**-0.5)
     with _prelude.executor(kernel_emu.emulator(True, odd_rows), as_backend="metal"):
-        got = dsg.decode_attend_simdgroup_partials(q, keys, values, kt, signs, scale=P ** -0.5)
+        got = dsg.decode_attend_simdgroup_partials(q, keys, values, kt, signs, scale=P**-0.5)
         assert not _prelude.failed(dsg.NAME)
     chunk, n_split = dsg.splits(L, B * H)
     assert got[0].shape == (B * H, n_split, R) and got[2].shape == (B * H, n_split, R, P)
@@ -840,9 +844,11 @@ def test_decode_attend_simdgroup(monkeypatch, case, odd_rows):
     assert np.isfinite(m_g).all() and (l_g > 0).all()  # every split saw keys
 
 
-@pytest.mark.parametrize("case", [(2, 4, 128, 300, 4, 37, "float16"),
-                                  (1, 3, 64, 200, 0, 0, "float32")],
-                         ids=lambda c: f"P{c[2]}-R{c[1]}-sink{c[4]}-win{c[5]}")
+@pytest.mark.parametrize(
+    "case",
+    [(2, 4, 128, 300, 4, 37, "float16"), (1, 3, 64, 200, 0, 0, "float32")],
+    ids=lambda c: f"P{c[2]}-R{c[1]}-sink{c[4]}-win{c[5]}",
+)
 def test_decode_step_simdgroup_on_metal(case):
     """On Metal the decode step launches the simdgroup-matrix kernel and the finish (which
     attends the sink and the window), and equals the pure-MLX blocked path."""
@@ -852,10 +858,10 @@ def test_decode_step_simdgroup_on_metal(case):
     H, R, P, L, n_sink, n_win, qdt = case
     view = _step_view(H, R, P, L, "tq4", n_sink, n_win, seed=L + P)
     q = mx.array(np.random.default_rng(R).normal(size=(1, H * R, 1, P)).astype(qdt)) * 2
-    want = attention.compressed_attention(q, view, P ** -0.5, fused=False)
+    want = attention.compressed_attention(q, view, P**-0.5, fused=False)
     launched = []
     with _prelude.executor(_Recording(kernel_emu.emulator(), launched), as_backend="metal"):
-        got = attend_step.attention(q, view, P ** -0.5)
+        got = attend_step.attention(q, view, P**-0.5)
     assert launched == [dsg.NAME, "lc_decode_finish"]
     assert got.dtype == q.dtype and got.shape == q.shape
     a, b = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
@@ -881,7 +887,7 @@ def test_simdgroup_kernel_is_chosen_only_on_metal(which):
         return
     with _prelude.executor(cap, as_backend=which):
         assert not dsg.applies(128, 4, kc, vc)
-        attend_step.attention(q, view, 128 ** -0.5)
+        attend_step.attention(q, view, 128**-0.5)
     names = {name for name, _ in cap.launches}
     assert names and dsg.NAME not in names
 
@@ -898,7 +904,7 @@ def test_simdgroup_kernel_falls_back_to_the_portable_kernel():
     H, R, P, L = 2, 4, 128, 300
     view = _step_view(H, R, P, L, "tq4", 2, 9, seed=3)
     q = mx.array(np.random.default_rng(4).normal(size=(1, H * R, 1, P)).astype("float32"))
-    want = attention.compressed_attention(q, view, P ** -0.5, fused=False)
+    want = attention.compressed_attention(q, view, P**-0.5, fused=False)
     inner, launched = kernel_emu.emulator(), []
 
     def failing(spec, launch):
@@ -911,11 +917,11 @@ def test_simdgroup_kernel_falls_back_to_the_portable_kernel():
     with _prelude.executor(failing, as_backend="metal"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            first = attend_step.attention(q, view, P ** -0.5)
+            first = attend_step.attention(q, view, P**-0.5)
         assert [w.category.__name__ for w in caught] == ["KernelFallbackWarning"]
         assert _prelude.failed(dsg.NAME)
         launched.clear()
-        second = attend_step.attention(q, view, P ** -0.5)
+        second = attend_step.attention(q, view, P**-0.5)
         assert launched == [da.EXACT_NAME, "lc_decode_finish"]
     for got in (first, second):
         a, b = np.array(got), np.array(want)

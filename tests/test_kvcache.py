@@ -141,7 +141,7 @@ def test_answering_fork_keeps_question_and_answer_exact():
     plain = parent.fork()  # only the preset's 128-token window
     for c in (child, plain):
         for lo in range(100, 400, 50):  # a question, then an answer, in steps
-            c.update_and_fetch(k[:, :, lo:lo + 50], v[:, :, lo:lo + 50])
+            c.update_and_fetch(k[:, :, lo : lo + 50], v[:, :, lo : lo + 50])
     assert kvcache.ANSWER_EXACT >= 300
     assert child.window_len == 300 and child.tail_len == 0 and child.offset == 400
     np.testing.assert_allclose(np.array(child.window[0] + child.means[0]), np.array(k[:, :, 100:]), atol=1e-5)

@@ -23,8 +23,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": path, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+    )
 
 
 def test_deferred_init_imports_models_without_transformers_then_runs_it_on_demand():
@@ -35,7 +41,8 @@ def test_deferred_init_imports_models_without_transformers_then_runs_it_on_deman
         "import mlx_lm.models.llama, mlx_lm.models.cache\n"
         "print('before', 'transformers' in sys.modules)\n"
         "from mlx_lm import load\n"  # a name the real __init__ defines: it runs now
-        "print('after', callable(load), 'transformers' in sys.modules)\n")
+        "print('after', callable(load), 'transformers' in sys.modules)\n"
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["before", "False", "after", "True", "True"]
 
@@ -48,7 +55,9 @@ def test_ask_process_answers_without_importing_transformers(tiny_model, text_doc
         "atexit.register(lambda: print('TRANSFORMERS', 'transformers' in sys.modules, file=sys.stderr))\n"
         "sys.argv = ['longctx', 'ask', 'Who keeps the lighthouse?', '--max-tokens', '6']\n"
         "from longctx.cli import main\n"
-        "main()\n", env={"LONGCTX_HOME": str(longctx_home)})
+        "main()\n",
+        env={"LONGCTX_HOME": str(longctx_home)},
+    )
     assert out.returncode == 0, out.stderr
     assert "TRANSFORMERS False" in out.stderr
     expected = "".join(asking.ask("Who keeps the lighthouse?", max_tokens=6))
@@ -60,6 +69,7 @@ def test_light_tokenizer_matches_the_models(tiny_model):
     tok = light.TextTokenizer.load(tiny_model)
     assert tok.matches(ref)
     assert tok.eos_token_ids == {2}
+
     # A different tokenizer is caught.
     class Shifted:
         eos_token_ids = {2}
@@ -133,8 +143,7 @@ def test_generate_streams_the_decoded_text_and_stops_at_eos(tiny_model):
     mx.random.seed(3)  # sampled hot: the tiny random model repeats one token when greedy
     ids = list(engine.token_stream(lm.model, prompt_ids, fresh(), 16, temperature=20.0))
     stop = next((i for i, t in enumerate(ids) if t in lm.tokenizer.eos_token_ids), len(ids))
-    pieces = list(engine.generate(lm.model, lm.tokenizer, prompt_ids, fresh(), max_tokens=16,
-                                  temperature=20.0, seed=3))
+    pieces = list(engine.generate(lm.model, lm.tokenizer, prompt_ids, fresh(), max_tokens=16, temperature=20.0, seed=3))
     assert len(pieces) > 1 and "".join(pieces) == lm.tokenizer.decode(ids[:stop])
     first_new = next(i for i in range(1, stop) if ids[i] not in ids[:i])
 
@@ -142,8 +151,7 @@ def test_generate_streams_the_decoded_text_and_stops_at_eos(tiny_model):
         eos_token_ids = {ids[first_new]}
         decode = staticmethod(lm.tokenizer.decode)
 
-    cut = list(engine.generate(lm.model, StopThere(), prompt_ids, fresh(), max_tokens=16,
-                               temperature=20.0, seed=3))
+    cut = list(engine.generate(lm.model, StopThere(), prompt_ids, fresh(), max_tokens=16, temperature=20.0, seed=3))
     assert "".join(cut) == lm.tokenizer.decode(ids[:first_new])
 
 
@@ -154,9 +162,12 @@ def test_light_load_of_quantized_weights_with_per_layer_settings(tiny_model, tmp
     from mlx.utils import tree_flatten
 
     model, _ = mlx_load(str(tiny_model))
-    nn.quantize(model, group_size=32, bits=4,
-                class_predicate=lambda p, m: {"group_size": 32, "bits": 8} if p == "model.embed_tokens"
-                else hasattr(m, "to_quantized"))
+    nn.quantize(
+        model,
+        group_size=32,
+        bits=4,
+        class_predicate=lambda p, m: {"group_size": 32, "bits": 8} if p == "model.embed_tokens" else hasattr(m, "to_quantized"),
+    )
     qdir = tmp_path / "q"
     qdir.mkdir()
     mx.save_safetensors(str(qdir / "model.safetensors"), dict(tree_flatten(model.parameters())))

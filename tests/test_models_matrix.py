@@ -61,15 +61,18 @@ GAP_BOUND = 0.08
 
 
 def _document() -> str:
-    facts = ("The lighthouse keeper is Ada Quill. The island has 412 sheep. The ferry leaves at "
-             "seven. The harbour master is Tomas Reyes. ")
+    facts = (
+        "The lighthouse keeper is Ada Quill. The island has 412 sheep. The ferry leaves at "
+        "seven. The harbour master is Tomas Reyes. "
+    )
     return facts * 7  # ~840 bytes: far past the preset's 128-token window and Gemma-3's 64
 
 
 def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "LONGCTX_HOME": str(home), "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "longctx", *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "longctx", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +92,7 @@ def matrix(tmp_path_factory):
             ids = {}
             for preset in ("tq4", "fp16"):
                 if name == CLI_FAMILY:
-                    run = _cli("ingest", str(doc), "--model", str(model), "--kv", preset, "--json",
-                               home=home)
+                    run = _cli("ingest", str(doc), "--model", str(model), "--kv", preset, "--json", home=home)
                     assert run.returncode == 0, run.stderr
                     ids[preset] = json.loads(run.stdout)["id"]
                 else:
@@ -101,8 +103,7 @@ def matrix(tmp_path_factory):
             if name == CLI_FAMILY:
                 cli["ids"] = ids
                 for preset in ("tq4", "fp16"):
-                    run = _cli("ask", QUESTION, "--doc", ids[preset], "--max-tokens",
-                               str(ANSWER_TOKENS), home=home)
+                    run = _cli("ask", QUESTION, "--doc", ids[preset], "--max-tokens", str(ANSWER_TOKENS), home=home)
                     assert run.returncode == 0, run.stderr
                     cli[preset] = run.stdout
                 out = base / "cli-export.safetensors"
@@ -112,12 +113,17 @@ def matrix(tmp_path_factory):
     finally:
         mp.undo()
     job = {"question": QUESTION, "tokens": ANSWER_TOKENS, "families": jobs}
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "matrix_worker.py")],
-                         input=json.dumps(job), capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=900)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "matrix_worker.py")],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
-    results = {r["name"]: r for r in map(json.loads, (ln for ln in run.stdout.splitlines()
-                                                       if ln.startswith("{")))}
+    results = {r["name"]: r for r in map(json.loads, (ln for ln in run.stdout.splitlines() if ln.startswith("{")))}
     assert set(results) == set(COMPRESSED), run.stderr[-4000:]
     if os.environ.get("MATRIX_DUMP"):  # the measured numbers, for the bounds below and docs/models.md
         Path(os.environ["MATRIX_DUMP"]).write_text(json.dumps(results))

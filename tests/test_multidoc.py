@@ -30,8 +30,7 @@ def short_model(tmp_path_factory) -> Path:
 def _long_md(path: Path, sections: int = 24, needle_at: int = 15) -> Path:
     parts = []
     for i in range(sections):
-        body = (f"Paragraph {i} is about topic {i}, the colour {['red', 'green', 'blue'][i % 3]} "
-                f"and the code W{i * 7}.")
+        body = f"Paragraph {i} is about topic {i}, the colour {['red', 'green', 'blue'][i % 3]} and the code W{i * 7}."
         if i == needle_at:
             body += " " + NEEDLE
         parts += [f"## Section {i}", body]
@@ -43,8 +42,7 @@ def _invoke(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def test_a_long_document_becomes_segments_answered_from_the_needles_segment(short_model, tmp_path,
-                                                                             longctx_home):
+def test_a_long_document_becomes_segments_answered_from_the_needles_segment(short_model, tmp_path, longctx_home):
     doc = _long_md(tmp_path / "long.md")
     result = multidoc.ingest_files([doc], model=str(short_model))
     group = result.target
@@ -61,9 +59,13 @@ def test_a_long_document_becomes_segments_answered_from_the_needles_segment(shor
     assert sum(t.count("## Section") for t in texts) == 24  # every section, once
 
     # Asked in a new process, as a user would: BM25 picks the needle's segment and cites its lines.
-    run = subprocess.run([sys.executable, "-m", "longctx", "ask", "What is the secret launch code?",
-                          "--max-tokens", "4", "--json"], capture_output=True, text=True,
-                         timeout=300, env={**__import__("os").environ, "LONGCTX_HOME": str(longctx_home)})
+    run = subprocess.run(
+        [sys.executable, "-m", "longctx", "ask", "What is the secret launch code?", "--max-tokens", "4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "LONGCTX_HOME": str(longctx_home)},
+    )
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["document"] == "long.md" and out["id"] == group.id
@@ -80,8 +82,7 @@ def test_a_long_document_becomes_segments_answered_from_the_needles_segment(shor
     assert [r["id"] for r in rows] == [group.id]  # the segments are listed through their group
 
 
-def test_an_interrupted_segmented_ingest_resumes_from_the_saved_segments(short_model, tmp_path,
-                                                                         monkeypatch):
+def test_an_interrupted_segmented_ingest_resumes_from_the_saved_segments(short_model, tmp_path, monkeypatch):
     doc = _long_md(tmp_path / "long.md")
     real = session.build_entry
     calls = []
@@ -119,8 +120,7 @@ def test_a_collection_names_the_file_it_answered_from(short_model, tmp_path):
     assert group.kind == "collection" and len(group.segments) == 1  # they fit together
     assert [f["name"] for f in group.files] == ["contract.txt", "a.md", "b.md"]
     answer = session.Answer()
-    "".join(asking.ask("What is the penalty for late delivery?", doc="contract", max_tokens=3,
-                        answer=answer))
+    "".join(asking.ask("What is the penalty for late delivery?", doc="contract", max_tokens=3, answer=answer))
     assert answer.sources == ["b.md lines 1"]
     res = _invoke("export", "contract", "-o", tmp_path / "x.safetensors")
     assert res.exit_code == 1 and "segment" in res.stderr
@@ -173,8 +173,7 @@ def test_dry_run_of_a_long_document_predicts_its_segments(short_model, tmp_path)
     assert predicted["memory"] == "fits" and predicted["estimated_peak_memory_bytes"] > 0
 
 
-def test_an_ingest_that_cannot_fit_in_memory_is_refused_before_the_work(short_model, tmp_path,
-                                                                       monkeypatch):
+def test_an_ingest_that_cannot_fit_in_memory_is_refused_before_the_work(short_model, tmp_path, monkeypatch):
     doc = tmp_path / "note.txt"
     doc.write_text("Some text to ingest.\n" * 4)
     monkeypatch.setattr(estimate, "machine_memory", lambda: 1 << 20)
@@ -190,10 +189,10 @@ def test_peak_estimate_is_within_a_quarter_of_the_measured_cpu_peaks():
     """benchmarks/results/prefill_cpu.json measured SmolLM2-135M's prefill peaks on this CPU."""
     from longctx.kvcache import get_preset
 
-    s = estimate.Shapes(head_dims=[64] * 30, kv_heads=[3] * 30, windows=[0] * 30, q_heads=9,
-                        hidden=576, intermediate=1536, parameters=134_515_008)
-    measured = {("fp16", 1024): 597.1, ("fp16", 4096): 792.0, ("tq4", 1024): 581.5,
-                ("tq4", 4096): 657.1}  # MiB
+    s = estimate.Shapes(
+        head_dims=[64] * 30, kv_heads=[3] * 30, windows=[0] * 30, q_heads=9, hidden=576, intermediate=1536, parameters=134_515_008
+    )
+    measured = {("fp16", 1024): 597.1, ("fp16", 4096): 792.0, ("tq4", 1024): 581.5, ("tq4", 4096): 657.1}  # MiB
     for (kv, tokens), mib in measured.items():
         got = estimate.peak_bytes(s, get_preset(kv), tokens, 4 * s.parameters, True, 512) / 2**20
         assert abs(got - mib) <= 0.25 * mib, (kv, tokens, got, mib)
@@ -205,8 +204,7 @@ def test_unknown_ranker_is_a_config_error(short_model, tmp_path):
         "".join(asking.ask("q?", ranker="tfidf"))
 
 
-def test_the_attention_ranker_reads_every_compressed_layer_and_reranks_bm25s_best(
-        short_model, tmp_path, monkeypatch):
+def test_the_attention_ranker_reads_every_compressed_layer_and_reranks_bm25s_best(short_model, tmp_path, monkeypatch):
     from longctx.kvcache import attention
 
     group = multidoc.ingest_files([_long_md(tmp_path / "long.md")], model=str(short_model)).target
@@ -221,8 +219,7 @@ def test_the_attention_ranker_reads_every_compressed_layer_and_reranks_bm25s_bes
 
     monkeypatch.setattr(model_scores, "body_mass", counting)
     answer = session.Answer()
-    "".join(asking.ask("What is the secret launch code?", max_tokens=2, answer=answer,
-                        ranker="attention"))
+    "".join(asking.ask("What is the secret launch code?", max_tokens=2, answer=answer, ranker="attention"))
     n = len(group.segments)
     assert sorted(answer.ranking) == list(range(n))
     layers = 2  # the tiny model's compressed layers, once per reranked candidate
@@ -230,8 +227,7 @@ def test_the_attention_ranker_reads_every_compressed_layer_and_reranks_bm25s_bes
     assert attention.OBSERVERS == []  # the hook is gone after ranking
 
 
-def test_answering_from_two_segments_keeps_the_answer_the_model_is_surest_of(short_model, tmp_path,
-                                                                             monkeypatch):
+def test_answering_from_two_segments_keeps_the_answer_the_model_is_surest_of(short_model, tmp_path, monkeypatch):
     multidoc.ingest_files([_long_md(tmp_path / "long.md")], model=str(short_model))
     scored = []
     real = model_scores.answer_likelihood
@@ -242,8 +238,7 @@ def test_answering_from_two_segments_keeps_the_answer_the_model_is_surest_of(sho
 
     monkeypatch.setattr(model_scores, "answer_likelihood", spy)
     answer = session.Answer()
-    text = "".join(asking.ask("What is the secret launch code?", max_tokens=3, answer=answer,
-                               segments=2))
+    text = "".join(asking.ask("What is the secret launch code?", max_tokens=3, answer=answer, segments=2))
     assert len(scored) == 2 and text == answer.text
     best = answer.ranking[:2][scored.index(max(scored))]
     assert answer.entry.segment == best and len(answer.sources) == 1
@@ -275,8 +270,11 @@ def test_gpu_peak_estimate_follows_the_measured_gpu_peaks():
     cases = []
     # files written before prefill_shapes recorded its defaults ran under these
     before = {"prefill_layer_call_tokens": 0, "prefill_inflight": 2**30}
-    for name in ("prefill_h200.json", "prefill_h200_128k.json",  # the 128k rows: 4-bit weights
-                 "prefill_h100.json"):
+    for name in (
+        "prefill_h200.json",
+        "prefill_h200_128k.json",  # the 128k rows: 4-bit weights
+        "prefill_h100.json",
+    ):
         data = json.loads((results / name).read_text())
         for r in data["rows"]:
             kv, _, variant = r["kv"].partition(":")  # every row, with the settings it ran under
@@ -284,23 +282,32 @@ def test_gpu_peak_estimate_follows_the_measured_gpu_peaks():
             if settings is None:  # rows written before prefill_shapes recorded them
                 settings = {"prefill_order": "token"} if variant == "token" else {}
                 if variant.startswith("inflight"):
-                    settings["prefill_inflight"] = int(variant[len("inflight"):]) * 2**20
+                    settings["prefill_inflight"] = int(variant[len("inflight") :]) * 2**20
                 elif variant.startswith("group"):
-                    settings["prefill_group_tokens"] = int(variant[len("group"):])
+                    settings["prefill_group_tokens"] = int(variant[len("group") :])
                 elif variant not in ("", "token"):
                     raise AssertionError(f"{name}: a row of unknown settings, {r['kv']}")
             settings = {**data.get("defaults", before), **settings}
             # before the layer-major loop had a bound of its own, prefill_inflight held for both
             settings.setdefault("prefill_layer_inflight", settings["prefill_inflight"])
-            cases.append((r["shape"], {}, settings, kv, r["tokens"], r["weights_bytes"],
-                          r["peak_bytes"], 1.3 if "h100" in name else 1.15))
+            cases.append(
+                (r["shape"], {}, settings, kv, r["tokens"], r["weights_bytes"], r["peak_bytes"], 1.3 if "h100" in name else 1.15)
+            )
     product = json.loads((results / "product_path_h200.json").read_text())
     for r in product["rows"]:  # measured token-major
         if r["tokens_requested"] >= 131072:
-            cases.append((r["shape"], {"vocab_size": 49152}, {**before, "prefill_order": "token"},
-                          r["kv"],
-                          r["ingest"]["tokens"], r["weights_bytes"],
-                          r["ingest"]["ingest_peak_bytes"], 1.15))
+            cases.append(
+                (
+                    r["shape"],
+                    {"vocab_size": 49152},
+                    {**before, "prefill_order": "token"},
+                    r["kv"],
+                    r["ingest"]["tokens"],
+                    r["weights_bytes"],
+                    r["ingest"]["ingest_peak_bytes"],
+                    1.15,
+                )
+            )
     assert len(cases) >= 12
     for shape, extra, settings, kv, tokens, weights, measured, most in cases:
         s = estimate.shapes({**SHAPES[shape], "rms_norm_eps": 1e-5, **extra})

@@ -38,12 +38,12 @@ def test_needles_sit_at_sentence_boundaries_at_their_depths(essays, target):
     longest = max(_words(u.sentence) for e in essays for u in e)
     assert target - longest - _words(" ".join(needles)) <= h.tokens <= target
     for needle, offset, want, got in zip(needles, h.offsets, depths, h.depths):
-        assert h.text[offset:offset + len(needle)] == needle
-        before = h.text[len(pre):offset].rstrip()
+        assert h.text[offset : offset + len(needle)] == needle
+        before = h.text[len(pre) : offset].rstrip()
         # at the start of the body, or right after a sentence (or another needle) ends
         assert before == "" or before[-1] in ".!?", before[-40:]
         assert abs(got - want) <= longest / (h.tokens - _words(pre)) + 1e-9
-    body = h.text[len(pre):]
+    body = h.text[len(pre) :]
     assert body.index(needles[0]) == 0 and h.text.rstrip().endswith(needles[-1])
 
 
@@ -57,7 +57,7 @@ def test_long_haystacks_cycle_the_corpus_in_new_orders(essays):
     total = sum(_words(u.sentence) for e in essays for u in e)
     h = hay.build(essays, ["Needle sentence here."], [0.3], int(total * 2.5), _words, _words, seed=0)
     assert h.tokens > total * 2.4
-    firsts = [p.split(". ")[0] for p in h.text.split("\n\n")[:len(essays) * 3]]
+    firsts = [p.split(". ")[0] for p in h.text.split("\n\n")[: len(essays) * 3]]
     assert len(set(firsts)) > len(essays)  # not one essay repeated
 
 
@@ -84,8 +84,7 @@ def test_make_case_fits_the_models_prompt(essays):
             key = re.search(r"for (\S+) mentioned", p.question).group(1)
             assert case.text.count(f"for {key} is:") == n_answers
         if task == "uuid":
-            assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}",
-                                case.probes[0].answers[0])
+            assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", case.probes[0].answers[0])
         if task == "multikey":
             assert case.text.count("One of the special magic numbers for") == 2 + 3
     again = niah.make_case("single", 2048, [0.0, 0.5], 0, 7, tok, essays, 1900, piece)
@@ -119,15 +118,32 @@ def test_parse_length_rejects_nonsense():
 
 
 def _fake_results() -> niah.Results:
-    res = niah.Results("single", "smollm2", "SmolLM2-135M-Instruct", 8192, [1024, 2048], [0.0, 1.0],
-                       ["fp16", "tq4"], 1, 0, False)
+    res = niah.Results("single", "smollm2", "SmolLM2-135M-Instruct", 8192, [1024, 2048], [0.0, 1.0], ["fp16", "tq4"], 1, 0, False)
     for p, bits, nbytes in (("fp16", 16.0, 23000), ("tq4", 4.3, 6300)):
         for n in res.lengths:
             for d in res.depths:
                 score = 0.0 if (p == "tq4" and d == 1.0 and n == 2048) else 1.0
-                res.cells.append(niah.Cell("single", p, n, d, 0, n - 100, d, "q?", ["1234567"],
-                                           "1234567" if score else "no", score, 0.5, 0.2, 0.1, 1.0,
-                                           nbytes * (n - 100), bits))
+                res.cells.append(
+                    niah.Cell(
+                        "single",
+                        p,
+                        n,
+                        d,
+                        0,
+                        n - 100,
+                        d,
+                        "q?",
+                        ["1234567"],
+                        "1234567" if score else "no",
+                        score,
+                        0.5,
+                        0.2,
+                        0.1,
+                        1.0,
+                        nbytes * (n - 100),
+                        bits,
+                    )
+                )
     return res
 
 
@@ -160,19 +176,42 @@ def test_cli_bench_niah_parses_options_and_writes_results(tmp_path, monkeypatch)
     seen = {}
 
     def fake_run(model, task, lengths, depths, presets, samples, seed, **kw):
-        seen.update(model=model, task=task, lengths=lengths, depths=depths, presets=presets,
-                    samples=samples, shared=kw["shared"])
+        seen.update(model=model, task=task, lengths=lengths, depths=depths, presets=presets, samples=samples, shared=kw["shared"])
         return _fake_results()
 
     monkeypatch.setattr(niah, "run", fake_run)
     monkeypatch.delenv("LONGCTX_MODEL")  # no --model and no setting: the default reaches the run as None
     out = tmp_path / "res"
-    run = CliRunner().invoke(app, ["bench", "niah", "--lengths", "1k,2k", "--depths", "0,100",
-                                   "--kv", "tq4", "--kv", "tq3", "--samples", "2", "--out", str(out),
-                                   "--json"])
+    run = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "niah",
+            "--lengths",
+            "1k,2k",
+            "--depths",
+            "0,100",
+            "--kv",
+            "tq4",
+            "--kv",
+            "tq3",
+            "--samples",
+            "2",
+            "--out",
+            str(out),
+            "--json",
+        ],
+    )
     assert run.exit_code == 0, run.output
-    assert seen == {"model": None, "task": "single", "lengths": [1024, 2048], "depths": [0.0, 1.0],
-                    "presets": ["tq4", "tq3"], "samples": 2, "shared": False}
+    assert seen == {
+        "model": None,
+        "task": "single",
+        "lengths": [1024, 2048],
+        "depths": [0.0, 1.0],
+        "presets": ["tq4", "tq3"],
+        "samples": 2,
+        "shared": False,
+    }
     data = json.loads((out / "niah_SmolLM2-135M-Instruct_single.json").read_text())
     assert data["summary"]["tq4"]["score"] == 0.75
     assert "tq4" in run.output and "0.750" in run.output
@@ -183,8 +222,17 @@ def test_tiny_grid_on_the_default_model_through_ingest_and_ask(tmp_path):
     from longctx import manage
 
     cells = []
-    res = niah.run(None, "single", lengths=[640], depths=[0.2, 0.8], presets=["tq4"], samples=1,
-                   workdir=tmp_path / "docs", shared=True, on_cell=cells.append)
+    res = niah.run(
+        None,
+        "single",
+        lengths=[640],
+        depths=[0.2, 0.8],
+        presets=["tq4"],
+        samples=1,
+        workdir=tmp_path / "docs",
+        shared=True,
+        on_cell=cells.append,
+    )
     data = json.loads(json.dumps(res.to_json()))  # JSON-able
     assert data["presets"] == ["fp16", "tq4"] and len(data["cells"]) == 4 == len(cells)
     assert all(0.0 <= c["score"] <= 1.0 for c in data["cells"])
@@ -207,8 +255,7 @@ def test_rope_scaled_model_runs_past_its_trained_context_and_is_labelled(tmp_pat
 
     tiny = make_tiny_model(tmp_path / "tiny", context=512)
     spec = models.with_rope_scale(str(tiny), 2, "linear")
-    res = niah.run(spec, "single", lengths=[768, 4096], depths=[0.5], presets=["tq4"],
-                   workdir=tmp_path / "docs", keep=True)
+    res = niah.run(spec, "single", lengths=[768, 4096], depths=[0.5], presets=["tq4"], workdir=tmp_path / "docs", keep=True)
     assert res.context_length == 1024 and res.lengths == [768] and res.skipped_lengths == [4096]
     assert res.model_id.endswith("+linearx2") and res.rope_scaling["factor"] == 2.0
     assert res.cells and all(600 <= c.tokens <= 768 - 72 and 0.0 <= c.score <= 1.0 for c in res.cells)
@@ -219,10 +266,12 @@ def test_rope_scaled_model_runs_past_its_trained_context_and_is_labelled(tmp_pat
     doc = tmp_path / "short.txt"
     doc.write_text("The lighthouse keeper is Ada Quill. " * 14)  # ~700 tokens: past 512
     cli = CliRunner()
-    run = cli.invoke(app, ["ingest", str(doc), "--model", str(tiny), "--rope-scale", "2",
-                           "--rope-type", "ntk-by-parts", "--kv", "fp16", "--json"])
+    run = cli.invoke(
+        app,
+        ["ingest", str(doc), "--model", str(tiny), "--rope-scale", "2", "--rope-type", "ntk-by-parts", "--kv", "fp16", "--json"],
+    )
     assert run.exit_code == 0, run.output
-    entry = json.loads(run.stdout[run.stdout.index("{"):])
+    entry = json.loads(run.stdout[run.stdout.index("{") :])
     assert entry["model_id"] == "tiny+ntk-by-partsx2" and entry["model_spec"].endswith("#rope=ntk-by-parts:2")
     ask = cli.invoke(app, ["ask", "Who is the keeper?", "--doc", entry["id"], "--max-tokens", "4"])
     assert ask.exit_code == 0, ask.output

@@ -15,10 +15,28 @@ from longctx.errors import ConfigError
 
 
 def _cell(task, ranker, length, depth, needle, ranking, score):
-    return ns.Cell(task, ranker, length, depth, length - 10, len(ranking), needle, depth, "q?",
-                   ["1234567"], ranking, ns.recall_at(ranking, needle, 1),
-                   ns.recall_at(ranking, needle, 2), ranking[0], "1234567" if score else "no", score,
-                   0.5, 0.2, 0.1, 1.0)
+    return ns.Cell(
+        task,
+        ranker,
+        length,
+        depth,
+        length - 10,
+        len(ranking),
+        needle,
+        depth,
+        "q?",
+        ["1234567"],
+        ranking,
+        ns.recall_at(ranking, needle, 1),
+        ns.recall_at(ranking, needle, 2),
+        ranking[0],
+        "1234567" if score else "no",
+        score,
+        0.5,
+        0.2,
+        0.1,
+        1.0,
+    )
 
 
 def test_recall_at_k():
@@ -36,8 +54,18 @@ def test_needle_segment_is_found_by_needle_then_value():
 
 
 def test_summary_and_grid_from_synthetic_rankings(tmp_path):
-    res = ns.Results("tiny", "tiny", 1024, "tq4", [2048, 4096], [0.0, 1.0], ["bm25", "model"],
-                     ["literal", "paraphrase"], 0, segments={"2048": [3], "4096": [5, 6]})
+    res = ns.Results(
+        "tiny",
+        "tiny",
+        1024,
+        "tq4",
+        [2048, 4096],
+        [0.0, 1.0],
+        ["bm25", "model"],
+        ["literal", "paraphrase"],
+        0,
+        segments={"2048": [3], "4096": [5, 6]},
+    )
     rows = [  # task, ranker, length, depth, needle segment, ranking, score
         ("literal", "bm25", 2048, 0.0, 0, [0, 1, 2], 1.0),
         ("literal", "bm25", 2048, 1.0, 2, [1, 2, 0], 0.0),
@@ -71,8 +99,9 @@ def test_segment_heatmaps_per_ranker(tmp_path):
     pytest.importorskip("matplotlib")
     from longctx.bench import plot
 
-    res = ns.Results("tiny", "tiny", 1024, "tq4", [2048], [0.0], ["bm25", "model"],
-                     ["literal", "paraphrase"], 0, segments={"2048": [3]})
+    res = ns.Results(
+        "tiny", "tiny", 1024, "tq4", [2048], [0.0], ["bm25", "model"], ["literal", "paraphrase"], 0, segments={"2048": [3]}
+    )
     res.cells = [_cell(t, r, 2048, 0.0, 0, [0, 1, 2], 1.0) for t in res.tasks for r in res.rankers]
     paths = plot.segment_heatmaps(res, tmp_path, "seg")
     assert [p.name for p in paths] == ["seg_bm25.png", "seg_model.png"]
@@ -125,15 +154,13 @@ def test_harness_end_to_end_on_segments(tiny_1k, tmp_path):
     from longctx.store import Store, groups
 
     seen = []
-    res = ns.run(str(tiny_1k), lengths=[3072], depths=[0.0, 0.5, 1.0], workdir=tmp_path / "docs",
-                 keep=True, on_cell=seen.append)
+    res = ns.run(str(tiny_1k), lengths=[3072], depths=[0.0, 0.5, 1.0], workdir=tmp_path / "docs", keep=True, on_cell=seen.append)
     assert res.context_length == 1024 and res.lengths == [3072] and res.preset == "tq4"
     assert len(res.cells) == 3 * 2 * len(ns.RANKERS) == len(seen)  # depths x tasks x rankers
     assert min(res.segments["3072"]) >= 3
     store = Store(cleanup=False)
     try:
-        texts = {c.group: [groups.text(store, s) for s in groups.get(store, c.group).segment_ids]
-                 for c in res.cells}
+        texts = {c.group: [groups.text(store, s) for s in groups.get(store, c.group).segment_ids] for c in res.cells}
     finally:
         store.close()
     assert len(texts) == 3  # one group per depth, shared by its tasks and rankers
@@ -182,8 +209,9 @@ def test_cli_runs_lengths_past_the_context_as_segments(tiny_1k, tmp_path):
     from longctx.cli import app
 
     out = tmp_path / "res"
-    run = CliRunner().invoke(app, ["bench", "niah", "--model", str(tiny_1k), "--lengths",
-                                   "512,2k", "--depths", "50", "--kv", "tq4", "--out", str(out)])
+    run = CliRunner().invoke(
+        app, ["bench", "niah", "--model", str(tiny_1k), "--lengths", "512,2k", "--depths", "50", "--kv", "tq4", "--out", str(out)]
+    )
     assert run.exit_code == 0, run.output
     seg = ns.load(out / "niah_segments_tiny-1k.json")
     assert seg.lengths == [2048] and seg.depths == [0.5] and seg.preset == "tq4"

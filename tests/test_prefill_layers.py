@@ -30,16 +30,24 @@ def _arrays(cache: list, preset) -> dict:
     return {k: np.array(v.astype(mx.float32)) for k, v in kvcache.to_arrays(cache, preset).items()}
 
 
-def _prefill(model, tokens, preset, order: str, progress=None, pairs=0, layer_call_tokens=0,
-             **options):
+def _prefill(model, tokens, preset, order: str, progress=None, pairs=0, layer_call_tokens=0, **options):
     """A prefill in CHUNK's chunks, `order` first. These tests hold the layer-major loop to the
     chunk-by-chunk oracle below: one layer call per chunk (`layer_call_tokens` 0). Runs of
     chunks, the default's included, are tested by
     `test_longer_layer_calls_store_what_an_fp16_prefill_in_those_calls_makes` and
     `test_the_default_calls_store_what_an_fp16_prefill_in_those_calls_makes`."""
     cache = kvcache.make(model, preset)
-    stats = engine.prefill(model, tokens, cache, chunk=CHUNK, progress=progress, pairs=pairs,
-                           order=order, layer_call_tokens=layer_call_tokens, **options)
+    stats = engine.prefill(
+        model,
+        tokens,
+        cache,
+        chunk=CHUNK,
+        progress=progress,
+        pairs=pairs,
+        order=order,
+        layer_call_tokens=layer_call_tokens,
+        **options,
+    )
     return cache, stats
 
 
@@ -56,7 +64,7 @@ def _fp16_then_compressed(model, tokens, preset, pairs=0, fp16_chunk=CHUNK):
         bounds.append((lo, hi))
         lo = hi
     for c, e in zip(cache, exact):
-        k, v = e.keys[..., :e.offset, :], e.values[..., :e.offset, :]
+        k, v = e.keys[..., : e.offset, :], e.values[..., : e.offset, :]
         for lo, hi in bounds:
             c.update_and_fetch(k[:, :, lo:hi], v[:, :, lo:hi])
     return cache
@@ -103,8 +111,14 @@ def test_layer_major_keeps_the_chunks_the_pairs_bound_cuts(lm):
 def test_progress_reaches_the_total_and_never_goes_back(lm):
     seen = []
     tokens = _tokens(5 * CHUNK + 3)
-    _prefill(lm.model, tokens, kvcache.get_preset("tq4"), "layer",
-             progress=lambda done, total: seen.append((done, total)), group_tokens=2 * CHUNK)
+    _prefill(
+        lm.model,
+        tokens,
+        kvcache.get_preset("tq4"),
+        "layer",
+        progress=lambda done, total: seen.append((done, total)),
+        group_tokens=2 * CHUNK,
+    )
     assert seen[-1] == (len(tokens), len(tokens))
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
     # three layers of six chunks, queued every two chunks: nine reports
@@ -190,8 +204,7 @@ def test_gpu_layer_major_is_the_default_and_stores_the_fp16_prefills_keys(lm, na
         else:
             np.testing.assert_allclose(got[k], want[k], rtol=2e-2, atol=2e-2, err_msg=k)
     later = [k for k in want if k.startswith("2.") and k.endswith("idx")]
-    assert np.mean([np.mean(got[k] == want[k]) for k in later]) > np.mean(
-        [np.mean(tokenwise[k] == want[k]) for k in later])
+    assert np.mean([np.mean(got[k] == want[k]) for k in later]) > np.mean([np.mean(tokenwise[k] == want[k]) for k in later])
 
 
 def test_absorb_spans():
@@ -250,13 +263,11 @@ def test_the_inflight_bound_cuts_groups_and_waits(lm, monkeypatch, budget, group
     real_async, real_eval = mx.async_eval, mx.eval
     # (any number of arrays: a module that binds mx.async_eval at its import, as
     # kvcache.turbo does, may bind this stand-in when it is first imported inside this test)
-    monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(len(waited)),
-                                                      real_async(*a))[1])
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(len(waited)), real_async(*a))[1])
     monkeypatch.setattr(mx, "eval", lambda *a: (waited.append(1), real_eval(*a))[1])
     preset = kvcache.get_preset("tq4")
     tokens = _tokens(6 * CHUNK)
-    got = _prefill(lm.model, tokens, preset, "layer", layer_inflight=budget,
-                   group_tokens=10**6)[0]
+    got = _prefill(lm.model, tokens, preset, "layer", layer_inflight=budget, group_tokens=10**6)[0]
     assert len(queued) == 3 * groups_per_layer
     if budget:  # when a group is queued, every group but the one before it was waited for
         assert queued == [max(0, i - 1) for i in range(len(queued))]
@@ -379,8 +390,7 @@ def test_past_the_first_layer_the_layers_are_called_directly(lm, monkeypatch):
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
-def test_a_model_whose_layers_do_not_pass_on_the_hidden_states_is_called_per_layer(
-        lm, monkeypatch):
+def test_a_model_whose_layers_do_not_pass_on_the_hidden_states_is_called_per_layer(lm, monkeypatch):
     """Layers called with keywords and returning tuples: the recording stops at the second
     layer, so every later pass goes through the model's call, as before."""
     preset = kvcache.get_preset("tq4")
@@ -444,8 +454,7 @@ def test_longer_layer_calls_store_what_an_fp16_prefill_in_those_calls_makes(lm, 
     preset = kvcache.get_preset("tq4")
     tokens = _tokens(5 * CHUNK + 37)
     calls = _counting(lm.model, monkeypatch)
-    got = _arrays(_prefill(lm.model, tokens, preset, "layer", layer_call_tokens=2 * CHUNK)[0],
-                  preset)
+    got = _arrays(_prefill(lm.model, tokens, preset, "layer", layer_call_tokens=2 * CHUNK)[0], preset)
     assert calls == [2 * CHUNK, 2 * CHUNK, CHUNK + 37]
     calls.clear()
     want = _arrays(_fp16_then_compressed(lm.model, tokens, preset, fp16_chunk=2 * CHUNK), preset)
@@ -462,8 +471,7 @@ def test_the_default_calls_store_what_an_fp16_prefill_in_those_calls_makes(lm, m
     preset = kvcache.get_preset("tq4")
     tokens = _tokens(5 * CHUNK + 37)
     calls = _counting(lm.model, monkeypatch)
-    got = _arrays(_prefill(lm.model, tokens, preset, "layer", layer_call_tokens=default)[0],
-                  preset)
+    got = _arrays(_prefill(lm.model, tokens, preset, "layer", layer_call_tokens=default)[0], preset)
     assert calls == [len(tokens)]
     calls.clear()
     want = _arrays(_fp16_then_compressed(lm.model, tokens, preset, fp16_chunk=default), preset)

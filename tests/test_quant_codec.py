@@ -10,8 +10,7 @@ import mlx.core as mx
 
 from longctx.quant.codec import QuantSpec, VectorCodec
 
-SPECS = [QuantSpec(4), QuantSpec(3, qjl=True), QuantSpec(2, 2), QuantSpec(2, 1, qjl=True),
-         QuantSpec(1)]
+SPECS = [QuantSpec(4), QuantSpec(3, qjl=True), QuantSpec(2, 2), QuantSpec(2, 1, qjl=True), QuantSpec(1)]
 
 
 def _x(shape, seed, scale=1.0):
@@ -24,8 +23,7 @@ def test_named_arrays(spec, dim, L):
     codec = VectorCodec(dim, spec, seed=1)
     P = codec.padded_dim
     enc = codec.encode(_x((2, 3, L, dim), 0))
-    names = {"idx", "norm"} | ({"idx2"} if spec.bits2 else set()) | (
-        {"qjl", "rnorm"} if spec.qjl else set())
+    names = {"idx", "norm"} | ({"idx2"} if spec.bits2 else set()) | ({"qjl", "rnorm"} if spec.qjl else set())
     assert set(enc) == names
     groups = -(-P // 32)
     assert enc["idx"].dtype == mx.uint32 and enc["idx"].shape == (2, 3, L, spec.bits * groups)
@@ -59,8 +57,7 @@ def test_frames_agree(dim):
     codec = VectorCodec(dim, QuantSpec(3, qjl=True), seed=4)
     x, q = _x((2, 2, 9, dim), 5), _x((2, 2, 4, dim), 6)
     enc = codec.encode(x)
-    np.testing.assert_allclose(np.array(codec.unrotate(codec.decode_rotated(enc))),
-                               np.array(codec.decode(enc)), atol=1e-6)
+    np.testing.assert_allclose(np.array(codec.unrotate(codec.decode_rotated(enc))), np.array(codec.decode(enc)), atol=1e-6)
     # Scores in the rotated frame equal scores against the decoded keys (also when padded).
     rot_scores = codec.rotate(q) @ codec.decode_rotated(enc).swapaxes(-1, -2)
     plain = q @ codec.decode(enc).swapaxes(-1, -2)
@@ -78,8 +75,7 @@ def test_qjl_attention_shapes_and_residual_units():
     assert corr.shape == (2, 2, 3, 11)
     # rnorm is the norm of the residual in key units (norm included).
     resid = codec.rotate(k) - codec.decode_rotated(enc)
-    np.testing.assert_allclose(np.array(enc["rnorm"], dtype=np.float32),
-                               np.array(mx.sqrt(mx.sum(resid * resid, -1))), rtol=2e-3)
+    np.testing.assert_allclose(np.array(enc["rnorm"], dtype=np.float32), np.array(mx.sqrt(mx.sum(resid * resid, -1))), rtol=2e-3)
     # Per-pair calls agree with the batched matrix.
     one = codec.qjl_correction(q_proj[:, :, 1:2], {n: a[:, :, 4:5] for n, a in enc.items()})
     np.testing.assert_allclose(np.array(one)[..., 0, 0], np.array(corr)[..., 1, 4], rtol=1e-5)
@@ -127,7 +123,10 @@ def test_codec_key_names_dim_and_spec():
     """`VectorCodec.key` (what compiled functions' keys hold instead of the spec) is one small int
     per (dim, spec): the same for codecs of any seed, different for another dim or spec."""
     a, b = VectorCodec(128, QuantSpec(4), seed=1), VectorCodec(128, QuantSpec(4), seed=2)
-    others = [VectorCodec(64, QuantSpec(4), seed=1), VectorCodec(128, QuantSpec(3), seed=1),
-              VectorCodec(128, QuantSpec(4, qjl=True), seed=1)]
+    others = [
+        VectorCodec(64, QuantSpec(4), seed=1),
+        VectorCodec(128, QuantSpec(3), seed=1),
+        VectorCodec(128, QuantSpec(4, qjl=True), seed=1),
+    ]
     assert a.key == b.key
     assert len({a.key, *(c.key for c in others)}) == 4

@@ -33,8 +33,13 @@ def _scores(codec, q, k):
     corr = codec.qjl_correction(codec.qjl_project(q_rot), enc)  # (N, 1, 1)
     true = mx.sum(q * k, axis=-1)[:, 0]
     r = codec.rotate(k) - codec.decode_rotated(enc)  # (N, 1, P) the sketched residual
-    return (np.array(true), np.array(mse_only), np.array(mse_only + corr[:, 0, 0]),
-            np.array(mx.sum(q * q, -1)[:, 0]), np.array(mx.sum(r * r, -1)[:, 0]))
+    return (
+        np.array(true),
+        np.array(mse_only),
+        np.array(mse_only + corr[:, 0, 0]),
+        np.array(mx.sum(q * q, -1)[:, 0]),
+        np.array(mx.sum(r * r, -1)[:, 0]),
+    )
 
 
 @pytest.mark.parametrize("bits,bits2", [(2, 0), (3, 0), (2, 1)])
@@ -85,9 +90,11 @@ def test_projection_seeded_orthogonal_and_pinned():
     np.testing.assert_allclose(s[80:] @ s[80:].T, row_length(80) ** 2 * np.eye(16), atol=1e-3)
     assert abs(row_length(128) - 11.29163) < 1e-5  # sqrt(2) Gamma(64.5) / Gamma(64)
     # Part of the on-disk format: the projection for a seed must never change.
-    np.testing.assert_allclose(projection_matrix(4, 2, 0),
-                               [[1.5555446, 0.06967139, -0.00903936, 1.053393],
-                                [-0.03088075, 1.5833833, -1.0107615, -0.0677969]], rtol=1e-5)
+    np.testing.assert_allclose(
+        projection_matrix(4, 2, 0),
+        [[1.5555446, 0.06967139, -0.00903936, 1.053393], [-0.03088075, 1.5833833, -1.0107615, -0.0677969]],
+        rtol=1e-5,
+    )
     assert default_sketch_dim(128) == 128 and default_sketch_dim(80) == 96
 
 

@@ -62,8 +62,7 @@ def test_encode_unit_round_trip():
     idx, norms = encode_unit(x, rot, cb)
     assert idx.dtype == mx.uint8 and idx.shape == (2, 5, 33, D)
     assert norms.dtype == mx.float16 and norms.shape == (2, 5, 33)
-    np.testing.assert_allclose(np.array(norms, dtype=np.float32),
-                               np.linalg.norm(np.array(x), axis=-1), rtol=1e-3)
+    np.testing.assert_allclose(np.array(norms, dtype=np.float32), np.linalg.norm(np.array(x), axis=-1), rtol=1e-3)
     back = decode_unit(idx, norms, cb, rot)
     rel = _sq_err(x, back) / np.sum(np.array(x) ** 2, -1)
     assert abs(rel.mean() / (D * cb.mse) - 1) < 0.1

@@ -25,9 +25,19 @@ from longctx.runtime import models
 from longctx.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
-INGEST_POINTS = ["ingest:locked", "ingest:prefilled", "write:opened", "write:mid", "write:arrays",
-                 "write:written", "write:synced", "write:renamed", "save:written", "save:indexed",
-                 "save:done"]
+INGEST_POINTS = [
+    "ingest:locked",
+    "ingest:prefilled",
+    "write:opened",
+    "write:mid",
+    "write:arrays",
+    "write:written",
+    "write:synced",
+    "write:renamed",
+    "save:written",
+    "save:indexed",
+    "save:done",
+]
 TEMP_LEFT = {"write:opened", "write:mid", "write:arrays", "write:written", "write:synced"}
 FILE_UNINDEXED = {"write:renamed", "save:written"}
 INDEXED = {"save:indexed", "save:done"}
@@ -54,15 +64,21 @@ def _cli(args: list[str], home: Path, failpoint: str | None = None) -> subproces
     env["LONGCTX_HOME"] = str(home)
     if failpoint:
         env["LONGCTX_FAILPOINT"] = failpoint
-    return subprocess.Popen([sys.executable, "-m", "longctx", *map(str, args)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "longctx", *map(str, args)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _run_all(jobs: list[tuple[list[str], Path, str | None]]) -> list[tuple[int, str, str]]:
     """Run CLI jobs `BATCH` at a time; (returncode, stdout, stderr) each."""
     results = []
     for i in range(0, len(jobs), BATCH):
-        procs = [_cli(*job) for job in jobs[i:i + BATCH]]
+        procs = [_cli(*job) for job in jobs[i : i + BATCH]]
         for p in procs:
             out, err = p.communicate(timeout=180)
             results.append((p.returncode, out, err))
@@ -74,8 +90,7 @@ def _files(store: Store) -> tuple[list[str], list[str]]:
     return [n for n in names if n.startswith(".tmp-")], [n for n in names if not n.startswith(".")]
 
 
-def test_sigkill_at_any_point_leaves_a_consistent_store(warm_home, tiny_model, text_doc, tmp_path,
-                                                        monkeypatch):
+def test_sigkill_at_any_point_leaves_a_consistent_store(warm_home, tiny_model, text_doc, tmp_path, monkeypatch):
     jobs, homes = [], {}
     for point in INGEST_POINTS:
         homes[point] = _home(warm_home, tmp_path / point.replace(":", "-"))
@@ -128,8 +143,7 @@ def test_four_concurrent_ingests_build_one_entry(warm_home, tiny_model, text_doc
     assert store.verify(store.entries()[0])
 
 
-def test_ask_while_another_document_is_mid_write(warm_home, tiny_model, text_doc, tmp_path,
-                                                 monkeypatch):
+def test_ask_while_another_document_is_mid_write(warm_home, tiny_model, text_doc, tmp_path, monkeypatch):
     home = _home(warm_home, tmp_path / "busy")
     monkeypatch.setenv("LONGCTX_HOME", str(home))
     first = session.ingest(text_doc, model=str(tiny_model)).entry
@@ -145,8 +159,7 @@ def test_ask_while_another_document_is_mid_write(warm_home, tiny_model, text_doc
         assert len(temps) == 1
 
         answer = session.Answer()
-        text = "".join(asking.ask("Who keeps the lighthouse?", doc=first.id, max_tokens=4,
-                                   answer=answer))
+        text = "".join(asking.ask("Who keeps the lighthouse?", doc=first.id, max_tokens=4, answer=answer))
         assert answer.entry.id == first.id and text is not None
         # Neither that ask's store nor an explicit cleanup touched the live writer's temp file.
         assert store.cleanup()["temps"] == 0 and _files(store)[0] == temps

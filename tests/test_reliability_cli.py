@@ -48,16 +48,19 @@ def _fails_cleanly(args: list, home: Path, *words: str) -> str:
 LONG = "The lighthouse keeper is Ada Quill. " * 3
 
 
-@pytest.mark.parametrize(("name", "data", "words"), [
-    ("missing.txt", None, ["not found"]),
-    ("adir", "DIR", ["directory"]),
-    ("empty.txt", b"", ["empty", "nothing to ingest"]),
-    ("garbage.pdf", bytes(range(256)) * 4, ["not a PDF"]),
-    ("broken.pdf", b"%PDF-1.7\n" + bytes(range(256)) * 8, ["damaged or truncated"]),
-    ("locked.pdf", "ENCRYPTED", ["encrypted", "--password"]),
-    ("scan.pdf", "IMAGES", ["no extractable text", "OCR"]),
-    ("latin1.txt", "café au lait".encode("latin-1"), ["not UTF-8", "iconv"]),
-])
+@pytest.mark.parametrize(
+    ("name", "data", "words"),
+    [
+        ("missing.txt", None, ["not found"]),
+        ("adir", "DIR", ["directory"]),
+        ("empty.txt", b"", ["empty", "nothing to ingest"]),
+        ("garbage.pdf", bytes(range(256)) * 4, ["not a PDF"]),
+        ("broken.pdf", b"%PDF-1.7\n" + bytes(range(256)) * 8, ["damaged or truncated"]),
+        ("locked.pdf", "ENCRYPTED", ["encrypted", "--password"]),
+        ("scan.pdf", "IMAGES", ["no extractable text", "OCR"]),
+        ("latin1.txt", "café au lait".encode("latin-1"), ["not UTF-8", "iconv"]),
+    ],
+)
 def test_bad_documents(tiny_model, tmp_path, longctx_home, name, data, words):
     path = tmp_path / name
     if data == "DIR":
@@ -74,8 +77,7 @@ def test_bad_documents(tiny_model, tmp_path, longctx_home, name, data, words):
 def test_encrypted_pdf_with_password_ingests(tiny_model, tmp_path, longctx_home):
     path = tmp_path / "locked.pdf"
     path.write_bytes(text_pdf([LONG], password="s3cret"))
-    _fails_cleanly(["ingest", path, "--model", tiny_model, "--password", "guess"], longctx_home,
-                   "Wrong password")
+    _fails_cleanly(["ingest", path, "--model", tiny_model, "--password", "guess"], longctx_home, "Wrong password")
     result = _invoke(["ingest", path, "--model", tiny_model, "--password", "s3cret"])
     assert result.exit_code == 0, result.stderr
     assert len(_snapshot(longctx_home)[0]) == 1
@@ -97,8 +99,7 @@ def test_document_longer_than_the_context(tmp_path, text_doc, longctx_home):
     from conftest import make_tiny_model
 
     small = make_tiny_model(tmp_path / "small", context=300)
-    _fails_cleanly(["ingest", text_doc, "--model", small], longctx_home, "context is 300",
-                   "--model")
+    _fails_cleanly(["ingest", text_doc, "--model", small], longctx_home, "context is 300", "--model")
 
 
 def test_question_longer_than_the_remaining_context(tmp_path, text_doc, longctx_home):
@@ -116,8 +117,9 @@ def test_corrupt_cache_through_the_cli(tiny_model, text_doc, longctx_home):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x10
     path.write_bytes(bytes(data))
-    _fails_cleanly(["ask", "Who keeps the lighthouse?"], longctx_home, "facts.txt", "corrupt",
-                   f"longctx ingest --force {text_doc}")
+    _fails_cleanly(
+        ["ask", "Who keeps the lighthouse?"], longctx_home, "facts.txt", "corrupt", f"longctx ingest --force {text_doc}"
+    )
     path.write_bytes(bytes(data[:100]))
     _fails_cleanly(["ask", "Who?"], longctx_home, "truncated")
     result = _invoke(["ingest", text_doc, "--model", tiny_model, "--force"])

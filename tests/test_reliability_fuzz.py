@@ -35,15 +35,24 @@ def _same_home(target, monkeypatch):
 
 _params = st.integers(min_value=0, max_value=(1 << 30) - 1)
 mutations = st.one_of(
-    st.builds(fuzz_cache.Mutation, st.sampled_from(fuzz_cache.RAW_KINDS[:-1]), st.just(""),
-              _params, _params, _params),
-    st.builds(fuzz_cache.Mutation, st.sampled_from(["forge", "forge_nofix"]),
-              st.sampled_from(fuzz_cache.FORGE_OPS), _params, _params, _params),
+    st.builds(fuzz_cache.Mutation, st.sampled_from(fuzz_cache.RAW_KINDS[:-1]), st.just(""), _params, _params, _params),
+    st.builds(
+        fuzz_cache.Mutation,
+        st.sampled_from(["forge", "forge_nofix"]),
+        st.sampled_from(fuzz_cache.FORGE_OPS),
+        _params,
+        _params,
+        _params,
+    ),
 )
 
 
-@settings(max_examples=CASES, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=CASES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(m=mutations)
 def test_damaged_cache_is_refused_never_crashes_never_accepted(target, m):
     outcome = fuzz_cache.run_case(target, m)

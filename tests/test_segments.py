@@ -23,8 +23,7 @@ def _prompt(title: str, text: str) -> int:
 
 
 def _pdf(pages: int, words: int) -> Document:
-    body = "\n".join(f"[Page {p}]\n" + " ".join(f"w{p}x{i}" for i in range(words))
-                     for p in range(1, pages + 1))
+    body = "\n".join(f"[Page {p}]\n" + " ".join(f"w{p}x{i}" for i in range(words)) for p in range(1, pages + 1))
     return _doc("r.pdf", body, "pdf", pages)
 
 
@@ -82,8 +81,11 @@ def test_a_budget_without_room_for_text_is_refused():
 
 
 def test_bm25_finds_the_segment_with_the_rare_words_and_folds_plurals():
-    texts = ["The cat sat on the mat.", "Dogs bark at night near the harbour.",
-             "These licenses grant the right to copy the software."]
+    texts = [
+        "The cat sat on the mat.",
+        "Dogs bark at night near the harbour.",
+        "These licenses grant the right to copy the software.",
+    ]
     assert retrieval.rank_bm25("Which license lets me copy it?", texts)[0] == 2
     assert retrieval.rank_bm25("where do dogs bark", texts)[0] == 1
     assert retrieval._fold("licenses") == retrieval._fold("license") == retrieval._fold("licensed")

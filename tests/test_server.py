@@ -37,8 +37,9 @@ def _http(method: str, url: str, body: bytes | None = None, timeout: float = 120
 
 def _stream_lines(url: str, payload: dict, most: int | None = None) -> list[str]:
     """The non-empty lines of a streamed response (the first `most` only, then hang up)."""
-    req = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                 headers={"content-type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), method="POST", headers={"content-type": "application/json"}
+    )
     lines = []
     with urllib.request.urlopen(req, timeout=120) as r:
         for raw in r:
@@ -61,16 +62,20 @@ def _env(home: Path, model: Path) -> dict:
 
 
 def _cli(env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "longctx", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "longctx", *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 class Server:
     def __init__(self, env: dict, *extra: str):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "longctx", "serve", "--port", str(self.port), *extra],
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "longctx", "serve", "--port", str(self.port), *extra],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -84,8 +89,7 @@ class Server:
         raise AssertionError("server did not come up in 120 s")
 
     def client(self, **kw):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0,
-                             timeout=120, **kw)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=120, **kw)
 
     def stop(self, sig=signal.SIGTERM):
         if self.proc.poll() is None:
@@ -113,8 +117,9 @@ def served(tmp_path_factory):
 
 
 def _ask(client, messages, **kw):
-    return client.chat.completions.create(model="facts.txt", messages=messages, max_tokens=kw.pop("max_tokens", 12),
-                                          temperature=0, **kw)
+    return client.chat.completions.create(
+        model="facts.txt", messages=messages, max_tokens=kw.pop("max_tokens", 12), temperature=0, **kw
+    )
 
 
 def test_models_health_and_a_plain_answer(served):
@@ -145,8 +150,9 @@ def test_streaming_gives_the_same_answer_with_usage_and_sources(served):
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1 and (finals[0].choices[0].model_extra or {})["sources"][0]["file"] == "facts.txt"
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == info["tokens"]
-    lines = _stream_lines(server.url + "/v1/chat/completions",
-                          {"model": "facts.txt", "messages": messages, "stream": True, "max_tokens": 4})
+    lines = _stream_lines(
+        server.url + "/v1/chat/completions", {"model": "facts.txt", "messages": messages, "stream": True, "max_tokens": 4}
+    )
     assert lines[-1] == "data: [DONE]" and all(ln.startswith(("data: ", ":")) for ln in lines)
 
 
@@ -170,15 +176,25 @@ def test_a_follow_up_reuses_the_conversation_and_matches_a_fresh_server(served):
     assert fresh.choices[0].message.content == r.choices[0].message.content
 
 
-@pytest.mark.parametrize("body, status, code", [
-    (b"{not json", 400, None),
-    (json.dumps({"model": "nope.txt", "messages": [{"role": "user", "content": "q"}]}).encode(), 404, "model_not_found"),
-    (json.dumps({"model": "facts.txt"}).encode(), 400, None),
-    (json.dumps({"model": "facts.txt", "messages": [{"role": "user", "content": "q"}], "max_tokens": 10**9}).encode(), 400, None),
-    (json.dumps({"model": "facts.txt", "messages": [{"role": "assistant", "content": "q"}]}).encode(), 400, None),
-    (json.dumps({"model": "facts.txt", "messages": [{"role": "user", "content": "word " * 5000}]}).encode(), 400,
-     "context_length_exceeded"),
-])
+@pytest.mark.parametrize(
+    "body, status, code",
+    [
+        (b"{not json", 400, None),
+        (json.dumps({"model": "nope.txt", "messages": [{"role": "user", "content": "q"}]}).encode(), 404, "model_not_found"),
+        (json.dumps({"model": "facts.txt"}).encode(), 400, None),
+        (
+            json.dumps({"model": "facts.txt", "messages": [{"role": "user", "content": "q"}], "max_tokens": 10**9}).encode(),
+            400,
+            None,
+        ),
+        (json.dumps({"model": "facts.txt", "messages": [{"role": "assistant", "content": "q"}]}).encode(), 400, None),
+        (
+            json.dumps({"model": "facts.txt", "messages": [{"role": "user", "content": "word " * 5000}]}).encode(),
+            400,
+            "context_length_exceeded",
+        ),
+    ],
+)
 def test_bad_requests_get_openai_shaped_4xx_and_the_server_goes_on(served, body, status, code):
     server, _, _ = served
     code_, raw = _http("POST", server.url + "/v1/chat/completions", body)
@@ -221,9 +237,16 @@ def test_four_concurrent_clients_get_the_sequential_answers(served):
 
 def test_a_client_gone_mid_stream_frees_the_server(served):
     server, _, _ = served
-    _stream_lines(server.url + "/v1/chat/completions", {
-        "model": "facts.txt", "messages": [{"role": "user", "content": "Tell me everything."}],
-        "stream": True, "max_tokens": 3000}, most=5)
+    _stream_lines(
+        server.url + "/v1/chat/completions",
+        {
+            "model": "facts.txt",
+            "messages": [{"role": "user", "content": "Tell me everything."}],
+            "stream": True,
+            "max_tokens": 3000,
+        },
+        most=5,
+    )
     start = time.time()
     assert _ask(server.client(), [{"role": "user", "content": "Quick one?"}], max_tokens=2).choices[0].message.content
     assert time.time() - start < 30  # not behind a 3000-token answer
@@ -237,10 +260,16 @@ def test_simonw_llm_talks_to_it(served, tmp_path):
     user = tmp_path / "llm-user"
     user.mkdir()
     (user / "extra-openai-models.yaml").write_text(
-        f"- model_id: facts\n  model_name: facts.txt\n  api_base: \"{server.url}/v1\"\n")
+        f"- model_id: facts\n  model_name: facts.txt\n  api_base: \"{server.url}/v1\"\n"
+    )
     run_env = {**env, "LLM_USER_PATH": str(user), "OPENAI_API_KEY": "none"}
-    res = subprocess.run([str(llm), "-m", "facts", "-o", "temperature", "0", "-o", "max_tokens", "12",
-                          "Who is the lighthouse keeper?"], env=run_env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [str(llm), "-m", "facts", "-o", "temperature", "0", "-o", "max_tokens", "12", "Who is the lighthouse keeper?"],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     want = _ask(server.client(), [{"role": "user", "content": "Who is the lighthouse keeper?"}]).choices[0].message.content
     assert res.stdout.strip() == want.strip()
@@ -263,8 +292,7 @@ def test_a_killed_server_loses_nothing(served):
     _, env, info = served
     server = Server(env)
     try:
-        stream = _ask(server.client(), [{"role": "user", "content": "Count the sheep slowly."}], stream=True,
-                      max_tokens=500)
+        stream = _ask(server.client(), [{"role": "user", "content": "Count the sheep slowly."}], stream=True, max_tokens=500)
         next(iter(stream))
     finally:
         server.stop(signal.SIGKILL)

@@ -134,8 +134,7 @@ def test_ingest_warms_the_answer_path_on_cuda_only(tiny_model, text_doc, monkeyp
         monkeypatch.setattr(cuda_kernels, "enabled", lambda: False)  # longctx's kernel files off
         assert not session.warm_answer_path(lm, preset, arrays)
         monkeypatch.undo()
-        monkeypatch.setattr(engine, "token_stream", lambda *a, **k: (_ for _ in ()).throw(
-            RuntimeError("kernel")))
+        monkeypatch.setattr(engine, "token_stream", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("kernel")))
         assert not session.warm_answer_path(lm, preset, arrays)
     warmed = []  # an ingest warms after saving, with the arrays it saved
     monkeypatch.setattr(session, "warm_answer_path", lambda lm, p, a: warmed.append((p, a)))

@@ -46,14 +46,15 @@ def _filled_fork(preset: str, prefix: int, new: int, hkv: int = 2, d: int = 32, 
 
 
 @pytest.mark.parametrize("preset", ["tq4", "tq4k3v", "rvq2+2"])
-@pytest.mark.parametrize("hq,lq,mask,decoded", [(2, 1, None, False), (4, 7, "causal", False),
-                                                (4, 7, "array", False), (4, 5, "causal", True),
-                                                (2, 1, None, True)])
+@pytest.mark.parametrize(
+    "hq,lq,mask,decoded",
+    [(2, 1, None, False), (4, 7, "causal", False), (4, 7, "array", False), (4, 5, "causal", True), (2, 1, None, True)],
+)
 def test_capped_attention_matches_dense_capped_attention(preset, hq, lq, mask, decoded):
     child, view = _filled_fork(preset, prefix=150, new=lq, decoded=decoded)
     assert view.segments and (view.dense is not None) == decoded
     q = mx.random.normal((1, hq, lq, 32)) * 2.0
-    scale = 32 ** -0.5
+    scale = 32**-0.5
     if mask == "array":
         from mlx_lm.models.base import create_causal_mask
 

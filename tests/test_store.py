@@ -22,8 +22,7 @@ import pytest
 from longctx import asking
 
 from longctx import kvcache, manage, session
-from longctx.errors import (CacheCorrupt, CacheFormatUnsupported, CacheMismatch, EntryNotFound,
-                            StoreError)
+from longctx.errors import CacheCorrupt, CacheFormatUnsupported, CacheMismatch, EntryNotFound, StoreError
 from longctx.runtime import models
 from longctx.store import Entry, Store, layout
 from longctx.store import format as fmt
@@ -40,7 +39,7 @@ def _forge(path: Path, edit) -> None:
     """Rewrite a cache file's header through `edit(header)` with a valid header checksum."""
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    header, body = json.loads(data[8:8 + n]), data[8 + n:]
+    header, body = json.loads(data[8 : 8 + n]), data[8 + n :]
     edit(header)
 
     def dump(h):
@@ -229,8 +228,16 @@ def test_truncated_file_is_corrupt(tiny_model, text_doc, where):
     path = store.cache_path(entry.id)
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    cut = {"empty": 0, "7": 7, "8": 8, "header-1": 8 + n - 1, "header": 8 + n, "data-1": 8 + n + 1,
-           "mid": len(data) // 2, "end-1": len(data) - 1}[where]
+    cut = {
+        "empty": 0,
+        "7": 7,
+        "8": 8,
+        "header-1": 8 + n - 1,
+        "header": 8 + n,
+        "data-1": 8 + n + 1,
+        "mid": len(data) // 2,
+        "end-1": len(data) - 1,
+    }[where]
     path.write_bytes(data[:cut])
     with pytest.raises(CacheCorrupt) as err:
         session.restore(entry, models.load(models.resolve(str(tiny_model))), store)
@@ -259,14 +266,17 @@ def test_huge_shapes_are_refused_before_allocating(tiny_model, text_doc, monkeyp
     assert allocations == []
 
 
-@pytest.mark.parametrize(("edit", "match"), [
-    (lambda h: h["__metadata__"].update(tokens="5"), "tokens differ"),
-    (lambda h: h.pop("1.v"), "leaves a gap|unexplained"),
-    (lambda h: h["0.k"].update(dtype="F32"), "does not match its byte size"),
-    (lambda h: h["0.k"].update(dtype="Q7"), "unknown dtype"),
-    (lambda h: h["__metadata__"].pop("kv_config"), "lacks kv_config"),
-    (lambda h: h["__metadata__"].update(checksums="{}"), "checksum table"),
-])
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda h: h["__metadata__"].update(tokens="5"), "tokens differ"),
+        (lambda h: h.pop("1.v"), "leaves a gap|unexplained"),
+        (lambda h: h["0.k"].update(dtype="F32"), "does not match its byte size"),
+        (lambda h: h["0.k"].update(dtype="Q7"), "unknown dtype"),
+        (lambda h: h["__metadata__"].pop("kv_config"), "lacks kv_config"),
+        (lambda h: h["__metadata__"].update(checksums="{}"), "checksum table"),
+    ],
+)
 def test_forged_headers_are_refused(tiny_model, text_doc, edit, match):
     entry = _ingest(text_doc, tiny_model)
     path = Store().cache_path(entry.id)
@@ -329,7 +339,7 @@ def test_format_2_files_still_restore(tiny_model, text_doc, monkeypatch, preset)
     per_layer = {}
     for name, arr in arrays.items():
         if name.startswith("turbo."):
-            per_layer.update({f"{i}.{name[6:]}": arr[i:i + 1] for i in range(arr.shape[0])})
+            per_layer.update({f"{i}.{name[6:]}": arr[i : i + 1] for i in range(arr.shape[0])})
         else:
             per_layer[name] = arr
     assert len(per_layer) > len(arrays)
@@ -601,9 +611,11 @@ def _plant_pickle_row(store: Store, marker: Path, raw_key: bool) -> None:
     payload = pickle.dumps(Boom())
     key = zlib.compress(json.dumps("entry:" + "e" * 16).encode()) if raw_key else payload
     db = sqlite3.connect(store.root / "index" / "cache.db")
-    db.execute("INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, "
-               "tag, size, mode, filename, value) VALUES (?, ?, 0, NULL, 0, 0, NULL, 0, 4, NULL, ?)",
-               (sqlite3.Binary(key), int(raw_key), sqlite3.Binary(payload)))
+    db.execute(
+        "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, "
+        "tag, size, mode, filename, value) VALUES (?, ?, 0, NULL, 0, 0, NULL, 0, 4, NULL, ?)",
+        (sqlite3.Binary(key), int(raw_key), sqlite3.Binary(payload)),
+    )
     db.commit()
     db.close()
 

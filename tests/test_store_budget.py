@@ -33,13 +33,25 @@ MiB = 2**20
 def _put(store: Store, name: str, nbytes: int, used: float | None = None) -> Entry:
     """An entry whose cache file holds about `nbytes` (no model involved), last used at `used`."""
     eid = hashlib.sha256(name.encode()).hexdigest()[:16]
-    entry = Entry(id=eid, name=name, path=f"/docs/{name}", document_sha256="d" * 64, kind="text",
-                  pages=1, tokens=nbytes // 4, model_id="tiny/model-with-a-long-name",
-                  model_spec="tiny", weights_sha256="w" * 64, tokenizer_sha256="t" * 64,
-                  kv_preset="tq4", file=f"{eid}.safetensors", bytes=0, created=0.0)
+    entry = Entry(
+        id=eid,
+        name=name,
+        path=f"/docs/{name}",
+        document_sha256="d" * 64,
+        kind="text",
+        pages=1,
+        tokens=nbytes // 4,
+        model_id="tiny/model-with-a-long-name",
+        model_spec="tiny",
+        weights_sha256="w" * 64,
+        tokenizer_sha256="t" * 64,
+        kv_preset="tq4",
+        file=f"{eid}.safetensors",
+        bytes=0,
+        created=0.0,
+    )
     with store.lock(eid):
-        entry = store.save(entry, {"tokens": mx.zeros((nbytes // 4,), dtype=mx.int32)},
-                           {"document_name": name})
+        entry = store.save(entry, {"tokens": mx.zeros((nbytes // 4,), dtype=mx.int32)}, {"document_name": name})
     if used is not None:
         store.record_use(eid, used)
     return entry
@@ -54,9 +66,21 @@ def _invoke(*args):
 
 
 # -- the budget setting --------------------------------------------------------------------------
-@pytest.mark.parametrize(("raw", "value"), [
-    ("20GB", 20 * 10**9), ("500MiB", 500 * MiB), ("500M", 500 * MiB), ("1.5GiB", 3 * 2**29),
-    ("123", 123), ("123B", 123), ("2kb", 2000), ("0", 0), ("none", 0), ("unlimited", 0)])
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [
+        ("20GB", 20 * 10**9),
+        ("500MiB", 500 * MiB),
+        ("500M", 500 * MiB),
+        ("1.5GiB", 3 * 2**29),
+        ("123", 123),
+        ("123B", 123),
+        ("2kb", 2000),
+        ("0", 0),
+        ("none", 0),
+        ("unlimited", 0),
+    ],
+)
 def test_budget_setting_parses_sizes(raw, value, monkeypatch):
     monkeypatch.setenv("LONGCTX_MAX_STORE", raw)
     assert config.get("max_store") == value
@@ -121,8 +145,9 @@ def test_a_group_is_one_unit_sized_and_used_as_a_whole(monkeypatch):
     store.record_use(parts[1].id, now - 5)  # one segment asked recently: the whole book is recent
     gid = "9" * 16
     real = Store.entries
-    monkeypatch.setattr(Store, "entries", lambda self: [
-        dataclasses.replace(e, group=gid) if e.name.startswith("book") else e for e in real(self)])
+    monkeypatch.setattr(
+        Store, "entries", lambda self: [dataclasses.replace(e, group=gid) if e.name.startswith("book") else e for e in real(self)]
+    )
     book = next(u for u in budget.units(store.entries(), store.last_used()) if u.key == gid)
     assert book.bytes == sum(p.bytes for p in parts) and book.last_used == now - 5
     ev = budget.evict(store, 3 * MiB + 4096)
@@ -137,8 +162,7 @@ def test_a_group_being_written_or_read_is_skipped_whole(monkeypatch):
     parts = [_put(store, f"book.pdf#{i}", MiB, used=1.0) for i in range(2)]
     gid = "9" * 16
     real = Store.entries
-    monkeypatch.setattr(Store, "entries", lambda self: [dataclasses.replace(e, group=gid)
-                                                        for e in real(self)])
+    monkeypatch.setattr(Store, "entries", lambda self: [dataclasses.replace(e, group=gid) for e in real(self)])
     for busy in (gid, parts[1].id):  # its writer holds the group's lock; a reader one segment's
         with store.read_lock(busy) if busy != gid else store.lock(busy):
             ev = budget.evict(store, 0)
@@ -153,9 +177,16 @@ def test_busy_entries_are_skipped_not_waited_for(tmp_path):
     c = _put(store, "c.txt", MiB, used=3.0)
     # Another process reads a (shared lock); this process writes b (exclusive, another fd).
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR);"
-         "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); time.sleep(60)",
-         str(store.locks / f"{a.id}.lock")], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR);"
+            "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); time.sleep(60)",
+            str(store.locks / f"{a.id}.lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         start = time.monotonic()
@@ -282,8 +313,7 @@ def test_list_table_fits_with_the_last_used_column(width):
 
 
 def test_relative_times():
-    assert [ago(1000 - s, now=1000) for s in (5, 61, 3 * 3600 + 1, 3 * 86400)] == [
-        "just now", "1 min ago", "3 h ago", "3 d ago"]
+    assert [ago(1000 - s, now=1000) for s in (5, 61, 3 * 3600 + 1, 3 * 86400)] == ["just now", "1 min ago", "3 h ago", "3 d ago"]
 
 
 # -- crashes -------------------------------------------------------------------------------------
@@ -291,8 +321,7 @@ def test_a_failure_between_unindexing_and_deleting_leaves_only_orphans(monkeypat
     store = Store()
     parts = [_put(store, f"book.pdf#{i}", MiB, used=1.0) for i in range(2)]
     real = Store.entries
-    monkeypatch.setattr(Store, "entries", lambda self: [dataclasses.replace(e, group="9" * 16)
-                                                        for e in real(self)])
+    monkeypatch.setattr(Store, "entries", lambda self: [dataclasses.replace(e, group="9" * 16) for e in real(self)])
     monkeypatch.setenv("LONGCTX_FAILPOINT", "evict:unindexed:enospc")
     with pytest.raises(OSError):
         budget.evict(store, 0)
@@ -309,8 +338,14 @@ def test_sigkill_mid_eviction_leaves_a_consistent_store(tmp_path):
     new = _put(store, "new.txt", MiB)
     store.close()
     env = {**os.environ, "LONGCTX_FAILPOINT": "evict:unindexed"}
-    proc = subprocess.run([sys.executable, "-m", "longctx", "gc", "--max-size", "1.5MiB"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "longctx", "gc", "--max-size", "1.5MiB"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     raw = Store(cleanup=False)
     assert [e.id for e in raw.entries()] == [new.id]  # unindexed, its file not yet deleted

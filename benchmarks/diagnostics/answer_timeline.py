@@ -43,6 +43,7 @@ QUESTION = 16
 def decode(model, cache, question: list[int], n: int) -> tuple[float, float]:
     """(wall s, model-call s) of n answer tokens after the question, each queued before the
     previous one is read (the question's own pass is not counted)."""
+
     def step(ids):
         return mx.argmax(model(ids, cache=cache)[:, -1, :], axis=-1)
 
@@ -80,6 +81,7 @@ def _profiler():
         torch.cuda.synchronize()
         state["p"].__exit__(None, None, None)
         return summary(trace_kernels(state["p"]), n)
+
     return start, stop
 
 
@@ -91,8 +93,9 @@ def main() -> None:
     ap.add_argument("--kv", nargs="+", default=["fp16", "tq4"])
     ap.add_argument("--answer", type=int, default=32, help="profiled tokens per row")
     ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--host-profile", action="store_true",
-                    help="also cProfile the model calls of one more answer (top 25 by own time)")
+    ap.add_argument(
+        "--host-profile", action="store_true", help="also cProfile the model calls of one more answer (top 25 by own time)"
+    )
     ap.add_argument("--name", default="answer_timeline_h200")
     args = ap.parse_args()
     model, _ = random_model(args.shape, bits=args.bits)
@@ -114,28 +117,37 @@ def main() -> None:
             wall, build = decode(model, fork, question, args.answer)
             if profiler:
                 s = profiler[1](args.answer)
-            s["kernels"] = dict(list(s["kernels"].items())[:args.top])
+            s["kernels"] = dict(list(s["kernels"].items())[: args.top])
             if args.host_profile:
                 import cProfile
                 import pstats
+
                 prof = cProfile.Profile()
                 prof.enable()
                 decode(model, kvcache.fork(cache), question, args.answer)
                 prof.disable()
                 print(f"-- host profile: {kv}, {n} cached tokens", flush=True)
                 pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(25)
-            row = {"shape": args.shape, "weights": f"{args.bits}-bit" if args.bits else "bf16",
-                   "tokens": n, "kv": kv, "answer_tokens": args.answer,
-                   "tok_s_unprofiled": args.answer / wall0,
-                   "unprofiled_wall_ms": 1e3 * wall0 / args.answer,
-                   "unprofiled_build_ms": 1e3 * build0 / args.answer,
-                   "wall_ms": 1e3 * wall / args.answer, "build_ms": 1e3 * build / args.answer,
-                   **s}
+            row = {
+                "shape": args.shape,
+                "weights": f"{args.bits}-bit" if args.bits else "bf16",
+                "tokens": n,
+                "kv": kv,
+                "answer_tokens": args.answer,
+                "tok_s_unprofiled": args.answer / wall0,
+                "unprofiled_wall_ms": 1e3 * wall0 / args.answer,
+                "unprofiled_build_ms": 1e3 * build0 / args.answer,
+                "wall_ms": 1e3 * wall / args.answer,
+                "build_ms": 1e3 * build / args.answer,
+                **s,
+            }
             rows.append(row)
-            print(f"{n:>6} {kv:>6}: {row['tok_s_unprofiled']:6.1f} tok/s; per token wall "
-                  f"{row['wall_ms']:.2f} build {row['build_ms']:.2f} gpu busy "
-                  f"{row['gpu_busy_ms']:.2f} ms, {row['launches_per_call']:.0f} launches",
-                  flush=True)
+            print(
+                f"{n:>6} {kv:>6}: {row['tok_s_unprofiled']:6.1f} tok/s; per token wall "
+                f"{row['wall_ms']:.2f} build {row['build_ms']:.2f} gpu busy "
+                f"{row['gpu_busy_ms']:.2f} ms, {row['launches_per_call']:.0f} launches",
+                flush=True,
+            )
             for name, k in list(s["kernels"].items())[:15]:
                 print(f"      {k['per_call']:>6.1f} x {k['mean_us']:>8.1f} us  {name}")
             del cache, fork

@@ -127,26 +127,28 @@ def main() -> None:
         times = {"fp16": [], args.preset: [], f"{args.preset}_no_plan": []}
         with _prelude.executor(_zeros, as_backend="cuda"):
             for _ in range(PASSES):
-                times["fp16"] += _steps(_fp16_caches(layers, hkv, d, args.prefix), _fp16,
-                                        hkv, hq, d)
-                for label, fn in ((args.preset, replay),
-                                  (f"{args.preset}_no_plan", lambda *a: None)):
+                times["fp16"] += _steps(_fp16_caches(layers, hkv, d, args.prefix), _fp16, hkv, hq, d)
+                for label, fn in ((args.preset, replay), (f"{args.preset}_no_plan", lambda *a: None)):
                     attend_step.replay = fn
                     try:
-                        times[label] += _steps(
-                            _tq_caches(preset, layers, hkv, d, args.prefix), _tq, hkv, hq, d)
+                        times[label] += _steps(_tq_caches(preset, layers, hkv, d, args.prefix), _tq, hkv, hq, d)
                     finally:
                         attend_step.replay = replay
-        row = {"shape": shape, "layers": layers, "heads": [hq, hkv], "head_dim": d,
-               **{f"{k}_us": statistics.median(v) for k, v in times.items()}}
+        row = {
+            "shape": shape,
+            "layers": layers,
+            "heads": [hq, hkv],
+            "head_dim": d,
+            **{f"{k}_us": statistics.median(v) for k, v in times.items()},
+        }
         row["vs_fp16"] = row[f"{args.preset}_us"] / row["fp16_us"]
         row["no_plan_vs_fp16"] = row[f"{args.preset}_no_plan_us"] / row["fp16_us"]
-        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in row.items()), flush=True)
+        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         rows.append(row)
-    path = write(args.name or f"decode_host_{device_kind()}",
-                 {"preset": args.preset, "prefix": args.prefix, "question": QUESTION,
-                  "method": __doc__.split("\n\n")[1], "rows": rows})
+    path = write(
+        args.name or f"decode_host_{device_kind()}",
+        {"preset": args.preset, "prefix": args.prefix, "question": QUESTION, "method": __doc__.split("\n\n")[1], "rows": rows},
+    )
     print(path)
 
 

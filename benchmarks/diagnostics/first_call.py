@@ -78,9 +78,12 @@ def main() -> None:
     for run in range(args.runs):
         for mode in ("0", "question", "1"):
             t = time.perf_counter()
-            out = subprocess.run([sys.executable, "-c", CHILD, entry.id, args.model or "", str(args.steps),
-                                  json.dumps(question), mode], env=dict(os.environ), capture_output=True,
-                                 text=True)
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD, entry.id, args.model or "", str(args.steps), json.dumps(question), mode],
+                env=dict(os.environ),
+                capture_output=True,
+                text=True,
+            )
             if out.returncode:
                 raise SystemExit(out.stderr[-2000:])
             row = json.loads(out.stdout.strip().splitlines()[-1])
@@ -90,10 +93,18 @@ def main() -> None:
     import mlx.core as mx
 
     device = "cpu" if mx.default_device().type == mx.DeviceType.cpu else "gpu"
-    path = write(args.name or f"first_call_{device}", {"model": lm.ref.model_id, "model_spec": args.model,
-                                                        "tokens": len(prefix), "preset": args.preset,
-                                                        "question_tokens": len(question),
-                                                        "steps": args.steps, "runs": results})
+    path = write(
+        args.name or f"first_call_{device}",
+        {
+            "model": lm.ref.model_id,
+            "model_spec": args.model,
+            "tokens": len(prefix),
+            "preset": args.preset,
+            "question_tokens": len(question),
+            "steps": args.steps,
+            "runs": results,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -86,8 +86,13 @@ print(json.dumps(out))
 # folder empty and fills it (MLX its own kernels, longctx its files: `runtime/cuda_kernels`); the
 # next ones find it warm, with the files off (MLX compiles longctx's kernels, as before them) or
 # on (MLX loads them)
-RUNS = (("cold", True, "batched"), ("warm", False, "batched"), ("warm", True, "batched"),
-        ("warm", False, "stepwise"), ("warm", True, "stepwise"))
+RUNS = (
+    ("cold", True, "batched"),
+    ("warm", False, "batched"),
+    ("warm", True, "batched"),
+    ("warm", False, "stepwise"),
+    ("warm", True, "stepwise"),
+)
 
 
 def main() -> None:
@@ -98,8 +103,7 @@ def main() -> None:
     here = str(Path(__file__).resolve().parents[1])  # benchmarks/ (_common), for the child
     rows = []
     for length in args.lengths:
-        with tempfile.TemporaryDirectory(prefix="lc-ptx-") as ptx, \
-                tempfile.TemporaryDirectory(prefix="lc-ptx-mlx-") as mlx_only:
+        with tempfile.TemporaryDirectory(prefix="lc-ptx-") as ptx, tempfile.TemporaryDirectory(prefix="lc-ptx-mlx-") as mlx_only:
             for run, files, question in RUNS:
                 if run == "warm" and not any(Path(mlx_only).iterdir()):
                     # MLX reads any file in its folder, longctx's too: the rows with the files
@@ -108,17 +112,29 @@ def main() -> None:
                         if f.is_file() and not f.name.startswith("custom_kernel_lc_"):
                             shutil.copy2(f, Path(mlx_only) / f.name)
                 env = dict(os.environ, MLX_PTX_CACHE_DIR=ptx if files else mlx_only)
-                p = subprocess.run([sys.executable, "-c", CHILD, str(length), here, question,
-                                    "1" if files else "0"],
-                                   env=env, capture_output=True, text=True, check=False)
+                p = subprocess.run(
+                    [sys.executable, "-c", CHILD, str(length), here, question, "1" if files else "0"],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
                 if p.returncode:
                     sys.exit(f"first_step: the child failed at {length}:\n{p.stderr[-2000:]}")
-                r = {"length": length, "ptx_cache": run, "kernel_files": files,
-                     "question": question, **json.loads(p.stdout.strip().splitlines()[-1])}
+                r = {
+                    "length": length,
+                    "ptx_cache": run,
+                    "kernel_files": files,
+                    "question": question,
+                    **json.loads(p.stdout.strip().splitlines()[-1]),
+                }
                 rows.append(r)
-                print(f"L={length:>7} {run} files={'on ' if files else 'off'} {question:>8}: "
-                      f"question {r['question_s']:.3f} s, first step {r['first_step_s']:.3f} s, "
-                      f"second {r['second_step_s']:.4f} s  {r['kernel_file_stats']}", flush=True)
+                print(
+                    f"L={length:>7} {run} files={'on ' if files else 'off'} {question:>8}: "
+                    f"question {r['question_s']:.3f} s, first step {r['first_step_s']:.3f} s, "
+                    f"second {r['second_step_s']:.4f} s  {r['kernel_file_stats']}",
+                    flush=True,
+                )
     write(args.name or f"first_step_{device_kind()}", {"rows": rows})
 
 

@@ -41,8 +41,7 @@ def _facts(n: int, seed: int) -> list[tuple[str, str]]:
 
 def _cli(*args: str, env: dict) -> tuple[subprocess.CompletedProcess, float]:
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "longctx", *args], capture_output=True, text=True,
-                         env=env, timeout=3600)
+    run = subprocess.run([sys.executable, "-m", "longctx", *args], capture_output=True, text=True, env=env, timeout=3600)
     return run, time.perf_counter() - start
 
 
@@ -85,26 +84,45 @@ def main() -> None:
             rows.append({"key": key, "error": run.stderr.strip()[-300:]})
             continue
         out = json.loads(run.stdout)
-        holder = next(i for i, s in enumerate(group["segments"])
-                      if s["id"] and needle in _segment_text(env, s["id"]))
-        rows.append({"key": key, "value": value, "answer": out["answer"],
-                     "correct": string_match_all(out["answer"], [value]) == 1.0,
-                     "segment": out["segment"], "needle_segment": holder,
-                     "retrieved": out["segment"] == holder, "sources": out["sources"],
-                     "process_seconds": seconds, "restore_seconds": out["restore_seconds"],
-                     "first_token_seconds": out["first_token_seconds"]})
-        print(f"{key:>22}: {'ok ' if rows[-1]['correct'] else 'MISS'} segment {out['segment']} "
-              f"(needle in {holder}) {out['answer'][:40]!r} {seconds:.1f} s", flush=True)
-    payload = {"model": ref.model_id,
-               "tokens": group["tokens"], "segments": len(group["segments"]),
-               "segment_tokens": [s["tokens"] for s in group["segments"]],
-               "ingest_seconds": ingest_s, "ranker": args.ranker, "rows": rows,
-               "correct": sum(r.get("correct", False) for r in rows),
-               "retrieved": sum(r.get("retrieved", False) for r in rows), "facts": len(rows)}
+        holder = next(i for i, s in enumerate(group["segments"]) if s["id"] and needle in _segment_text(env, s["id"]))
+        rows.append(
+            {
+                "key": key,
+                "value": value,
+                "answer": out["answer"],
+                "correct": string_match_all(out["answer"], [value]) == 1.0,
+                "segment": out["segment"],
+                "needle_segment": holder,
+                "retrieved": out["segment"] == holder,
+                "sources": out["sources"],
+                "process_seconds": seconds,
+                "restore_seconds": out["restore_seconds"],
+                "first_token_seconds": out["first_token_seconds"],
+            }
+        )
+        print(
+            f"{key:>22}: {'ok ' if rows[-1]['correct'] else 'MISS'} segment {out['segment']} "
+            f"(needle in {holder}) {out['answer'][:40]!r} {seconds:.1f} s",
+            flush=True,
+        )
+    payload = {
+        "model": ref.model_id,
+        "tokens": group["tokens"],
+        "segments": len(group["segments"]),
+        "segment_tokens": [s["tokens"] for s in group["segments"]],
+        "ingest_seconds": ingest_s,
+        "ranker": args.ranker,
+        "rows": rows,
+        "correct": sum(r.get("correct", False) for r in rows),
+        "retrieved": sum(r.get("retrieved", False) for r in rows),
+        "facts": len(rows),
+    }
     out = _common.write(f"long_document_{_common.device_kind()}", payload)
-    print(f"{payload['tokens']:,} tokens in {payload['segments']} segments, ingest "
-          f"{ingest_s:.1f} s; {payload['correct']}/{len(rows)} correct, {payload['retrieved']}/"
-          f"{len(rows)} from the right segment -> {out}")
+    print(
+        f"{payload['tokens']:,} tokens in {payload['segments']} segments, ingest "
+        f"{ingest_s:.1f} s; {payload['correct']}/{len(rows)} correct, {payload['retrieved']}/"
+        f"{len(rows)} from the right segment -> {out}"
+    )
 
 
 def _segment_text(env: dict, sid: str) -> str:

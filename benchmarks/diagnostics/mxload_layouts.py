@@ -36,11 +36,16 @@ def layouts(rng) -> dict:
 
     per_layer_tag = MU + SINK + IDX + NORM
     return {
-        "format2_240": lambda: {f"{i}.{t}.{p}": arr(n) for i in range(L) for t in "kv"
-                                for p, n in (("mu", MU), ("sink", SINK), ("idx", IDX), ("norm", NORM))},
-        "format3_66": lambda: {**{f"{i}.{t}.idx": arr(IDX) for i in range(L) for t in "kv"},
-                               **{f"turbo.{t}.{p}": arr(L * n) for t in "kv"
-                                  for p, n in (("mu", MU), ("sink", SINK), ("norm", NORM))}},
+        "format2_240": lambda: {
+            f"{i}.{t}.{p}": arr(n)
+            for i in range(L)
+            for t in "kv"
+            for p, n in (("mu", MU), ("sink", SINK), ("idx", IDX), ("norm", NORM))
+        },
+        "format3_66": lambda: {
+            **{f"{i}.{t}.idx": arr(IDX) for i in range(L) for t in "kv"},
+            **{f"turbo.{t}.{p}": arr(L * n) for t in "kv" for p, n in (("mu", MU), ("sink", SINK), ("norm", NORM))},
+        },
         "per_layer_tag_60": lambda: {f"{i}.{t}": arr(per_layer_tag) for i in range(L) for t in "kv"},
         "per_layer_30": lambda: {f"{i}": arr(2 * per_layer_tag) for i in range(L)},
         "chunks_16": lambda: {f"c{j}": arr(2 * L * per_layer_tag // 16) for j in range(16)},
@@ -72,12 +77,20 @@ def main() -> None:
                 load.append(t1 - t)
                 first.append(time.perf_counter() - t1)
                 del d
-            row = {"layout": name, "arrays": n, "bytes": nbytes, "load_ms": 1e3 * min(load),
-                   "load_median_ms": 1e3 * sorted(load)[len(load) // 2],
-                   "first_pass_ms": 1e3 * min(first)}
+            row = {
+                "layout": name,
+                "arrays": n,
+                "bytes": nbytes,
+                "load_ms": 1e3 * min(load),
+                "load_median_ms": 1e3 * sorted(load)[len(load) // 2],
+                "first_pass_ms": 1e3 * min(first),
+            }
             rows.append(row)
-            print(f"{name:>18} {n:4d} arrays: load {row['load_ms']:.2f} ms (median "
-                  f"{row['load_median_ms']:.2f}), first pass {row['first_pass_ms']:.2f} ms", flush=True)
+            print(
+                f"{name:>18} {n:4d} arrays: load {row['load_ms']:.2f} ms (median "
+                f"{row['load_median_ms']:.2f}), first pass {row['first_pass_ms']:.2f} ms",
+                flush=True,
+            )
     device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
     print("wrote", write(args.name or f"mxload_layouts_{device}", {"rows": rows}))
 

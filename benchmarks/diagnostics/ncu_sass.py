@@ -38,8 +38,7 @@ def main() -> None:
     if not rows:
         sys.exit("no rows in the source page's CSV")
     cols = list(rows[0].keys())
-    sample = next((c for c in cols if "Sampling" in c and "All" in c),
-                  next((c for c in cols if "Sampl" in c), None))
+    sample = next((c for c in cols if "Sampling" in c and "All" in c), next((c for c in cols if "Sampl" in c), None))
     if sample is None:
         sys.exit(f"no stall-sampling column among {cols}")
     src = next(c for c in cols if c.strip() == "Source")
@@ -53,9 +52,10 @@ def main() -> None:
             op = r[src].split()[1] if len(r[src].split()) > 1 else op
         op = op.split(".")[0]
         kinds[op] = kinds.get(op, 0.0) + _num(r[sample])
-    print("samples by instruction kind:",
-          ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in
-                    sorted(kinds.items(), key=lambda kv: -kv[1])[:14]))
+    print(
+        "samples by instruction kind:",
+        ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:14]),
+    )
     # where shared-memory wavefronts and global sectors exceed the ideal (bank conflicts,
     # uncoalesced accesses), per instruction
     for col in [c for c in cols if "Excessive" in c]:
@@ -65,14 +65,16 @@ def main() -> None:
         print(f"--- {col}: {tot:.0f} in all; the instructions with most:")
         for i in sorted(range(len(rows)), key=lambda i: -_num(rows[i][col]))[:12]:
             if _num(rows[i][col]):
-                print(f"   {i:5d} {100 * _num(rows[i][col]) / tot:5.1f}%  {_num(rows[i][col]):10.0f}"
-                      + (f"  executed {rows[i][execd]}" if execd else "") + f"  {rows[i][src]}")
+                print(
+                    f"   {i:5d} {100 * _num(rows[i][col]) / tot:5.1f}%  {_num(rows[i][col]):10.0f}"
+                    + (f"  executed {rows[i][execd]}" if execd else "")
+                    + f"  {rows[i][src]}"
+                )
     print("columns:", "; ".join(cols))
-    order = sorted(range(len(rows)), key=lambda i: -_num(rows[i][sample]))[:args.top]
+    order = sorted(range(len(rows)), key=lambda i: -_num(rows[i][sample]))[: args.top]
     for i in sorted(order):
         r = rows[i]
-        print(f"--- #{i} {100 * _num(r[sample]) / total:5.1f}%"
-              + (f"  executed {r[execd]}" if execd else ""))
+        print(f"--- #{i} {100 * _num(r[sample]) / total:5.1f}%" + (f"  executed {r[execd]}" if execd else ""))
         for j in range(max(0, i - args.context), i + 1):
             mark = ">>" if j == i else "  "
             print(f"{mark} {j:5d} {100 * _num(rows[j][sample]) / total:5.1f}%  {rows[j][src]}")

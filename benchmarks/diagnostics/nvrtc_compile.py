@@ -48,8 +48,14 @@ def launches() -> list:
     seen: dict = {}
 
     def record(spec, launch):
-        key = (spec.name, spec.header, spec.source, tuple(launch.template),
-               tuple((a.dtype, a.ndim > 0) for a in launch.inputs), tuple(launch.output_dtypes))
+        key = (
+            spec.name,
+            spec.header,
+            spec.source,
+            tuple(launch.template),
+            tuple((a.dtype, a.ndim > 0) for a in launch.inputs),
+            tuple(launch.output_dtypes),
+        )
         seen.setdefault(key, (spec, launch))
         return _zeros(spec, launch)
 
@@ -65,7 +71,7 @@ def launches() -> list:
                 k = mx.random.normal((1, H, lq, D)).astype(mx.bfloat16)
                 q = mx.random.normal((1, HQ, lq, D)).astype(mx.bfloat16)
                 view, _ = fork.update_and_fetch(k, k)
-                compressed_attention(q, view, D ** -0.5, mask="causal" if lq > 1 else None)
+                compressed_attention(q, view, D**-0.5, mask="causal" if lq > 1 else None)
     return list(seen.values())
 
 
@@ -73,8 +79,7 @@ def main() -> None:
     import kernel_emu
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--nvidia", required=True,
-                    help="folder holding nvidia/cuda_nvrtc, nvidia/cuda_runtime, nvidia/cuda_cccl")
+    ap.add_argument("--nvidia", required=True, help="folder holding nvidia/cuda_nvrtc, nvidia/cuda_runtime, nvidia/cuda_cccl")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--name", default="nvrtc_compile_cpu")
     args = ap.parse_args()
@@ -86,9 +91,14 @@ def main() -> None:
     for spec, launch in launches():
         name = spec.name
         t = time.perf_counter()
-        kernel_emu.nvrtc_check(spec, launch, str(lib),
-                               cccl_include=str(nv / "cuda_cccl" / "include"),
-                               cuda_include=str(nv / "cuda_runtime" / "include"), arch=args.arch)
+        kernel_emu.nvrtc_check(
+            spec,
+            launch,
+            str(lib),
+            cccl_include=str(nv / "cuda_cccl" / "include"),
+            cuda_include=str(nv / "cuda_runtime" / "include"),
+            arch=args.arch,
+        )
         seconds = time.perf_counter() - t
         template = {k: (v if isinstance(v, (int, bool)) else str(v)) for k, v in launch.template}
         rows.append({"kernel": name, "template": template, "seconds": seconds})

@@ -46,12 +46,11 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=4096)
     args = ap.parse_args()
     env = attend.setup(args.length, presets=("tq4",), affine=False)
-    q, view, scale = env["q"], env["tq4"], attend.D ** -0.5
+    q, view, scale = env["q"], env["tq4"], attend.D**-0.5
     for _ in range(2):  # a key's first step traces; the next keeps the compiled plan
         mx.eval(compressed_attention(q, view, scale))
     p = view.plan[0]
-    rows = {"sdpa_fp16_us": us(lambda: mx.fast.scaled_dot_product_attention(
-        q, env["k"], env["v"], scale=scale))}
+    rows = {"sdpa_fp16_us": us(lambda: mx.fast.scaled_dot_product_attention(q, env["k"], env["v"], scale=scale))}
     rows["step_replay_us"] = us(lambda: attend_step.replay(q, view, scale))
     rows["matches_us"] = us(lambda: p.matches(q, view, scale))
     rows["count_us"] = us(lambda: df.count(0))
@@ -66,17 +65,24 @@ def main() -> None:
         parts = [x[i] for i in range(20)]
         mx.eval(parts)
         for n_out, n_in in ((5, 17), (3, 17), (2, 17), (3, 9)):
-            k = mx.fast.cuda_kernel(name=f"lc_stand_in_{n_out}_{n_in}",
-                                    input_names=[f"i{j}" for j in range(n_in)],
-                                    output_names=[f"o{j}" for j in range(n_out)],
-                                    source="o0[0] = i0[0];")
-            node = mx.compile(lambda *ins, k=k, n_out=n_out: k(
-                inputs=list(ins), grid=(32, 1, 1), threadgroup=(32, 1, 1),
-                output_shapes=[(4,)] * n_out, output_dtypes=[mx.float32] * n_out))
+            k = mx.fast.cuda_kernel(
+                name=f"lc_stand_in_{n_out}_{n_in}",
+                input_names=[f"i{j}" for j in range(n_in)],
+                output_names=[f"o{j}" for j in range(n_out)],
+                source="o0[0] = i0[0];",
+            )
+            node = mx.compile(
+                lambda *ins, k=k, n_out=n_out: k(
+                    inputs=list(ins),
+                    grid=(32, 1, 1),
+                    threadgroup=(32, 1, 1),
+                    output_shapes=[(4,)] * n_out,
+                    output_dtypes=[mx.float32] * n_out,
+                )
+            )
             ins = parts[:n_in]
             node(*ins)  # (the trace)
-            rows[f"kernel_node_{n_out}out_{n_in}in_us"] = us(
-                lambda node=node, ins=ins: node(*ins)[0], evaluate=False)
+            rows[f"kernel_node_{n_out}out_{n_in}in_us"] = us(lambda node=node, ins=ins: node(*ins)[0], evaluate=False)
     rows["reshape_us"] = us(lambda: q.reshape(-1))
     print({"length": args.length, **rows})
 

@@ -40,11 +40,20 @@ def main() -> None:
         for n in args.tokens:
             cache = kvcache.make(lm.model, preset)
             s = engine.prefill(lm.model, ids[:n], cache, chunk=args.chunk)
-            rows.append({"kv": kv, "tokens": n, "seconds": s.seconds,
-                         "tokens_per_second": s.tokens_per_second, "peak_bytes": s.peak_bytes})
+            rows.append(
+                {
+                    "kv": kv,
+                    "tokens": n,
+                    "seconds": s.seconds,
+                    "tokens_per_second": s.tokens_per_second,
+                    "peak_bytes": s.peak_bytes,
+                }
+            )
             print(f"{kv:>8} {n:>7} {s.seconds:>8.2f} {s.tokens_per_second:>7.0f} {s.peak_bytes / 2**20:>9.0f}")
-    out = write(args.name or "prefill_cpu" if lm.dtype == "float32" else "prefill_gpu",
-                {"model": lm.ref.model_id, "dtype": lm.dtype, "chunk": args.chunk, "rows": rows})
+    out = write(
+        args.name or "prefill_cpu" if lm.dtype == "float32" else "prefill_gpu",
+        {"model": lm.ref.model_id, "dtype": lm.dtype, "chunk": args.chunk, "rows": rows},
+    )
     print(f"wrote {out}")
 
 

@@ -69,8 +69,7 @@ def _time(make, step, layers: int, hkv: int, hq: int, d: int) -> float:
 
 def _fp16(cache, keys, queries):
     k, v = cache.update_and_fetch(keys, keys)
-    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=queries.shape[3] ** -0.5,
-                                                mask="causal")
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=queries.shape[3] ** -0.5, mask="causal")
 
 
 def _tq(cache, keys, queries):
@@ -90,21 +89,25 @@ def main() -> None:
         cfg = SHAPES[shape]
         layers, d = cfg["num_hidden_layers"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        row = {"shape": shape, "layers": layers, "heads": [hq, hkv], "head_dim": d,
-               "fp16_us": _time(lambda i: KVCache(), _fp16, layers, hkv, hq, d)}
+        row = {
+            "shape": shape,
+            "layers": layers,
+            "heads": [hq, hkv],
+            "head_dim": d,
+            "fp16_us": _time(lambda i: KVCache(), _fp16, layers, hkv, hq, d),
+        }
         with _prelude.executor(_zeros, as_backend="cuda"):
             for label, setting in (("eager", "0"), ("compiled", "1")):
                 paths = Paths(compile=setting, compile_under_executor=True)
-                row[f"{args.preset}_{label}_us"] = _time(lambda i: TurboQuantCache(preset, i, paths),
-                                                         _tq, layers, hkv, hq, d)
+                row[f"{args.preset}_{label}_us"] = _time(lambda i: TurboQuantCache(preset, i, paths), _tq, layers, hkv, hq, d)
         row["compiled_vs_eager"] = row[f"{args.preset}_eager_us"] / row[f"{args.preset}_compiled_us"]
         row["compiled_vs_fp16"] = row[f"{args.preset}_compiled_us"] / row["fp16_us"]
-        print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-              flush=True)
+        print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         rows.append(row)
-    path = write(args.name or f"prefill_host_{device_kind()}",
-                 {"chunk": CHUNK, "preset": args.preset, "method": __doc__.split("\n\n")[1],
-                  "rows": rows})
+    path = write(
+        args.name or f"prefill_host_{device_kind()}",
+        {"chunk": CHUNK, "preset": args.preset, "method": __doc__.split("\n\n")[1], "rows": rows},
+    )
     print(path)
 
 

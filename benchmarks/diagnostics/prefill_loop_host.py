@@ -70,11 +70,22 @@ def main() -> None:
                     if p:  # the first pass of each: warm-up
                         runs[record].append(s)
             rec, per_call = statistics.median(runs[True]), statistics.median(runs[False])
-            rows.append({"shape": shape, "tokens": n, "recorded_s": rec, "model_calls_s": per_call,
-                         "recorded_runs": runs[True], "model_calls_runs": runs[False],
-                         "ratio": rec / per_call})
-            print(f"{shape:>14} {n:>6}: recorded {rec * 1e3:.1f} ms, every pass through the "
-                  f"model's call {per_call * 1e3:.1f} ms ({rec / per_call:.2f}x)", flush=True)
+            rows.append(
+                {
+                    "shape": shape,
+                    "tokens": n,
+                    "recorded_s": rec,
+                    "model_calls_s": per_call,
+                    "recorded_runs": runs[True],
+                    "model_calls_runs": runs[False],
+                    "ratio": rec / per_call,
+                }
+            )
+            print(
+                f"{shape:>14} {n:>6}: recorded {rec * 1e3:.1f} ms, every pass through the "
+                f"model's call {per_call * 1e3:.1f} ms ({rec / per_call:.2f}x)",
+                flush=True,
+            )
     write(args.name or f"prefill_loop_host_{device_kind()}", {"chunk": CHUNK, "rows": rows})
 
 

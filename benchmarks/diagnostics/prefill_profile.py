@@ -62,7 +62,7 @@ def profile(shape: str, length: int) -> dict:
     kn = mx.random.normal((1, hkv, CHUNK, d)).astype(dt)
     vn = mx.random.normal((1, hkv, CHUNK, d)).astype(dt)
     q = mx.random.normal((1, hq, CHUNK, d)).astype(dt)
-    scale = d ** -0.5
+    scale = d**-0.5
     res = {}
 
     fp16 = KVCache()
@@ -77,17 +77,15 @@ def profile(shape: str, length: int) -> dict:
     res["fp16_append"] = timed(fp16_append)
     kk, vv = fp16_append()
     mx.eval(kk, vv)
-    res["fp16_sdpa"] = timed(lambda: mx.fast.scaled_dot_product_attention(
-        q, kk, vv, scale=scale, mask="causal"))
+    res["fp16_sdpa"] = timed(lambda: mx.fast.scaled_dot_product_attention(q, kk, vv, scale=scale, mask="causal"))
 
     tq = TurboQuantCache(get_preset("tq4"), layer=0)
     for lo in range(0, length, 4096):
-        tq.update_and_fetch(k[:, :, lo:lo + 4096], v[:, :, lo:lo + 4096])
+        tq.update_and_fetch(k[:, :, lo : lo + 4096], v[:, :, lo : lo + 4096])
         mx.eval(tq.state)
     kc, vc = tq.codecs()
     x = kn.astype(mx.float32)
-    res["encode_fused" if kc.fused_encode() else "encode_kernel_unavailable"] = timed(
-        lambda: kc.encode(x))
+    res["encode_fused" if kc.fused_encode() else "encode_kernel_unavailable"] = timed(lambda: kc.encode(x))
     saved = codec_mod.VectorCodec.fused_encode
     codec_mod.VectorCodec.fused_encode = lambda self: False
     res["encode_mlx"] = timed(lambda: kc.encode(x))
@@ -99,15 +97,17 @@ def profile(shape: str, length: int) -> dict:
 
     sink_k = kc.rotate(view.sink[0].astype(mx.float32)).astype(mx.float16)
     win_k = kc.rotate(view.window[0].astype(mx.float32)).astype(mx.float16)
-    res["dequant"] = timed(lambda: [
-        dequant(seg_k, kernel_table(kc), bits=4, p=kc.padded_dim, head=sink_k, after=win_k),
-        dequant(seg_v, kernel_table(vc), bits=4, p=vc.padded_dim, head=sink_k, after=win_k)])
+    res["dequant"] = timed(
+        lambda: [
+            dequant(seg_k, kernel_table(kc), bits=4, p=kc.padded_dim, head=sink_k, after=win_k),
+            dequant(seg_v, kernel_table(vc), bits=4, p=vc.padded_dim, head=sink_k, after=win_k),
+        ]
+    )
     dk = dequant(seg_k, kernel_table(kc), bits=4, p=kc.padded_dim, head=sink_k, after=win_k)
     dv = dequant(seg_v, kernel_table(vc), bits=4, p=vc.padded_dim, head=sink_k, after=win_k)
     qr = q.astype(mx.float16)
     mx.eval(dk, dv, qr)
-    res["sdpa_fp16_rot"] = timed(lambda: mx.fast.scaled_dot_product_attention(
-        qr, dk, dv, scale=scale, mask="causal"))
+    res["sdpa_fp16_rot"] = timed(lambda: mx.fast.scaled_dot_product_attention(qr, dk, dv, scale=scale, mask="causal"))
     res["dense_attn"] = timed(lambda: dense_gpu.attention(q, view, scale, "causal"))
 
     def tq4_append():

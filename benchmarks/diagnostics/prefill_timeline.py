@@ -62,17 +62,26 @@ def main() -> None:
                     wall, _, _, build = prefill_once(model, ids, preset, args.chunk, order)
                     torch.cuda.synchronize()
                 s = summary(trace_kernels(prof), chunks)
-                s["kernels"] = dict(list(s["kernels"].items())[:args.top])
-                row = {"shape": shape, "tokens": n, "kv": kv, "chunks": chunks,
-                       "tokens_per_second_unprofiled": n / wall0,
-                       "wall_ms": 1e3 * wall / chunks, "build_ms": 1e3 * build / chunks,
-                       "unprofiled_wall_ms": 1e3 * wall0 / chunks,
-                       "unprofiled_build_ms": 1e3 * build0 / chunks, **s}
+                s["kernels"] = dict(list(s["kernels"].items())[: args.top])
+                row = {
+                    "shape": shape,
+                    "tokens": n,
+                    "kv": kv,
+                    "chunks": chunks,
+                    "tokens_per_second_unprofiled": n / wall0,
+                    "wall_ms": 1e3 * wall / chunks,
+                    "build_ms": 1e3 * build / chunks,
+                    "unprofiled_wall_ms": 1e3 * wall0 / chunks,
+                    "unprofiled_build_ms": 1e3 * build0 / chunks,
+                    **s,
+                }
                 rows.append(row)
-                print(f"{shape:>14} {n:>6} {kv:>6}: {n / wall0:>7.0f} tok/s; per chunk wall "
-                      f"{row['wall_ms']:.2f} build {row['build_ms']:.2f} gpu busy "
-                      f"{row['gpu_busy_ms']:.2f} ms, {row['launches_per_call']:.0f} launches",
-                      flush=True)
+                print(
+                    f"{shape:>14} {n:>6} {kv:>6}: {n / wall0:>7.0f} tok/s; per chunk wall "
+                    f"{row['wall_ms']:.2f} build {row['build_ms']:.2f} gpu busy "
+                    f"{row['gpu_busy_ms']:.2f} ms, {row['launches_per_call']:.0f} launches",
+                    flush=True,
+                )
                 for name, k in list(s["kernels"].items())[:15]:
                     print(f"      {k['per_call']:>6.0f} x {k['mean_us']:>8.1f} us  {name}")
         del model

@@ -45,8 +45,7 @@ def _unit(a: np.ndarray) -> np.ndarray:
 
 def _stats(err: np.ndarray) -> dict:
     se = err.std() / math.sqrt(len(err))
-    return {"bias": float(err.mean()), "z": float(err.mean() / se),
-            "rms": float(np.sqrt(np.mean(err**2)))}
+    return {"bias": float(err.mean()), "z": float(err.mean() / se), "rms": float(np.sqrt(np.mean(err**2)))}
 
 
 def _ip_errors(codec: VectorCodec, q: np.ndarray, k: np.ndarray) -> dict:
@@ -85,8 +84,13 @@ def run(n: int, seed: int) -> list[dict]:
             uh = codec.decode(codec.encode(mx.array(u)))
             mse = float(mx.mean(mx.sum((uh - mx.array(u)) ** 2, axis=-1)))
             row = {
-                "dim": dim, "kind": kind, "bits": spec.bits, "bits2": spec.bits2, "qjl": spec.qjl,
-                "mse": mse, "mse_design": codec.unit_mse,
+                "dim": dim,
+                "kind": kind,
+                "bits": spec.bits,
+                "bits2": spec.bits2,
+                "qjl": spec.qjl,
+                "mse": mse,
+                "mse_design": codec.unit_mse,
                 "mse_gaussian_lloyd_max": GAUSSIAN_LM.get(spec.bits) if kind == "scalar" else None,
                 "turboquant_bound": math.sqrt(3) * math.pi / 2 * 4.0 ** -(spec.bits + spec.bits2),
                 "rand": _ip_errors(codec, q_rand, k_rand),
@@ -108,21 +112,27 @@ def _name(r: dict) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'dim':>4} {'config':<10} {'bits/ch':>7} {'mse':>8} {'design':>8} {'ref':>8} "
-          f"{'rand bias':>10} {'rand rms':>9} {'corr bias':>10} {'(z)':>6} {'corr rms':>9} "
-          f"{'mse-only corr bias':>18}")
+    print(
+        f"{'dim':>4} {'config':<10} {'bits/ch':>7} {'mse':>8} {'design':>8} {'ref':>8} "
+        f"{'rand bias':>10} {'rand rms':>9} {'corr bias':>10} {'(z)':>6} {'corr rms':>9} "
+        f"{'mse-only corr bias':>18}"
+    )
     for r in rows:
         est = "qjl" if r["qjl"] else "mse_only"
         ref = r["mse_gaussian_lloyd_max"] or r.get("mse_shared_stage2")
         ref_s = f"{ref:8.5f}" if ref is not None else f"{'-':>8}"
-        print(f"{r['dim']:>4} {_name(r):<10} {r['bits_per_channel']:>7.3f} {r['mse']:>8.5f} "
-              f"{r['mse_design']:>8.5f} {ref_s} "
-              f"{r['rand'][est]['bias']:>10.5f} {r['rand'][est]['rms']:>9.5f} "
-              f"{r['corr'][est]['bias']:>10.5f} {r['corr'][est]['z']:>6.1f} "
-              f"{r['corr'][est]['rms']:>9.5f} {r['corr']['mse_only']['bias']:>18.5f}")
-    print("ref: Gaussian Lloyd-Max d*MSE for scalar rows, shared-stage-2 MSE for rvq rows. "
-          "Biases and RMS are of q.k_hat - q.k for unit q, k (corr: q.k ~ 0.8); "
-          "qjl rows include the QJL correction, whose MSE-only bias is in the last column.")
+        print(
+            f"{r['dim']:>4} {_name(r):<10} {r['bits_per_channel']:>7.3f} {r['mse']:>8.5f} "
+            f"{r['mse_design']:>8.5f} {ref_s} "
+            f"{r['rand'][est]['bias']:>10.5f} {r['rand'][est]['rms']:>9.5f} "
+            f"{r['corr'][est]['bias']:>10.5f} {r['corr'][est]['z']:>6.1f} "
+            f"{r['corr'][est]['rms']:>9.5f} {r['corr']['mse_only']['bias']:>18.5f}"
+        )
+    print(
+        "ref: Gaussian Lloyd-Max d*MSE for scalar rows, shared-stage-2 MSE for rvq rows. "
+        "Biases and RMS are of q.k_hat - q.k for unit q, k (corr: q.k ~ 0.8); "
+        "qjl rows include the QJL correction, whose MSE-only bias is in the last column."
+    )
 
 
 def main() -> None:
@@ -132,8 +142,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = run(args.n, args.seed)
     print_table(rows)
-    out = write("quant_distortion", {"n": args.n, "seed": args.seed, "correlation": 0.8,
-                                     "rows": rows})
+    out = write("quant_distortion", {"n": args.n, "seed": args.seed, "correlation": 0.8, "rows": rows})
     print(f"wrote {out}", file=sys.stderr)
 
 

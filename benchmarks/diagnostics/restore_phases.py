@@ -77,18 +77,27 @@ def main() -> None:
             pending.wait()
             lap("c_verify_wait", t)
             del cache, arrays
-        row = {"tokens": len(prefix), "question_tokens": len(question), "preset": args.preset,
-               "b_bytes": path.stat().st_size, "c_bytes": entry.bytes,
-               **{k: min(v) for k, v in times.items()}, "all_s": times}
+        row = {
+            "tokens": len(prefix),
+            "question_tokens": len(question),
+            "preset": args.preset,
+            "b_bytes": path.stat().st_size,
+            "c_bytes": entry.bytes,
+            **{k: min(v) for k, v in times.items()},
+            "all_s": times,
+        }
         row["b_total"] = row["b_load"] + row["b_question"]
-        row["c_total"] = sum(row[k] for k in ("c_open", "c_read", "c_rebuild", "c_decode_once",
-                                              "c_question", "c_verify_wait"))
+        row["c_total"] = sum(row[k] for k in ("c_open", "c_read", "c_rebuild", "c_decode_once", "c_question", "c_verify_wait"))
         rows.append(row)
-        print(f"N={row['tokens']}: " + " ".join(f"{k} {row[k] * 1e3:.1f}ms" for k in row
-                                                 if k.startswith(("b_", "c_")) and not k.endswith("bytes")))
+        print(
+            f"N={row['tokens']}: "
+            + " ".join(f"{k} {row[k] * 1e3:.1f}ms" for k in row if k.startswith(("b_", "c_")) and not k.endswith("bytes"))
+        )
     device = "cpu" if lm.dtype == "float32" else "gpu"
-    out = write(args.name or f"restore_phases_{device}", {"model": lm.ref.model_id, "model_spec": args.model,
-                                                         "dtype": lm.dtype, "question": QUESTION, "rows": rows})
+    out = write(
+        args.name or f"restore_phases_{device}",
+        {"model": lm.ref.model_id, "model_spec": args.model, "dtype": lm.dtype, "question": QUESTION, "rows": rows},
+    )
     print(f"wrote {out}")
 
 

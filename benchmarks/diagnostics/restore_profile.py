@@ -60,13 +60,16 @@ def read_variants(path: Path, repeat: int) -> dict:
                         hashlib.sha256(buf).hexdigest()
                     if kind >= 2:
                         mx.eval(mx.array(buf))
+
             return run
 
         def threaded(kind, workers):
             groups = [tensors[i::workers] for i in range(workers)]
+
             def go():
                 with ThreadPoolExecutor(workers) as pool:
                     list(pool.map(job(kind), groups))
+
             return go
 
         res = {}
@@ -111,8 +114,7 @@ def reader_paths(path: Path, repeat: int) -> dict:
             with ThreadPoolExecutor(8) as pool:
                 bufs = list(pool.map(r._read, tensors))
             t1 = time.perf_counter()
-            arrays = [mx.array(b.view(np.dtype(fmt.DTYPES[t_.dtype][1])).reshape(t_.shape))
-                      for b, t_ in zip(bufs, tensors)]
+            arrays = [mx.array(b.view(np.dtype(fmt.DTYPES[t_.dtype][1])).reshape(t_.shape)) for b, t_ in zip(bufs, tensors)]
             mx.eval(arrays)
             t2 = time.perf_counter()
             parts.setdefault("numpy_w8_pread", []).append(t1 - t)
@@ -127,18 +129,18 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
     kv = layer.view()
     B, Hkv = kv.value_mean.shape[:2]
     q = mx.random.normal((B, n_q_heads, lq, head_dim)).astype(mx.float16)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     mask = "causal" if lq > 1 else None
     # the question's own tokens as the exact window, as `ask` has them
     win = (mx.random.normal((B, Hkv, lq, head_dim)), mx.random.normal((B, Hkv, lq, head_dim)))
-    kv = CompressedKV(kv.key_codec, kv.value_codec, kv.segments, kv.offset + lq, kv.value_mean,
-                      win, kv.sink, None)
+    kv = CompressedKV(kv.key_codec, kv.value_codec, kv.segments, kv.offset + lq, kv.value_mean, win, kv.sink, None)
     res = {}
 
     for mode in ("0", "1"):
         view = dataclasses.replace(kv, paths=Paths(compile=mode))
         res[f"compressed_attention_compile{mode}"] = best(
-            lambda: mx.eval(attention.compressed_attention(q, view, scale, mask=mask)), repeat)
+            lambda: mx.eval(attention.compressed_attention(q, view, scale, mask=mask)), repeat
+        )
 
     kc, vc = kv.key_codec, kv.value_codec
     q_rot = kc.rotate(q.astype(mx.float32)).reshape(B, Hkv, -1, kc.padded_dim)
@@ -147,8 +149,8 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
     tables = (attention.kernel_table(kc), attention.kernel_table(vc))
 
     def kernel_only():
-        mx.eval(attend_blocked._fused_segment(kc, vc, tables, q_rot, None, seg_k, seg_v, scale,
-                                              lq, None))
+        mx.eval(attend_blocked._fused_segment(kc, vc, tables, q_rot, None, seg_k, seg_v, scale, lq, None))
+
     res["fused_segment_only"] = best(kernel_only, repeat)
 
     segs = [(k, v) for k, v, _ in kv.segments]
@@ -156,18 +158,31 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
 
     def traced(q, segs, win, sink, mean):
         # the whole function compiled from outside, as a check (its paths eager inside)
-        view = CompressedKV(kc, vc, tuple((k, v, n) for (k, v), n in zip(segs, lengths)),
-                            kv.offset, mean, tuple(win), tuple(sink), None, paths=Paths(compile="0"))
+        view = CompressedKV(
+            kc,
+            vc,
+            tuple((k, v, n) for (k, v), n in zip(segs, lengths)),
+            kv.offset,
+            mean,
+            tuple(win),
+            tuple(sink),
+            None,
+            paths=Paths(compile="0"),
+        )
         return attention.compressed_attention(q, view, scale, mask=mask)
 
     compiled = mx.compile(traced)
     try:
+
         def run_compiled():
             mx.eval(compiled(q, segs, list(win), list(kv.sink), kv.value_mean))
+
         run_compiled()
         res["compiled_attention"] = best(run_compiled, repeat)
-        diff = mx.abs(compiled(q, segs, list(win), list(kv.sink), kv.value_mean).astype(mx.float32)
-                      - attention.compressed_attention(q, kv, scale, mask=mask).astype(mx.float32))
+        diff = mx.abs(
+            compiled(q, segs, list(win), list(kv.sink), kv.value_mean).astype(mx.float32)
+            - attention.compressed_attention(q, kv, scale, mask=mask).astype(mx.float32)
+        )
         res["compiled_max_abs_diff"] = float(diff.max())
     except Exception as err:  # compile may refuse the custom kernel: record why
         res["compiled_attention_error"] = f"{type(err).__name__}: {err}"
@@ -180,6 +195,7 @@ def attention_variants(cache: list, head_dim: int, n_q_heads: int, lq: int, repe
 
     def sdpa():
         mx.eval(mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask))
+
     res["sdpa_fp16"] = best(sdpa, repeat)
     res["q_heads_per_kv"] = r
     return res
@@ -209,8 +225,11 @@ def decode_variants(lm, cache: list, question: list[int], steps: int) -> dict:
 
 
 def main() -> None:
-    args, home, lm = setup([8000], "profile", lambda ap: ap.add_argument(
-        "--quick", action="store_true", help="only the shipped reader paths and the attention"))
+    args, home, lm = setup(
+        [8000],
+        "profile",
+        lambda ap: ap.add_argument("--quick", action="store_true", help="only the shipped reader paths and the attention"),
+    )
     preset = kvcache.get_preset(args.preset)
     rows = []
     for n in args.tokens:
@@ -230,8 +249,7 @@ def main() -> None:
         args_ = lm.model.args
         head_dim = getattr(args_, "head_dim", None) or args_.hidden_size // args_.num_attention_heads
         for lq in (16, 1):
-            row[f"attention_lq{lq}"] = attention_variants(cache, head_dim, args_.num_attention_heads,
-                                                          lq, args.repeat * 4)
+            row[f"attention_lq{lq}"] = attention_variants(cache, head_dim, args_.num_attention_heads, lq, args.repeat * 4)
         if not args.quick:
             row["decode"] = decode_variants(lm, cache, question, 32)
             print(n, "decode", row["decode"], flush=True)
@@ -239,12 +257,13 @@ def main() -> None:
         for part in ("read", "attention_lq16", "attention_lq1"):
             if part not in row:
                 continue
-            print(n, part, {k: (round(v * 1e3, 2) if isinstance(v, float) else v)
-                            for k, v in row[part].items()}, flush=True)
+            print(n, part, {k: (round(v * 1e3, 2) if isinstance(v, float) else v) for k, v in row[part].items()}, flush=True)
         del cache, arrays
     device = "cpu" if lm.dtype == "float32" else "gpu"
-    out = write(args.name or f"restore_profile_{device}", {"model": lm.ref.model_id, "model_spec": args.model,
-                                                          "dtype": lm.dtype, "rows": rows})
+    out = write(
+        args.name or f"restore_profile_{device}",
+        {"model": lm.ref.model_id, "model_spec": args.model, "dtype": lm.dtype, "rows": rows},
+    )
     print(f"wrote {out}")
 
 

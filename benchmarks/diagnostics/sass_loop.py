@@ -41,6 +41,7 @@ def _cuobjdump(given: str | None) -> str:
         return found
     try:
         import nvidia  # the pip wheel's namespace package
+
         for base in nvidia.__path__:
             for cand in Path(base).glob("*/bin/cuobjdump"):
                 return str(cand)
@@ -69,13 +70,11 @@ def launches(length: int = 4096) -> dict:
     c = TurboQuantCache(preset, 0)
     c.update_and_fetch(k, k)
     c.seal()
-    fork = TurboQuantCache.from_arrays(preset, 0, c.arrays(), 128,
-                                       Paths(compile_under_executor=True)).fork(exact_new=1024)
+    fork = TurboQuantCache.from_arrays(preset, 0, c.arrays(), 128, Paths(compile_under_executor=True)).fork(exact_new=1024)
     fork.update_and_fetch(k[:, :, :16], k[:, :, :16])
     with _prelude.executor(capture, as_backend="cuda"):
         view, _ = fork.update_and_fetch(k[:, :, :1], k[:, :, :1])
-        mx.eval(attend_step.attention(mx.zeros((1, 32, 1, 128), dtype=mx.bfloat16), view,
-                                      128 ** -0.5))
+        mx.eval(attend_step.attention(mx.zeros((1, 32, 1, 128), dtype=mx.bfloat16), view, 128**-0.5))
     return got
 
 
@@ -113,8 +112,7 @@ def main() -> None:
     ap.add_argument("--kernel", default=None, help="only this kernel (default: every launch)")
     ap.add_argument("--cuobjdump", default=None)
     ap.add_argument("--dump", default=None, help="write the (last) kernel's SASS here")
-    ap.add_argument("--length", type=int, default=4096,
-                    help="cached tokens (from 32768 the whole step hands keys out)")
+    ap.add_argument("--length", type=int, default=4096, help="cached tokens (from 32768 the whole step hands keys out)")
     args = ap.parse_args()
     if shutil.which("nvcc") is None:
         sys.exit("nvcc not on PATH")
@@ -128,18 +126,18 @@ def main() -> None:
         res = [x.strip() for x in report.splitlines() if "registers" in x or "spill" in x]
         src = kernel_emu.cuda_source(spec, launch)
         cubin = kernel_emu.BUILD / f"c_{hashlib.sha1(src.encode()).hexdigest()[:16]}.cubin"
-        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
+        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
         if args.dump:
             Path(args.dump).write_text(sass)
         ins = parse(sass)
         print(f"{name}: {len(ins)} instructions; " + "; ".join(res))
         for h, body in mma_loops(ins)[:4]:
-            mix = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
-                          for _, t in body)
+            mix = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in body)
             pred = sum(t.startswith("@") for _, t in body)
-            print(f"  loop at {body[0][0]:#x}: {len(body)} instructions, {h} MMAs, {pred} "
-                  f"predicated: " + ", ".join(f"{k} {v}" for k, v in mix.most_common(12)))
+            print(
+                f"  loop at {body[0][0]:#x}: {len(body)} instructions, {h} MMAs, {pred} "
+                f"predicated: " + ", ".join(f"{k} {v}" for k, v in mix.most_common(12))
+            )
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ def answer_step(kind, k, v, q, scale, portable=False):
         def fp16_step():
             keys, values = fp16.update_and_fetch(one, one)
             return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
+
         return fp16_step
     preset = get_preset(kind)
     c = TurboQuantCache(preset, 0)
@@ -110,6 +111,7 @@ def answer_step(kind, k, v, q, scale, portable=False):
     def tq_step():
         view, _ = tq.update_and_fetch(one, one)
         return (attend._portable if portable else compressed_attention)(q, view, scale)
+
     return tq_step
 
 
@@ -119,8 +121,7 @@ def trace_kernels(prof) -> list:
         path = Path(d) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    return sorted((e["ts"], e["ts"] + e["dur"], _short(e["name"])) for e in events
-                  if e.get("cat") == "kernel" and "dur" in e)
+    return sorted((e["ts"], e["ts"] + e["dur"], _short(e["name"])) for e in events if e.get("cat") == "kernel" and "dur" in e)
 
 
 def summary(ks: list, calls: int) -> dict:
@@ -135,11 +136,14 @@ def summary(ks: list, calls: int) -> dict:
     for a, b, n in ks:
         c, tot = names.get(n, (0, 0.0))
         names[n] = (c + 1, tot + (b - a))
-    return {"gpu_busy_ms": busy / 1e3 / calls,
-            "gpu_span_ms": (ks[-1][1] - ks[0][0]) / 1e3 / calls if ks else 0.0,
-            "launches_per_call": len(ks) / calls,
-            "kernels": {n: {"per_call": c / calls, "mean_us": tot / c}
-                        for n, (c, tot) in sorted(names.items(), key=lambda x: -x[1][1])}}
+    return {
+        "gpu_busy_ms": busy / 1e3 / calls,
+        "gpu_span_ms": (ks[-1][1] - ks[0][0]) / 1e3 / calls if ks else 0.0,
+        "launches_per_call": len(ks) / calls,
+        "kernels": {
+            n: {"per_call": c / calls, "mean_us": tot / c} for n, (c, tot) in sorted(names.items(), key=lambda x: -x[1][1])
+        },
+    }
 
 
 def host_profile(fn, calls: int = 3000) -> None:
@@ -158,41 +162,46 @@ def host_profile(fn, calls: int = 3000) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 32768, 131072])
-    ap.add_argument("--host-profile", action="store_true",
-                    help="also cProfile the host's graph building of the tq4 step (top 20)")
-    ap.add_argument("--methods", nargs="*", default=None,
-                    help="only these rows (e.g. fp16_sdpa fused_tq4 answer_fp16 answer_tq4; "
-                         "each also as its layers32_ row where it has one)")
+    ap.add_argument(
+        "--host-profile", action="store_true", help="also cProfile the host's graph building of the tq4 step (top 20)"
+    )
+    ap.add_argument(
+        "--methods",
+        nargs="*",
+        default=None,
+        help="only these rows (e.g. fp16_sdpa fused_tq4 answer_fp16 answer_tq4; each also as its layers32_ row where it has one)",
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--name", default="step_timeline_h200")
     args = ap.parse_args()
     rows = []
     for s in args.lengths:
         env = attend.setup(s, presets=("tq4",), affine=False)
-        q, k, v, view, scale = env["q"], env["k"], env["v"], env["tq4"], attend.D ** -0.5
-        methods = [("fp16_sdpa", lambda: mx.fast.scaled_dot_product_attention(
-                        q, k, v, scale=scale)),
-                   ("fused_tq4", lambda: compressed_attention(q, view, scale)),
-                   ("fused_tq4_portable", lambda: attend._portable(q, view, scale))]
+        q, k, v, view, scale = env["q"], env["k"], env["v"], env["tq4"], attend.D**-0.5
+        methods = [
+            ("fp16_sdpa", lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)),
+            ("fused_tq4", lambda: compressed_attention(q, view, scale)),
+            ("fused_tq4_portable", lambda: attend._portable(q, view, scale)),
+        ]
         # as a model's layer steps while answering: the cache update (one token into the window
         # after a 16-token question) and attention, fp16 vs tq4 (one layer; no layers32 row),
         # each on a cache of its own (its window grows by the calls' tokens); tq4 also with the
         # portable kernel (Metal's)
-        methods += [("answer_fp16", ("fp16", False)), ("answer_tq4", ("tq4", False)),
-                    ("answer_tq4_portable", ("tq4", True))]
+        methods += [("answer_fp16", ("fp16", False)), ("answer_tq4", ("tq4", False)), ("answer_tq4_portable", ("tq4", True))]
         if args.methods is not None:
             methods = [m for m in methods if m[0] in args.methods]
         for label, fn in methods:
             if isinstance(fn, tuple):
                 fn = answer_step(fn[0], k, v, q, scale, portable=fn[1])
-            for per_eval, tag in ((1, ""),) + (() if label.startswith("answer_")
-                                                else ((32, "layers32_"),)):
+            for per_eval, tag in ((1, ""),) + (() if label.startswith("answer_") else ((32, "layers32_"),)):
                 r = timeline(fn, args.steps if per_eval == 1 else 4, per_eval)
                 rows.append({"S": s, "method": tag + label, **r})
-                print(f"S={s:>6} {tag + label:<30} wall {r['wall_ms']:.4f} build "
-                      f"{r['build_ms']:.4f} gpu {r['gpu_busy_ms']:.4f} ms  " +
-                      ", ".join(f"{n} {x['per_call']:.0f}x{x['mean_us']:.1f}us"
-                                for n, x in r["kernels"].items()), flush=True)
+                print(
+                    f"S={s:>6} {tag + label:<30} wall {r['wall_ms']:.4f} build "
+                    f"{r['build_ms']:.4f} gpu {r['gpu_busy_ms']:.4f} ms  "
+                    + ", ".join(f"{n} {x['per_call']:.0f}x{x['mean_us']:.1f}us" for n, x in r["kernels"].items()),
+                    flush=True,
+                )
         if args.host_profile:
             host_profile(lambda: compressed_attention(q, view, scale))
         del env

@@ -15,7 +15,6 @@ def environment() -> dict:
 
     import mlx.core as mx
 
-
     def version(pkg: str) -> str:
         try:
             return md.version(pkg)
@@ -25,10 +24,16 @@ def environment() -> dict:
     device = mx.default_device()
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.node(), "platform": platform.platform(), "processor": platform.machine(),
-        "cpus": os.cpu_count(), "python": sys.version.split()[0],
-        "backend": str(device), "mlx": version("mlx"), "mlx_lm": version("mlx-lm"),
-        "longctx": longctx.__version__, "blas": longctx.BLAS_STATUS,
+        "machine": platform.node(),
+        "platform": platform.platform(),
+        "processor": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "backend": str(device),
+        "mlx": version("mlx"),
+        "mlx_lm": version("mlx-lm"),
+        "longctx": longctx.__version__,
+        "blas": longctx.BLAS_STATUS,
     }
     if device.type == mx.DeviceType.gpu:
         try:

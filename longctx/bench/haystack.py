@@ -52,11 +52,16 @@ def load_corpus(directory: Path | None = None) -> list[list[Unit]]:
             README files are skipped.
     """
     directory = Path(directory or CORPUS_DIR)
-    files = sorted(p for p in directory.glob("*") if p.suffix in (".md", ".txt")
-                   and not p.name.upper().startswith("README")) if directory.is_dir() else []
+    files = (
+        sorted(p for p in directory.glob("*") if p.suffix in (".md", ".txt") and not p.name.upper().startswith("README"))
+        if directory.is_dir()
+        else []
+    )
     if not files:
-        raise ConfigError(f"No haystack prose (.md/.txt files) in {directory}; pass a folder of "
-                          "prose, or run from a source checkout that has samples/haystack/.")
+        raise ConfigError(
+            f"No haystack prose (.md/.txt files) in {directory}; pass a folder of "
+            "prose, or run from a source checkout that has samples/haystack/."
+        )
     essays = []
     for path in files:
         units = []
@@ -108,9 +113,16 @@ def _render(units: list[Unit], n: int, needles: Sequence[str], where: list[int],
     return "".join(parts).rstrip(), offsets
 
 
-def build(essays: list[list[Unit]], needles: Sequence[str], depths: Sequence[float], target_tokens: int,
-          count: Callable[[str], int], piece_tokens: Callable[[str], int], seed: int,
-          preamble: str = "") -> Haystack:
+def build(
+    essays: list[list[Unit]],
+    needles: Sequence[str],
+    depths: Sequence[float],
+    target_tokens: int,
+    count: Callable[[str], int],
+    piece_tokens: Callable[[str], int],
+    seed: int,
+    preamble: str = "",
+) -> Haystack:
     """A haystack of at most `target_tokens` (as `count` measures) with `needles` at `depths`.
 
     Args:

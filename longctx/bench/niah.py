@@ -45,12 +45,62 @@ DOC_NAME = "haystack.txt"
 # Where a base model's answer runs on into the prompt's structure (a made-up next question, the
 # document again): cut there, so copying the document back can never score.
 STOPS = ("\nQuestion", "<document", "</document>", "Some special magic")
-_ADJECTIVES = ("amber", "brisk", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy",
-               "jolly", "keen", "lofty", "mellow", "nimble", "olive", "plain", "quiet", "rustic",
-               "silver", "tidy", "upper", "vivid", "woolly", "young", "zesty", "bold", "crisp")
-_NOUNS = ("anchor", "badger", "candle", "delta", "ember", "falcon", "garden", "harbor", "island",
-          "jacket", "kettle", "lantern", "meadow", "needle", "orchard", "pebble", "quarry",
-          "ribbon", "saddle", "thistle", "umbrella", "valley", "willow", "yarrow", "zephyr")
+_ADJECTIVES = (
+    "amber",
+    "brisk",
+    "calm",
+    "dusty",
+    "eager",
+    "faint",
+    "gentle",
+    "hollow",
+    "icy",
+    "jolly",
+    "keen",
+    "lofty",
+    "mellow",
+    "nimble",
+    "olive",
+    "plain",
+    "quiet",
+    "rustic",
+    "silver",
+    "tidy",
+    "upper",
+    "vivid",
+    "woolly",
+    "young",
+    "zesty",
+    "bold",
+    "crisp",
+)
+_NOUNS = (
+    "anchor",
+    "badger",
+    "candle",
+    "delta",
+    "ember",
+    "falcon",
+    "garden",
+    "harbor",
+    "island",
+    "jacket",
+    "kettle",
+    "lantern",
+    "meadow",
+    "needle",
+    "orchard",
+    "pebble",
+    "quarry",
+    "ribbon",
+    "saddle",
+    "thistle",
+    "umbrella",
+    "valley",
+    "willow",
+    "yarrow",
+    "zephyr",
+)
 # Answer budgets in tokens: a 7-digit number is up to 7 tokens, a UUID up to ~36.
 _MAX_TOKENS = {"single": 24, "uuid": 56, "multikey": 24, "multivalue": 72}
 
@@ -196,8 +246,11 @@ class _Keys:
 
     def value(self, task: str) -> str:
         while True:
-            v = str(uuid.UUID(int=self.rng.getrandbits(128), version=4)) if task == "uuid" \
+            v = (
+                str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
+                if task == "uuid"
                 else str(self.rng.randint(1_000_000, 9_999_999))
+            )
             if v not in self.used:
                 self.used.add(v)
                 return v
@@ -210,12 +263,23 @@ def _needle(task: str, key: str, value: str) -> str:
 
 def _preamble(task: str) -> str:
     kind = "uuids" if task == "uuid" else "numbers"
-    return (f"Some special magic {kind} are hidden within the following text. Make sure to "
-            f"memorize it. I will quiz you about the {kind} afterwards.\n\n")
+    return (
+        f"Some special magic {kind} are hidden within the following text. Make sure to "
+        f"memorize it. I will quiz you about the {kind} afterwards.\n\n"
+    )
 
 
-def make_case(task: str, length: int, depths: list[float], sample: int, seed: int, tokenizer,
-              essays: list, budget: int, piece_tokens: Callable[[str], int]) -> Case:
+def make_case(
+    task: str,
+    length: int,
+    depths: list[float],
+    sample: int,
+    seed: int,
+    tokenizer,
+    essays: list,
+    budget: int,
+    piece_tokens: Callable[[str], int],
+) -> Case:
     """Build the haystack document of one (task, length, depths, sample): deterministic in `seed`.
 
     Args:
@@ -250,10 +314,8 @@ def make_case(task: str, length: int, depths: list[float], sample: int, seed: in
     def count(text: str) -> int:
         return len(prompt.prefix_tokens(tokenizer, prompt.layout(tokenizer, DOC_NAME, text)))
 
-    h = hay.build(essays, needles, where, budget, count, piece_tokens, rng.randrange(1 << 30),
-                  preamble=_preamble(task))
-    return Case(task, length, sample, h.text, h.tokens, tuple(p for p, _ in probes),
-                tuple(h.depths[i] for _, i in probes))
+    h = hay.build(essays, needles, where, budget, count, piece_tokens, rng.randrange(1 << 30), preamble=_preamble(task))
+    return Case(task, length, sample, h.text, h.tokens, tuple(p for p, _ in probes), tuple(h.depths[i] for _, i in probes))
 
 
 def cut_answer(text: str) -> str:
@@ -271,11 +333,22 @@ def _ask(probe: Probe, entry_id: str, model: str, max_tokens: int) -> tuple[str,
     return cut_answer(answer.text), answer, time.perf_counter() - start
 
 
-def run(model: str | None = None, task: str = "single", lengths=DEFAULT_LENGTHS,
-        depths=DEFAULT_DEPTHS, presets=("fp16", "tq4"), samples: int = 1, seed: int = 0,
-        workdir: str | Path = "niah-work", shared: bool = False, keep: bool = False,
-        progress: Progress | None = None, on_cell: Callable[[Cell], None] | None = None,
-        corpus: str | Path | None = None, budget_seconds: float | None = None) -> Results:
+def run(
+    model: str | None = None,
+    task: str = "single",
+    lengths=DEFAULT_LENGTHS,
+    depths=DEFAULT_DEPTHS,
+    presets=("fp16", "tq4"),
+    samples: int = 1,
+    seed: int = 0,
+    workdir: str | Path = "niah-work",
+    shared: bool = False,
+    keep: bool = False,
+    progress: Progress | None = None,
+    on_cell: Callable[[Cell], None] | None = None,
+    corpus: str | Path | None = None,
+    budget_seconds: float | None = None,
+) -> Results:
     """Run the NIAH grid through `session.ingest` / `asking.ask`.
 
     Args:
@@ -313,10 +386,20 @@ def run(model: str | None = None, task: str = "single", lengths=DEFAULT_LENGTHS,
         lm = models.load(ref)
         ctx = lm.context_length
         todo = sorted({int(n) for n in lengths})
-        results = Results(task, model or models.DEFAULT_MODEL, named.model_id, ctx,
-                          [n for n in todo if n <= ctx], list(depths), presets, samples, seed, shared,
-                          rope_scaling=models.rope_scaling(named),
-                          skipped_lengths=[n for n in todo if n > ctx])
+        results = Results(
+            task,
+            model or models.DEFAULT_MODEL,
+            named.model_id,
+            ctx,
+            [n for n in todo if n <= ctx],
+            list(depths),
+            presets,
+            samples,
+            seed,
+            shared,
+            rope_scaling=models.rope_scaling(named),
+            skipped_lengths=[n for n in todo if n > ctx],
+        )
         sentence_tokens: dict[str, int] = {}
 
         def piece_tokens(s: str) -> int:
@@ -344,12 +427,25 @@ def run(model: str | None = None, task: str = "single", lengths=DEFAULT_LENGTHS,
                     e = ing.entry
                     for probe, depth in zip(case.probes, case.needle_depths):
                         text, ans, seconds = _ask(probe, e.id, spec, _MAX_TOKENS[task])
-                        cell = Cell(task, preset, n, probe.depth, s, e.tokens, round(depth, 4),
-                                    probe.question, list(probe.answers), text,
-                                    string_match_all(text, probe.answers), round(seconds, 4),
-                                    round(ans.first_token_seconds, 4), round(ans.restore_seconds, 4),
-                                    round(ing.stats.seconds if ing.stats else 0.0, 4), e.bytes,
-                                    e.bits_per_channel)
+                        cell = Cell(
+                            task,
+                            preset,
+                            n,
+                            probe.depth,
+                            s,
+                            e.tokens,
+                            round(depth, 4),
+                            probe.question,
+                            list(probe.answers),
+                            text,
+                            string_match_all(text, probe.answers),
+                            round(seconds, 4),
+                            round(ans.first_token_seconds, 4),
+                            round(ans.restore_seconds, 4),
+                            round(ing.stats.seconds if ing.stats else 0.0, 4),
+                            e.bytes,
+                            e.bits_per_channel,
+                        )
                         results.cells.append(cell)
                         if on_cell:
                             on_cell(cell)

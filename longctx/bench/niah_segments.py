@@ -154,8 +154,11 @@ class Results:
     seconds: float = 0.0
 
     def select(self, ranker: str, task: str | None = None, length: int | None = None) -> list[Cell]:
-        return [c for c in self.cells if c.ranker == ranker and (task is None or c.task == task)
-                and (length is None or c.length == length)]
+        return [
+            c
+            for c in self.cells
+            if c.ranker == ranker and (task is None or c.task == task) and (length is None or c.length == length)
+        ]
 
     def grid(self, ranker: str, task: str, metric: str = "score") -> list[list[float | None]]:
         """Mean `metric` ("score", "recall_at_1", "recall_at_2") per [depth][length]."""
@@ -197,11 +200,14 @@ def _stats(cells: list[Cell]) -> dict:
     if not cells:
         return {}
     mean = lambda xs: round(sum(xs) / len(xs), 4)  # noqa: E731
-    return {"recall_at_1": mean([c.recall_at_1 for c in cells]),
-            "recall_at_2": mean([c.recall_at_2 for c in cells]),
-            "accuracy": mean([c.score for c in cells]), "cells": len(cells),
-            "mean_restore_seconds": mean([c.restore_seconds for c in cells]),
-            "mean_first_token_seconds": mean([c.first_token_seconds for c in cells])}
+    return {
+        "recall_at_1": mean([c.recall_at_1 for c in cells]),
+        "recall_at_2": mean([c.recall_at_2 for c in cells]),
+        "accuracy": mean([c.score for c in cells]),
+        "cells": len(cells),
+        "mean_restore_seconds": mean([c.restore_seconds for c in cells]),
+        "mean_first_token_seconds": mean([c.first_token_seconds for c in cells]),
+    }
 
 
 def recall_at(ranking: list[int], segment: int, k: int) -> float:
@@ -226,8 +232,7 @@ def context_length(model: str | None) -> int:
     return int(cfg.get("text_config", cfg).get("max_position_embeddings") or 2048)
 
 
-def make_case(length: int, depth: float, seed: int, tokenizer, essays: list,
-              piece_tokens: Callable[[str], int]) -> Case:
+def make_case(length: int, depth: float, seed: int, tokenizer, essays: list, piece_tokens: Callable[[str], int]) -> Case:
     """The haystack document of one (length, depth): at most `length` text tokens, deterministic
     in `seed`."""
     rng = random.Random(f"{seed}:segments:{length}:{depth}")
@@ -245,18 +250,27 @@ def make_case(length: int, depth: float, seed: int, tokenizer, essays: list,
 def _ask(question: str, group_id: str, model: str, ranker: str) -> tuple[str, session.Answer, float]:
     answer = session.Answer()
     start = time.perf_counter()
-    for _ in asking.ask(question, doc=group_id, model=model, max_tokens=MAX_TOKENS, answer=answer,
-                         ranker=ranker):
+    for _ in asking.ask(question, doc=group_id, model=model, max_tokens=MAX_TOKENS, answer=answer, ranker=ranker):
         if any(m in answer.text for m in niah.STOPS) or _VALUE.search(answer.text):
             break
     return niah.cut_answer(answer.text), answer, time.perf_counter() - start
 
 
-def run(model: str | None = None, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS,
-        rankers=RANKERS, tasks=TASKS, preset: str = kvcache.DEFAULT_PRESET, seed: int = 0,
-        workdir: str | Path = "niah-work", keep: bool = False, progress: Progress | None = None,
-        on_cell: Callable[[Cell], None] | None = None, corpus: str | Path | None = None,
-        budget_seconds: float | None = None) -> Results:
+def run(
+    model: str | None = None,
+    lengths=DEFAULT_LENGTHS,
+    depths=DEFAULT_DEPTHS,
+    rankers=RANKERS,
+    tasks=TASKS,
+    preset: str = kvcache.DEFAULT_PRESET,
+    seed: int = 0,
+    workdir: str | Path = "niah-work",
+    keep: bool = False,
+    progress: Progress | None = None,
+    on_cell: Callable[[Cell], None] | None = None,
+    corpus: str | Path | None = None,
+    budget_seconds: float | None = None,
+) -> Results:
     """Run the segmented grid: per (length, depth) one document ingested as segments, each task's
     question asked with each ranker.
 
@@ -283,8 +297,10 @@ def run(model: str | None = None, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS
     tasks = list(dict.fromkeys(tasks))
     bad = [r for r in rankers if r not in RANKERS] + [t for t in tasks if t not in TASKS]
     if bad or not rankers or not tasks:
-        raise ConfigError(f"Unknown ranker or task {', '.join(bad) or '(none given)'}; rankers: "
-                          f"{', '.join(RANKERS)}; tasks: {', '.join(TASKS)}.")
+        raise ConfigError(
+            f"Unknown ranker or task {', '.join(bad) or '(none given)'}; rankers: "
+            f"{', '.join(RANKERS)}; tasks: {', '.join(TASKS)}."
+        )
     kvcache.get_preset(preset)
     depths = sorted({round(float(d), 4) for d in depths})
     if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
@@ -299,11 +315,23 @@ def run(model: str | None = None, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS
         todo = sorted({int(n) for n in lengths})
         short = [n for n in todo if n <= ctx]
         if short or not todo:
-            raise ConfigError(f"Segmented NIAH lengths must exceed the model's {ctx:,}-token "
-                              f"context (got {', '.join(map(str, short)) or 'none'}); shorter "
-                              "lengths run through `niah.run`.")
-        results = Results(model or models.DEFAULT_MODEL, named.model_id, ctx, preset, todo,
-                          list(depths), rankers, tasks, seed, environment=env.environment())
+            raise ConfigError(
+                f"Segmented NIAH lengths must exceed the model's {ctx:,}-token "
+                f"context (got {', '.join(map(str, short)) or 'none'}); shorter "
+                "lengths run through `niah.run`."
+            )
+        results = Results(
+            model or models.DEFAULT_MODEL,
+            named.model_id,
+            ctx,
+            preset,
+            todo,
+            list(depths),
+            rankers,
+            tasks,
+            seed,
+            environment=env.environment(),
+        )
         sentence_tokens: dict[str, int] = {}
 
         def piece_tokens(s: str) -> int:
@@ -335,8 +363,7 @@ def run(model: str | None = None, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS
     return results
 
 
-def _run_case(case: Case, spec: str, preset: str, rankers: list[str], tasks: list[str],
-              work: Path, keep: bool) -> list[Cell]:
+def _run_case(case: Case, spec: str, preset: str, rankers: list[str], tasks: list[str], work: Path, keep: bool) -> list[Cell]:
     doc = work / f"segments-{case.length}-{case.depth}" / DOC_NAME
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(case.text, encoding="utf-8")
@@ -344,8 +371,9 @@ def _run_case(case: Case, spec: str, preset: str, rankers: list[str], tasks: lis
     group = ing.target
     if not isinstance(group, groups.Group):
         manage.remove_entry(group.id)
-        raise ConfigError(f"A {case.length:,}-token haystack fits one cache; segmented NIAH needs "
-                          "lengths past the model's context.")
+        raise ConfigError(
+            f"A {case.length:,}-token haystack fits one cache; segmented NIAH needs lengths past the model's context."
+        )
     store = Store(cleanup=False)
     try:
         texts = [groups.text(store, sid) for sid in group.segment_ids]
@@ -360,14 +388,31 @@ def _run_case(case: Case, spec: str, preset: str, rankers: list[str], tasks: lis
             for ranker in rankers:
                 text, ans, seconds = _ask(question, group.id, spec, ranker)
                 ranking = list(ans.ranking)
-                cells.append(Cell(
-                    task, ranker, case.length, case.depth, case.tokens, len(texts), where,
-                    round(case.needle_depth, 4), question, [case.value], ranking,
-                    recall_at(ranking, where, 1), recall_at(ranking, where, 2),
-                    ans.entry.segment if ans.entry is not None else -1, text,
-                    niah.string_match_all(text, [case.value]), round(seconds, 4),
-                    round(ans.first_token_seconds, 4), round(ans.restore_seconds, 4),
-                    ingest_seconds, group.id))
+                cells.append(
+                    Cell(
+                        task,
+                        ranker,
+                        case.length,
+                        case.depth,
+                        case.tokens,
+                        len(texts),
+                        where,
+                        round(case.needle_depth, 4),
+                        question,
+                        [case.value],
+                        ranking,
+                        recall_at(ranking, where, 1),
+                        recall_at(ranking, where, 2),
+                        ans.entry.segment if ans.entry is not None else -1,
+                        text,
+                        niah.string_match_all(text, [case.value]),
+                        round(seconds, 4),
+                        round(ans.first_token_seconds, 4),
+                        round(ans.restore_seconds, 4),
+                        ingest_seconds,
+                        group.id,
+                    )
+                )
     finally:
         if not keep:
             manage.remove_entry(group.id)

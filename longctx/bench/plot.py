@@ -31,12 +31,12 @@ def _pyplot():
 def _figure(plt, panels: int, results):
     """A row of `panels` depth x length panels sized to the grid."""
     width = max(3.4, 0.8 + 0.6 * len(results.lengths))
-    return plt.subplots(1, panels, figsize=(0.8 + width * panels, 1.4 + 0.3 * len(results.depths)),
-                        squeeze=False, constrained_layout=True)
+    return plt.subplots(
+        1, panels, figsize=(0.8 + width * panels, 1.4 + 0.3 * len(results.depths)), squeeze=False, constrained_layout=True
+    )
 
 
-def _panel(ax, cmap, grid: list, xlabels: list[str], depths: list[float], xlabel: str,
-           title: str):
+def _panel(ax, cmap, grid: list, xlabels: list[str], depths: list[float], xlabel: str, title: str):
     """One depth x length panel: the values (None: missing), each written in its cell."""
     grid = [[float("nan") if v is None else v for v in row] for row in grid]
     im = ax.imshow(grid, cmap=cmap, vmin=0, vmax=1, aspect="auto", origin="upper")
@@ -75,9 +75,15 @@ def heatmaps(results: Results, out_dir: str | Path, stem: str) -> list[Path]:
         fig, axes = _figure(plt, len(panels), results)
         for ax, p in zip(axes[0], panels):
             s = summary[p]
-            im = _panel(ax, cmap, results.grid(p), [_label(n) for n in results.lengths],
-                        results.depths, "context length (tokens)",
-                        f"{p}: score {s['score']:.2f}, {s['bits_per_channel']:.2f} bits/ch")
+            im = _panel(
+                ax,
+                cmap,
+                results.grid(p),
+                [_label(n) for n in results.lengths],
+                results.depths,
+                "context length (tokens)",
+                f"{p}: score {s['score']:.2f}, {s['bits_per_channel']:.2f} bits/ch",
+            )
         fig.colorbar(im, ax=list(axes[0]), shrink=0.8, label="score")
         fig.suptitle(f"NIAH {results.task} - {results.model_id}", fontsize=10)
         path = out_dir / f"{stem}_{preset}.png"
@@ -117,14 +123,21 @@ def segment_heatmaps(results, out_dir: str | Path, stem: str) -> list[Path]:
         fig, axes = _figure(plt, len(tasks), results)
         for ax, task in zip(axes[0], tasks):
             s = summary[task][ranker]["all"]
-            im = _panel(ax, cmap, results.grid(ranker, task),
-                        [f"{_label(n)}\n{_counts(results.segments.get(str(n)))} seg"
-                         for n in results.lengths], results.depths, "document length (tokens)",
-                        f"{task}: accuracy {s['accuracy']:.2f}, recall@1 {s['recall_at_1']:.2f}, "
-                        f"@2 {s['recall_at_2']:.2f}")
+            im = _panel(
+                ax,
+                cmap,
+                results.grid(ranker, task),
+                [f"{_label(n)}\n{_counts(results.segments.get(str(n)))} seg" for n in results.lengths],
+                results.depths,
+                "document length (tokens)",
+                f"{task}: accuracy {s['accuracy']:.2f}, recall@1 {s['recall_at_1']:.2f}, @2 {s['recall_at_2']:.2f}",
+            )
         fig.colorbar(im, ax=list(axes[0]), shrink=0.8, label="accuracy")
-        fig.suptitle(f"NIAH past the context, ranker {ranker} - {results.model_id} "
-                     f"({results.context_length:,}-token context, {results.preset})", fontsize=10)
+        fig.suptitle(
+            f"NIAH past the context, ranker {ranker} - {results.model_id} "
+            f"({results.context_length:,}-token context, {results.preset})",
+            fontsize=10,
+        )
         path = out_dir / f"{stem}_{ranker}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)

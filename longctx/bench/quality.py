@@ -27,16 +27,16 @@ from longctx import engine, kvcache
 Progress = Callable[[int, int], None]
 
 
-def prefill_exact(model, tokens: list[int], chunk: int = engine.DEFAULT_CHUNK,
-                  progress: Progress | None = None) -> tuple[list, float]:
+def prefill_exact(
+    model, tokens: list[int], chunk: int = engine.DEFAULT_CHUNK, progress: Progress | None = None
+) -> tuple[list, float]:
     """The uncompressed cache (the `fp16` preset: the model's dtype) of `tokens`, and its seconds."""
     cache = kvcache.make(model, kvcache.get_preset("fp16"))
     stats = engine.prefill(model, tokens, cache, chunk=chunk, progress=progress)
     return cache, stats.seconds
 
 
-def compressed(model, exact: list, preset: str, chunk: int = engine.DEFAULT_CHUNK,
-               upto: int | None = None) -> list:
+def compressed(model, exact: list, preset: str, chunk: int = engine.DEFAULT_CHUNK, upto: int | None = None) -> list:
     """The sealed cache an ingest under `preset` stores for the prefix `exact` holds (its first
     `upto` tokens: the exact cache of a shorter prefix is a truncation of a longer one's)."""
     import mlx.core as mx
@@ -50,7 +50,7 @@ def compressed(model, exact: list, preset: str, chunk: int = engine.DEFAULT_CHUN
         keys, values = src.keys[..., :n, :], src.values[..., :n, :]
         if isinstance(dst, TurboQuantCache):
             for lo in range(0, n, chunk):
-                mx.eval(dst.absorb(keys[..., lo:lo + chunk, :], values[..., lo:lo + chunk, :]) + dst.state)
+                mx.eval(dst.absorb(keys[..., lo : lo + chunk, :], values[..., lo : lo + chunk, :]) + dst.state)
         else:  # mlx-lm's own caches (affine presets, sliding windows) take the prefix whole
             dst.update_and_fetch(keys, values)
             mx.eval(dst.state)
@@ -86,17 +86,16 @@ def answer_scores(model, caches: dict[str, list], continuation: list[int], step:
         top1 = 0
         start = time.perf_counter()
         for j, lo in enumerate(range(0, len(inputs), step)):
-            logp = _logp(model, inputs[lo:lo + step], fork)
+            logp = _logp(model, inputs[lo : lo + step], fork)
             mx.eval(logp)
             if not out:
                 ref.append(logp)
-            t = targets[lo:lo + step]
+            t = targets[lo : lo + step]
             nll += float(-mx.take_along_axis(logp, t[:, None], axis=-1).sum())
             kl += float((mx.exp(ref[j]) * (ref[j] - logp)).sum())
             top1 += int((ref[j].argmax(-1) == logp.argmax(-1)).sum())
         n = len(inputs)
-        out[name] = {"ppl": math.exp(nll / n), "kl": kl / n, "top1": top1 / n,
-                     "seconds": time.perf_counter() - start}
+        out[name] = {"ppl": math.exp(nll / n), "kl": kl / n, "top1": top1 / n, "seconds": time.perf_counter() - start}
     return out
 
 

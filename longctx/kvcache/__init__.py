@@ -27,9 +27,25 @@ from longctx.kvcache.support import attention_module
 from longctx.kvcache import routing
 from longctx.kvcache.kinds import Compressed, kind_of
 
-__all__ = ["ANSWER_EXACT", "DEFAULT_PRESET", "PRESETS", "Preset", "get_preset", "make", "to_arrays", "from_arrays",
-           "split_layers", "fork", "first_layer", "head_dims", "kv_heads", "seal", "to_mlx_lm", "windows",
-           "window_config"]
+__all__ = [
+    "ANSWER_EXACT",
+    "DEFAULT_PRESET",
+    "PRESETS",
+    "Preset",
+    "get_preset",
+    "make",
+    "to_arrays",
+    "from_arrays",
+    "split_layers",
+    "fork",
+    "first_layer",
+    "head_dims",
+    "kv_heads",
+    "seal",
+    "to_mlx_lm",
+    "windows",
+    "window_config",
+]
 
 STACKED_PARTS = ("mu", "sink", "norm", "rnorm")  # per compressed layer, stacked across layers
 STACK_PREFIX = "turbo."
@@ -47,8 +63,7 @@ def stack_parts(named: dict, layers: list[int], combine) -> None:
     for tag in ("k", "v"):
         for part in STACKED_PARTS:
             if f"{layers[0]}.{tag}.{part}" in named:
-                named[f"{STACK_PREFIX}{tag}.{part}"] = combine(
-                    [named.pop(f"{i}.{tag}.{part}") for i in layers])
+                named[f"{STACK_PREFIX}{tag}.{part}"] = combine([named.pop(f"{i}.{tag}.{part}") for i in layers])
 
 
 def head_dims(model) -> list[int]:
@@ -84,23 +99,22 @@ def make(model, preset: Preset, paths=None) -> list:
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
     base = make_prompt_cache(model)
-    support.check(model, base, preset.name, compressed=preset.kind != "fp16",
-                  turbo=preset.kind == "turbo")
+    support.check(model, base, preset.name, compressed=preset.kind != "fp16", turbo=preset.kind == "turbo")
     if preset.kind == "fp16":
         return base
     if preset.kind == "affine":
         # mlx-lm's default group of 64, or 32 for smaller head dims
         groups = [64 if d % 64 == 0 else 32 for d in head_dims(model)]
-        return [QuantizedKVCache(group_size=g, bits=preset.affine_bits) if type(c) is KVCache else c
-                for c, g in zip(base, groups)]
+        return [
+            QuantizedKVCache(group_size=g, bits=preset.affine_bits) if type(c) is KVCache else c for c, g in zip(base, groups)
+        ]
     # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache.turbo import TurboQuantCache
 
     routing.install()
     first = first_layer(model)  # codec seeds follow the layer's number in the whole model
     extra = () if paths is None else (paths,)
-    return [TurboQuantCache(preset, first + i, *extra) if type(c) is KVCache else c
-            for i, c in enumerate(base)]
+    return [TurboQuantCache(preset, first + i, *extra) if type(c) is KVCache else c for i, c in enumerate(base)]
 
 
 def first_layer(model) -> int:
@@ -137,7 +151,6 @@ def to_arrays(cache: list, preset: Preset) -> dict:
     """Flatten a filled cache into named arrays for the store (see the module docstring); each
     layer's kind writes its own (`kvcache.kinds`)."""
     import mlx.core as mx
-
 
     arrays = {}
     for i, c in enumerate(cache):
@@ -181,10 +194,13 @@ def from_arrays(arrays: dict, model, preset: Preset, dtype, paths=None) -> list:
     template = make(model, preset, paths)
     kinds = [kind_of(c) for c in template]
     per_layer = split_layers(arrays, [i for i, k in enumerate(kinds) if isinstance(k, Compressed)])
-    ctx = {"preset": preset, "head_dims": head_dims(model), "dtype": dtype,
-           "tokens": int(arrays["tokens"].shape[0]) if "tokens" in arrays else 0}
-    return [kind.from_arrays(c, i, arrays, per_layer.get(str(i), {}), ctx)
-            for i, (c, kind) in enumerate(zip(template, kinds))]
+    ctx = {
+        "preset": preset,
+        "head_dims": head_dims(model),
+        "dtype": dtype,
+        "tokens": int(arrays["tokens"].shape[0]) if "tokens" in arrays else 0,
+    }
+    return [kind.from_arrays(c, i, arrays, per_layer.get(str(i), {}), ctx) for i, (c, kind) in enumerate(zip(template, kinds))]
 
 
 def to_mlx_lm(cache: list, affine_bits: int = 0) -> list:
@@ -293,9 +309,9 @@ def new_tokens(cache: list, start: int) -> dict:
         if type(c) is TurboQuantCache:
             if c.window_len < n:
                 raise ConfigError("The conversation outgrew its fork's exact window; it cannot be kept.")
-            k, v = (w[:, :, c.window_len - n:c.window_len] + mu for w, mu in zip(c.window, c.means))
+            k, v = (w[:, :, c.window_len - n : c.window_len] + mu for w, mu in zip(c.window, c.means))
         elif type(c) is KVCache:
-            k, v = c.keys[..., start:c.offset, :], c.values[..., start:c.offset, :]
+            k, v = c.keys[..., start : c.offset, :], c.values[..., start : c.offset, :]
         else:
             raise ConfigError(f"A {type(c).__name__} layer cannot keep a conversation.")
         out[f"{i}.k"], out[f"{i}.v"] = k.astype(mx.float16), v.astype(mx.float16)

@@ -32,7 +32,7 @@ def _block_mask(mask, q_pos: mx.array, k_lo: int, k_hi: int, lq: int):
         return None
     if isinstance(mask, str):  # "causal": key position <= query position
         k_pos = mx.arange(k_lo, k_hi)
-        return (k_pos[None, :] <= q_pos[:, None])  # (Lq, n)
+        return k_pos[None, :] <= q_pos[:, None]  # (Lq, n)
     block = mask[..., -lq:, k_lo:k_hi]
     if block.dtype == mx.bool_:
         return block
@@ -57,16 +57,14 @@ def _softmax_step(s: mx.array, m: mx.array, cpu: bool, inplace: bool = False):
         sn, mn = np.asarray(s), np.asarray(m)
         m_new = np.maximum(mn, sn.max(axis=-1, keepdims=True))
         m_safe = np.where(m_new == -np.inf, np.float32(0.0), m_new)  # rows with nothing visible
-        if (inplace and sn.flags.c_contiguous and sn.flags.writeable and sn.dtype == np.float32
-                and numpy_writes_through()):
+        if inplace and sn.flags.c_contiguous and sn.flags.writeable and sn.dtype == np.float32 and numpy_writes_through():
             np.subtract(sn, m_safe, out=sn)
             np.exp(sn, out=sn)
             p, p_mx = sn, s
         else:
             p = np.exp(sn - m_safe)
             p_mx = mx.array(p)
-        return (mx.array(m_new), p_mx, mx.array(np.exp(mn - m_safe)),
-                mx.array(p.sum(axis=-1, keepdims=True)))
+        return (mx.array(m_new), p_mx, mx.array(np.exp(mn - m_safe)), mx.array(p.sum(axis=-1, keepdims=True)))
     m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
     m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # rows with nothing visible yet
     p = mx.exp(s - m_safe)
@@ -97,8 +95,19 @@ def numpy_writes_through() -> bool:
     return float(a[2].item()) == 7.0
 
 
-def attend(queries: mx.array, kv: CompressedKV, kc, vc, tables, scale: float, mask, block: int,
-            fused: bool, cpu: bool, softcap: float | None = None) -> mx.array:
+def attend(
+    queries: mx.array,
+    kv: CompressedKV,
+    kc,
+    vc,
+    tables,
+    scale: float,
+    mask,
+    block: int,
+    fused: bool,
+    cpu: bool,
+    softcap: float | None = None,
+) -> mx.array:
     """The blocked path (and, with `fused`, the fused path's body). `kc`/`vc`: the codecs (or their `_Traced` stand-ins);
     `tables`: the kernel's centroid tables when fused; `cpu`: large score blocks may go through
     numpy (never under compile); `softcap`: scores become `tanh(s / softcap) * softcap` before
@@ -131,8 +140,11 @@ def attend(queries: mx.array, kv: CompressedKV, kc, vc, tables, scale: float, ma
 
     def add_block(state, q, keys, values, allowed, correction):
         if state is None:
-            state = (mx.full((B, Hkv, r * Lq, 1), -mx.inf, dtype=mx.float32),
-                     mx.zeros((B, Hkv, r * Lq, 1), dtype=mx.float32), None)
+            state = (
+                mx.full((B, Hkv, r * Lq, 1), -mx.inf, dtype=mx.float32),
+                mx.zeros((B, Hkv, r * Lq, 1), dtype=mx.float32),
+                None,
+            )
         n = keys.shape[2]
         s = q @ keys.swapaxes(-1, -2)  # (B, Hkv, r*Lq, n)
         if correction is not None:
@@ -166,8 +178,7 @@ def attend(queries: mx.array, kv: CompressedKV, kc, vc, tables, scale: float, ma
             # Causal masking only matters if a key of the segment follows the first query.
             last_q = kv.offset - Lq
             causal = mask is not None and pos + length - 1 > last_q
-            seg = _fused_segment(kc, vc, tables, q_rot, q_proj, seg_k, seg_v, scale, Lq,
-                                 last_q - pos if causal else None)
+            seg = _fused_segment(kc, vc, tables, q_rot, q_proj, seg_k, seg_v, scale, Lq, last_q - pos if causal else None)
             state = seg if state is None else _merge(state, *seg)
         else:
             for lo in range(0, length, block):
@@ -175,8 +186,9 @@ def attend(queries: mx.array, kv: CompressedKV, kc, vc, tables, scale: float, ma
                 bk = {k: v[:, :, lo:hi] for k, v in seg_k.items()}
                 bv = {k: v[:, :, lo:hi] for k, v in seg_v.items()}
                 corr = kc.qjl_correction(q_proj, bk) if q_proj is not None else None
-                state = add_block(state, q_rot, kc.decode_rotated(bk), vc.decode_rotated(bv),
-                                  visible([(pos + lo, pos + hi)]), corr)
+                state = add_block(
+                    state, q_rot, kc.decode_rotated(bk), vc.decode_rotated(bv), visible([(pos + lo, pos + hi)]), corr
+                )
         pos += length
     if kv.window is not None:  # the newest tokens, uncompressed
         exact.append((kv.window[0], kv.window[1], pos, pos + kv.window[0].shape[2]))
@@ -195,8 +207,7 @@ def attend(queries: mx.array, kv: CompressedKV, kc, vc, tables, scale: float, ma
             if len(exact) > 1:
                 valid = mx.concatenate([mx.ones((exact[0][3],), dtype=mx.bool_), valid])
             allowed = valid if allowed is None else allowed & valid
-        state = add_block(state, q_plain, keys.astype(mx.float32), values.astype(mx.float32),
-                          allowed, None)
+        state = add_block(state, q_plain, keys.astype(mx.float32), values.astype(mx.float32), allowed, None)
     if state is None:
         raise ValueError("attention over an empty cache view (no segment, no window)")
     _, l, acc = state
@@ -205,10 +216,19 @@ def attend(queries: mx.array, kv: CompressedKV, kc, vc, tables, scale: float, ma
     return out.reshape(B, Hq, Lq, D).astype(queries.dtype)
 
 
-def _fused_segment(kc, vc, tables, q_rot, q_proj, seg_k: dict, seg_v: dict, scale: float,
-                   lq: int, causal_base):
+def _fused_segment(kc, vc, tables, q_rot, q_proj, seg_k: dict, seg_v: dict, scale: float, lq: int, causal_base):
     """(m, l, acc) of one compressed segment from the fused kernel."""
-    return decode_attend(q_rot, seg_k, seg_v, tables[0], tables[1],
-                         key_bits=kc.spec.bits, key_bits2=kc.spec.bits2 if kc.rvq else 0,
-                         value_bits=vc.spec.bits, scale=scale, q_proj=q_proj, lq=lq,
-                         causal_base=causal_base)
+    return decode_attend(
+        q_rot,
+        seg_k,
+        seg_v,
+        tables[0],
+        tables[1],
+        key_bits=kc.spec.bits,
+        key_bits2=kc.spec.bits2 if kc.rvq else 0,
+        value_bits=vc.spec.bits,
+        scale=scale,
+        q_proj=q_proj,
+        lq=lq,
+        causal_base=causal_base,
+    )

@@ -16,6 +16,7 @@ import numpy as np
 from longctx.kvcache import attend_blocked
 from longctx.kvcache.turbo import CompressedKV
 
+
 @functools.lru_cache(maxsize=256)
 def rotation_matrices(codec) -> tuple[mx.array, mx.array]:
     """A codec's rotation as matrices: `rotate(x) == x @ R` (D, Dp) and `unrotate(y) == y @ U`

@@ -87,10 +87,28 @@ def compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask) 
     # the traced view's offset, never read then, is the first call's).
     offset = kv.offset  # an int: the closure must not keep this call's arrays alive
 
-    key = (kc.dim, kc.spec, vc.dim, vc.spec, float(scale), mask, lq, lengths, has_sink,
-           has_window, buffered, offset if mask is not None else None, queries.dtype, backend(),
-           da.PREFETCH, da.MIN_BLOCKS, da.STAGE_WORDS, da.TARGET_GROUPS, da.SM_COUNT,
-           da.MIN_SPLIT_TILES)
+    key = (
+        kc.dim,
+        kc.spec,
+        vc.dim,
+        vc.spec,
+        float(scale),
+        mask,
+        lq,
+        lengths,
+        has_sink,
+        has_window,
+        buffered,
+        offset if mask is not None else None,
+        queries.dtype,
+        backend(),
+        da.PREFETCH,
+        da.MIN_BLOCKS,
+        da.STAGE_WORDS,
+        da.TARGET_GROUPS,
+        da.SM_COUNT,
+        da.MIN_SPLIT_TILES,
+    )
     fn = lookup(_COMPILED, key)
     if fn is None:
         # Before the first trace of a key, one eager call (its result unused, so every result
@@ -100,16 +118,29 @@ def compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask) 
         mx.eval(attend(queries, kv, kc, vc, tables, scale, mask, BLOCK, True, False))
 
         def traced(q, k_arrays, v_arrays, segments, sink, window, value_mean, window_mask):
-            view = CompressedKV(kc, vc, tuple((k, v, n) for (k, v), n in zip(segments, lengths)),
-                                offset, value_mean,
-                                tuple(window) if has_window else None,
-                                tuple(sink) if has_sink else None, None, None,
-                                window_mask[0] if buffered else None)
+            view = CompressedKV(
+                kc,
+                vc,
+                tuple((k, v, n) for (k, v), n in zip(segments, lengths)),
+                offset,
+                value_mean,
+                tuple(window) if has_window else None,
+                tuple(sink) if has_sink else None,
+                None,
+                None,
+                window_mask[0] if buffered else None,
+            )
             tk, tv = _Traced(kc, k_arrays), _Traced(vc, v_arrays)
-            return attend(q, view, tk, tv, (k_arrays["table"], v_arrays["table"]), scale, mask,
-                           BLOCK, True, False)
+            return attend(q, view, tk, tv, (k_arrays["table"], v_arrays["table"]), scale, mask, BLOCK, True, False)
 
         fn = remember(_COMPILED, key, mx.compile(traced))
-    return fn(queries, _codec_arrays(kc), _codec_arrays(vc), [(k, v) for k, v, _ in kv.segments],
-              list(kv.sink) if has_sink else [], list(window) if has_window else [],
-              kv.value_mean, [kv.window_buffer[2]] if buffered else [])
+    return fn(
+        queries,
+        _codec_arrays(kc),
+        _codec_arrays(vc),
+        [(k, v) for k, v, _ in kv.segments],
+        list(kv.sink) if has_sink else [],
+        list(window) if has_window else [],
+        kv.value_mean,
+        [kv.window_buffer[2]] if buffered else [],
+    )

@@ -52,8 +52,7 @@ class _Codecs:
     host time a step has per layer): whether the two-launch path, the tensor-core kernel and the
     portable kernel take them (on this backend), and their tables."""
 
-    __slots__ = ("kc", "vc", "backend", "fits", "mma", "sg", "portable", "k_arrays", "v_arrays",
-                 "spec")
+    __slots__ = ("kc", "vc", "backend", "fits", "mma", "sg", "portable", "k_arrays", "v_arrays", "spec")
 
     def __init__(self, kc, vc, rows: int, which: str):
         self.kc, self.vc, self.backend = kc, vc, which
@@ -61,9 +60,18 @@ class _Codecs:
         self.mma = dm.applies(p, rows, kc, vc)
         self.sg = dsg.applies(p, rows, kc, vc)  # Metal's simdgroup matrices (never run on a Mac)
         self.portable = da.rotates_queries(p, rows, vc.spec.bits)
-        self.fits = (kc.rvq is None and not kc.spec.qjl and vc.rvq is None and not vc.spec.qjl
-                     and kc.dim == p and vc.dim == p and vc.padded_dim == p and which != "cpu"
-                     and df.supported(p, rows) and (self.mma or self.sg or self.portable))
+        self.fits = (
+            kc.rvq is None
+            and not kc.spec.qjl
+            and vc.rvq is None
+            and not vc.spec.qjl
+            and kc.dim == p
+            and vc.dim == p
+            and vc.padded_dim == p
+            and which != "cpu"
+            and df.supported(p, rows)
+            and (self.mma or self.sg or self.portable)
+        )
         self.k_arrays = (kernel_table(kc), kc.rotation.signs)
         self.v_arrays = (kernel_table(vc), vc.rotation.signs)
         # the specs as small ints for the trace's key (`VectorCodec.key`)
@@ -87,15 +95,13 @@ def applies(kv: CompressedKV, mask, lq: int, rows: int) -> bool:
     `rows`: query heads per KV head."""
     if lq != 1 or mask is not None or kv.dense is not None or len(kv.segments) != 1:
         return False
-    return (_codecs(kv.key_codec, kv.value_codec, rows).fits and kv.segments[0][2] > 0
-            and not _prelude.failed("lc_decode_finish"))
+    return _codecs(kv.key_codec, kv.value_codec, rows).fits and kv.segments[0][2] > 0 and not _prelude.failed("lc_decode_finish")
 
 
 _COMPILED: OrderedDict = OrderedDict()  # key -> compiled step (compiling.lookup / remember)
 
 
-def _step(kc, vc, scale, dtype, mma, whole, sg, queries, seg_k, seg_v, k_arrays, v_arrays,
-          sink, window, count, mean, counts):
+def _step(kc, vc, scale, dtype, mma, whole, sg, queries, seg_k, seg_v, k_arrays, v_arrays, sink, window, count, mean, counts):
     """(the step's output, the count array for the next whole-step launch: `counts` itself
     when the step takes two launches)."""
     B, Hq, _, D = queries.shape
@@ -104,32 +110,54 @@ def _step(kc, vc, scale, dtype, mma, whole, sg, queries, seg_k, seg_v, k_arrays,
     sink = tuple(sink) if sink else None
     window = tuple(window) if window else None
     if whole:  # one launch: the tensor-core kernel and the finish (`decode_step_mma`)
-        out, counts = ds.decode_step_mma(q, seg_k, seg_v, k_arrays[0], k_arrays[1], sink,
-                                         window, v_arrays[1], mean, scale, dtype, count, counts)
+        out, counts = ds.decode_step_mma(
+            q, seg_k, seg_v, k_arrays[0], k_arrays[1], sink, window, v_arrays[1], mean, scale, dtype, count, counts
+        )
         return out.reshape(B, Hq, 1, D), counts
     if mma:  # the tensor-core kernel, the exact tokens in its splits (`decode_step_mma`)
         folded = True
         partials = ds.decode_step_mma_partials(
-            q, seg_k, seg_v, k_arrays[0], k_arrays[1], scale=scale, sink=sink, window=window,
-            v_signs=v_arrays[1], valid_array=count)
+            q,
+            seg_k,
+            seg_v,
+            k_arrays[0],
+            k_arrays[1],
+            scale=scale,
+            sink=sink,
+            window=window,
+            v_signs=v_arrays[1],
+            valid_array=count,
+        )
     elif sg:  # Metal's simdgroup-matrix kernel; the finish attends the exact tokens
         folded = False
-        partials = dsg.decode_attend_simdgroup_partials(q, seg_k, seg_v, k_arrays[0],
-                                                        k_arrays[1], scale=scale)
+        partials = dsg.decode_attend_simdgroup_partials(q, seg_k, seg_v, k_arrays[0], k_arrays[1], scale=scale)
     else:  # the portable kernel, the exact tokens in its splits where they fit
-        folded = (da.EXACT_IN_SPLITS and (sink is not None or window is not None)
-                  and da.exact_fits(q.shape[3], q.shape[2], vc.spec.bits)
-                  and not _prelude.failed(da.EXACT_NAME))
-        partials = da.decode_attend_partials(q, seg_k, seg_v, k_arrays[0], v_arrays[0],
-                                             k_arrays[1], key_bits=kc.spec.bits,
-                                             value_bits=vc.spec.bits, scale=scale,
-                                             sink=sink if folded else None,
-                                             window=window if folded else None,
-                                             v_signs=v_arrays[1], valid_array=count)
+        folded = (
+            da.EXACT_IN_SPLITS
+            and (sink is not None or window is not None)
+            and da.exact_fits(q.shape[3], q.shape[2], vc.spec.bits)
+            and not _prelude.failed(da.EXACT_NAME)
+        )
+        partials = da.decode_attend_partials(
+            q,
+            seg_k,
+            seg_v,
+            k_arrays[0],
+            v_arrays[0],
+            k_arrays[1],
+            key_bits=kc.spec.bits,
+            value_bits=vc.spec.bits,
+            scale=scale,
+            sink=sink if folded else None,
+            window=window if folded else None,
+            v_signs=v_arrays[1],
+            valid_array=count,
+        )
     if folded:  # the finish only merges
         sink = window = None
-    return df.decode_finish(*partials, q, sink, window, v_arrays[1], mean, scale, dtype,
-                            valid_array=count).reshape(B, Hq, 1, D), counts
+    return df.decode_finish(*partials, q, sink, window, v_arrays[1], mean, scale, dtype, valid_array=count).reshape(
+        B, Hq, 1, D
+    ), counts
 
 
 def _env() -> tuple:
@@ -149,17 +177,24 @@ class _Plan:
     (`benchmarks/diagnostics/decode_host.py`).
     """
 
-    __slots__ = ("fn", "shape", "dtype", "scale", "seg", "sink", "wbuf", "args", "mean", "env",
-                 "heads", "tensor_cores", "paths")
+    __slots__ = ("fn", "shape", "dtype", "scale", "seg", "sink", "wbuf", "args", "mean", "env", "heads", "tensor_cores", "paths")
 
     def matches(self, queries, kv: CompressedKV, scale, tensor_cores: bool) -> bool:
         wb = kv.window_buffer
-        return ((wb[0] if wb is not None else kv.window) is self.wbuf
-                and tensor_cores == self.tensor_cores and kv.paths is self.paths
-                and kv.segments[0][0] is self.seg and kv.sink is self.sink
-                and kv.value_mean is self.mean and kv.dense is None and len(kv.segments) == 1
-                and queries.shape == self.shape and queries.dtype == self.dtype
-                and scale == self.scale and self.env == _env())
+        return (
+            (wb[0] if wb is not None else kv.window) is self.wbuf
+            and tensor_cores == self.tensor_cores
+            and kv.paths is self.paths
+            and kv.segments[0][0] is self.seg
+            and kv.sink is self.sink
+            and kv.value_mean is self.mean
+            and kv.dense is None
+            and len(kv.segments) == 1
+            and queries.shape == self.shape
+            and queries.dtype == self.dtype
+            and scale == self.scale
+            and self.env == _env()
+        )
 
 
 def replay(queries, kv: CompressedKV, scale: float, tensor_cores: bool = True):
@@ -169,14 +204,12 @@ def replay(queries, kv: CompressedKV, scale: float, tensor_cores: bool = True):
     p = kv.plan[0]
     if p is None or not p.matches(queries, kv, scale, tensor_cores):
         return None
-    out, counts = p.fn(queries, *p.args, df.count(kv.window[0].shape[2] if kv.window else 0),
-                       p.mean, ds.counter(p.heads))
+    out, counts = p.fn(queries, *p.args, df.count(kv.window[0].shape[2] if kv.window else 0), p.mean, ds.counter(p.heads))
     ds.keep_counter(p.heads, counts)
     return out
 
 
-def _keep_plan(kv: CompressedKV, fn, queries, scale, args, heads: int,
-               tensor_cores: bool) -> None:
+def _keep_plan(kv: CompressedKV, fn, queries, scale, args, heads: int, tensor_cores: bool) -> None:
     # a window that is not a buffer changes its arrays at every step: no plan
     if kv.plan is None or (kv.window is not None and kv.window_buffer is None):
         return
@@ -221,8 +254,18 @@ def attention(queries, kv: CompressedKV, scale: float, *, tensor_cores: bool = T
     sink = list(kv.sink) if kv.sink is not None and kv.sink[0].shape[2] else []
     window = list(window) if window is not None and valid else []
     heads = shape[0] * H
-    args = (queries, seg_k, seg_v, codecs.k_arrays, codecs.v_arrays, sink, window, df.count(valid),
-            kv.value_mean, ds.counter(heads))
+    args = (
+        queries,
+        seg_k,
+        seg_v,
+        codecs.k_arrays,
+        codecs.v_arrays,
+        sink,
+        window,
+        df.count(valid),
+        kv.value_mean,
+        ds.counter(heads),
+    )
     # the tensor-core kernel where it applies and has not failed in this process, with the
     # finish in the same launch where that applies (decided here, once: the trace and its key
     # follow them)
@@ -231,14 +274,27 @@ def attention(queries, kv: CompressedKV, scale: float, *, tensor_cores: bool = T
     # on Metal, the simdgroup-matrix kernel where it applies and has not failed (else the
     # portable kernel: its fallback)
     sg = tensor_cores and codecs.sg and not _prelude.failed(dsg.NAME)
-    key = (codecs.spec, float(scale), queries.dtype, shape, H, length,
-           tuple([a.shape for a in sink]), tuple([a.shape for a in window]), kv.sink is not None and
-           kv.sink[0].dtype, mma, whole, sg, _prelude.failed(da.EXACT_NAME))
+    key = (
+        codecs.spec,
+        float(scale),
+        queries.dtype,
+        shape,
+        H,
+        length,
+        tuple([a.shape for a in sink]),
+        tuple([a.shape for a in window]),
+        kv.sink is not None and kv.sink[0].dtype,
+        mma,
+        whole,
+        sg,
+        _prelude.failed(da.EXACT_NAME),
+    )
     dtype = queries.dtype  # the closure below must not keep this call's arrays alive
     # An executor sees every launch (unless a test compiles under it), and the cache's compile
     # mode "0" / "question" asks for eager steps
-    eager = ((compiling.executor_installed() and not kv.paths.compile_under_executor)
-             or not attend_fused.compile_wanted(1, kv.paths.compile))
+    eager = (compiling.executor_installed() and not kv.paths.compile_under_executor) or not attend_fused.compile_wanted(
+        1, kv.paths.compile
+    )
     fn = None if eager else compiling.lookup(_COMPILED, key)
     if fn is None:
         out, counts = _step(kc, vc, scale, dtype, mma, whole, sg, *args)
@@ -247,10 +303,15 @@ def attention(queries, kv: CompressedKV, scale: float, *, tensor_cores: bool = T
             return out
         mx.eval(out, counts)
         # the kernels and the references read the window's count from its array input
-        compiling.remember(_COMPILED, key, mx.compile(
-            lambda q, sk, sv, ka, va, sink, window, count, mean, counts:
-            _step(kc, vc, scale, dtype, mma, whole, sg, q, sk, sv, ka, va, sink, window, count,
-                  mean, counts)))
+        compiling.remember(
+            _COMPILED,
+            key,
+            mx.compile(
+                lambda q, sk, sv, ka, va, sink, window, count, mean, counts: _step(
+                    kc, vc, scale, dtype, mma, whole, sg, q, sk, sv, ka, va, sink, window, count, mean, counts
+                )
+            ),
+        )
         return out
     _keep_plan(kv, fn, queries, scale, args, heads, tensor_cores)
     out, counts = fn(*args)

@@ -43,13 +43,20 @@ def use_fused(mask, lq: int, max_lq: int = DEFAULT_PATHS.fused_max_lq) -> bool:
     """Whether compressed segments go to the fused kernel: on a GPU backend, at most `max_lq`
     query tokens (`Paths.fused_max_lq`), a mask the kernel expresses (none, or causal), and a
     kernel that has not failed here."""
-    return (_prelude.backend() != "cpu" and lq <= max_lq and _kernel_mask(mask)
-            and not _prelude.failed("lc_decode_attend"))  # failed: the blocked path is its reference
+    return (
+        _prelude.backend() != "cpu" and lq <= max_lq and _kernel_mask(mask) and not _prelude.failed("lc_decode_attend")
+    )  # failed: the blocked path is its reference
 
 
-def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
-                softcap: float | None = None, rows: int = 1,
-                fused_step: bool = True) -> tuple[str, str]:
+def choose_path(
+    kv: CompressedKV,
+    mask,
+    lq: int,
+    fused: bool | None = None,
+    softcap: float | None = None,
+    rows: int = 1,
+    fused_step: bool = True,
+) -> tuple[str, str]:
     """(path, reason) for attention of `lq` query tokens over `kv` (see the module docstring).
 
     Args:
@@ -90,9 +97,16 @@ def choose_path(kv: CompressedKV, mask, lq: int, fused: bool | None = None,
 OBSERVERS: list = []
 
 
-def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask=None,
-                         block: int = BLOCK, fused: bool | None = None,
-                         softcap: float | None = None, fused_step: bool = True) -> mx.array:
+def compressed_attention(
+    queries: mx.array,
+    kv: CompressedKV,
+    scale: float,
+    mask=None,
+    block: int = BLOCK,
+    fused: bool | None = None,
+    softcap: float | None = None,
+    fused_step: bool = True,
+) -> mx.array:
     """Softmax attention of `queries` over a compressed cache.
 
     Args:
@@ -117,13 +131,11 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
             observe(queries, kv, scale)
     lq = queries.shape[2]
     # a decode step whose layer kept its last step's launch (`attend_step._Plan`): replay it
-    if (kv.plan is not None and lq == 1 and mask is None and fused is None and not softcap
-            and fused_step):
+    if kv.plan is not None and lq == 1 and mask is None and fused is None and not softcap and fused_step:
         out = attend_step.replay(queries, kv, scale, kv.paths.tensor_cores)
         if out is not None:
             return out
-    path, why = choose_path(kv, mask, lq, fused, softcap,
-                            queries.shape[1] // max(1, kv.value_mean.shape[1]), fused_step)
+    path, why = choose_path(kv, mask, lq, fused, softcap, queries.shape[1] // max(1, kv.value_mean.shape[1]), fused_step)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("attention: %s (%s)", path, why)
     if path == "fused-step":
@@ -138,5 +150,4 @@ def compressed_attention(queries: mx.array, kv: CompressedKV, scale: float, mask
     fused_now = path == "fused"
     tables = (kernel_table(kc), kernel_table(vc)) if fused_now else None
     cpu = mx.default_device().type == mx.DeviceType.cpu
-    return attend_blocked.attend(queries, kv, kc, vc, tables, scale, mask, block, fused_now, cpu,
-                                 softcap)
+    return attend_blocked.attend(queries, kv, kc, vc, tables, scale, mask, block, fused_now, cpu, softcap)

@@ -15,6 +15,7 @@ from longctx.kernels import _prelude
 
 _COMPILED_MAX = 8
 
+
 def lookup(cache: OrderedDict, key):
     """The compiled function cached under `key` (now the most recently used), or None."""
     fn = cache.get(key)
@@ -35,7 +36,7 @@ def fresh(fn):
     """A maker of new function objects that call `fn`: MLX caches a compiled function's traces
     by the Python function's identity and drops them all when any compiled wrapper of it is
     freed, so every cached wrapper needs a function object of its own."""
-    return lambda: (lambda *args: fn(*args))
+    return lambda: lambda *args: fn(*args)
 
 
 def call_compiled(cache: OrderedDict, key, make, eager, args: tuple):

@@ -35,9 +35,13 @@ from longctx.kvcache.attend_fused import kernel_table
 def applies(kv: CompressedKV, mask) -> bool:
     """Whether this path serves the view: a GPU backend, segments present, and a head dim the
     fused SDPA takes."""
-    return (backend() != "cpu" and bool(kv.segments) and kv.dense is None
-            and kv.key_codec.padded_dim in (64, 80, 128, 256)
-            and (mask is None or isinstance(mask, (str, mx.array))))
+    return (
+        backend() != "cpu"
+        and bool(kv.segments)
+        and kv.dense is None
+        and kv.key_codec.padded_dim in (64, 80, 128, 256)
+        and (mask is None or isinstance(mask, (str, mx.array)))
+    )
 
 
 def rotated_part(codec, x: mx.array | None) -> mx.array | None:
@@ -51,12 +55,23 @@ def decode_dense(codec, table, segments: list, head, after) -> mx.array:
     parts = []
     for i, enc in enumerate(segments):
         first, last = i == 0, i == len(segments) - 1
-        rows = dequant(enc, table, bits=spec.bits, bits2=bits2, p=codec.padded_dim,
-                       head=head if first else None, after=after if last else None)
+        rows = dequant(
+            enc,
+            table,
+            bits=spec.bits,
+            bits2=bits2,
+            p=codec.padded_dim,
+            head=head if first else None,
+            after=after if last else None,
+        )
         if codec.qjl is not None:
             fold = codec.qjl_key_offset(enc)  # (B, H, L, P)
-            pad = [(0, 0), (0, 0), (head.shape[2] if first and head is not None else 0,
-                                    after.shape[2] if last and after is not None else 0), (0, 0)]
+            pad = [
+                (0, 0),
+                (0, 0),
+                (head.shape[2] if first and head is not None else 0, after.shape[2] if last and after is not None else 0),
+                (0, 0),
+            ]
             rows = (rows.astype(mx.float32) + mx.pad(fold, pad)).astype(mx.float16)
         parts.append(rows)
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
@@ -75,21 +90,38 @@ def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.arr
     # its update (`kernels/prefill_encode.py`)
     head = kv.sink_rot or (rotated_part(kc, sink[0]), rotated_part(vc, sink[1]))
     after = kv.after_rot or (rotated_part(kc, window[0]), rotated_part(vc, window[1]))
-    args = (queries, [s[0] for s in kv.segments], [s[1] for s in kv.segments],
-            [kernel_table(kc), kernel_table(vc)], [kc.rotation.signs, vc.rotation.signs],
-            [x for x in head if x is not None], [x for x in after if x is not None],
-            kv.value_mean, mask if isinstance(mask, mx.array) else [], scale)
-    plain = (kc.qjl is None and rt.applies(kc.padded_dim) and kc.padded_dim == D
-             and rt.applies(vc.padded_dim) and vc.padded_dim == D)
-    statics = (kc, vc, head[0] is not None, after[0] is not None,
-               mask if not isinstance(mask, mx.array) else None)
+    args = (
+        queries,
+        [s[0] for s in kv.segments],
+        [s[1] for s in kv.segments],
+        [kernel_table(kc), kernel_table(vc)],
+        [kc.rotation.signs, vc.rotation.signs],
+        [x for x in head if x is not None],
+        [x for x in after if x is not None],
+        kv.value_mean,
+        mask if isinstance(mask, mx.array) else [],
+        scale,
+    )
+    plain = (
+        kc.qjl is None and rt.applies(kc.padded_dim) and kc.padded_dim == D and rt.applies(vc.padded_dim) and vc.padded_dim == D
+    )
+    statics = (kc, vc, head[0] is not None, after[0] is not None, mask if not isinstance(mask, mx.array) else None)
     if not (plain and compiling.prefill_compiled(kv.paths)):
         return _attend(*args, *statics)
-    key = ("dense", queries.shape, queries.dtype, kc.key, vc.key, float(scale),
-           tuple((name, a.shape, a.dtype) for seg in (*args[1], *args[2]) for name, a in seg.items()),
-           tuple(x.shape for x in args[5]), tuple(x.shape for x in args[6]),
-           statics[2:], (mask.shape, mask.dtype) if isinstance(mask, mx.array) else None,
-           backend())
+    key = (
+        "dense",
+        queries.shape,
+        queries.dtype,
+        kc.key,
+        vc.key,
+        float(scale),
+        tuple((name, a.shape, a.dtype) for seg in (*args[1], *args[2]) for name, a in seg.items()),
+        tuple(x.shape for x in args[5]),
+        tuple(x.shape for x in args[6]),
+        statics[2:],
+        (mask.shape, mask.dtype) if isinstance(mask, mx.array) else None,
+        backend(),
+    )
 
     def eager(*a):
         return _attend(*a, *statics)
@@ -100,16 +132,31 @@ def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.arr
 _COMPILED: OrderedDict = OrderedDict()  # compiled `_attend` by shapes and specs
 
 
-def _attend(queries, k_segments, v_segments, tables, signs, head, after, value_mean, mask,
-            scale, kc, vc, has_head: bool, has_after: bool, mask_const):
+def _attend(
+    queries,
+    k_segments,
+    v_segments,
+    tables,
+    signs,
+    head,
+    after,
+    value_mean,
+    mask,
+    scale,
+    kc,
+    vc,
+    has_head: bool,
+    has_after: bool,
+    mask_const,
+):
     """`attention` on arrays: the segments' dicts, the codecs' tables and rotation signs, the
     rotated sink (`head`) and window (`after`) rows ([] when absent) and `mask` (an array, or []
     with `mask_const` None or "causal"). The codecs give sizes and specs only when compiled
     (scalar codecs: no per-layer array of theirs is read but `tables` and `signs`)."""
     B, Hq, Lq, D = queries.shape
     Hkv = value_mean.shape[1]
-    hk, hv = (head if has_head else (None, None))
-    ak, av = (after if has_after else (None, None))
+    hk, hv = head if has_head else (None, None)
+    ak, av = after if has_after else (None, None)
     keys = decode_dense(kc, tables[0], k_segments, hk, ak)
     values = decode_dense(vc, tables[1], v_segments, hv, av)
     if rt.applies(kc.padded_dim) and kc.padded_dim == D:  # one launch each way

@@ -71,8 +71,10 @@ class Exact(Kind):
 
         n = c.offset
         keys, values = c.state[0], c.state[1]
-        return {f"{i}.k": keys[..., :n, :].astype(mx.float16),  # (B, H, L, D)
-                f"{i}.v": values[..., :n, :].astype(mx.float16)}
+        return {
+            f"{i}.k": keys[..., :n, :].astype(mx.float16),  # (B, H, L, D)
+            f"{i}.v": values[..., :n, :].astype(mx.float16),
+        }
 
     def from_arrays(self, template, i, arrays, layer, ctx):
         keys, values = arrays[f"{i}.k"], arrays[f"{i}.v"]
@@ -102,9 +104,11 @@ class Affine(Kind):
 
     def to_arrays(self, c, i):
         n = c.offset
-        return {f"{i}.{tag}.{part}": arr[..., :n, :]
-                for tag, parts in (("k", c.keys), ("v", c.values))
-                for part, arr in zip(AFFINE_PARTS, parts)}
+        return {
+            f"{i}.{tag}.{part}": arr[..., :n, :]
+            for tag, parts in (("k", c.keys), ("v", c.values))
+            for part, arr in zip(AFFINE_PARTS, parts)
+        }
 
     def from_arrays(self, template, i, arrays, layer, ctx):
         k = tuple(arrays[f"{i}.k.{p}"] for p in AFFINE_PARTS)
@@ -119,8 +123,9 @@ class Affine(Kind):
         import mlx.core as mx
 
         n = c.offset
-        keys, values = (mx.dequantize(*(a[..., :n, :] for a in parts), group_size=c.group_size,
-                                      bits=c.bits) for parts in (c.keys, c.values))
+        keys, values = (
+            mx.dequantize(*(a[..., :n, :] for a in parts), group_size=c.group_size, bits=c.bits) for parts in (c.keys, c.values)
+        )
         return _fp16_stock(keys, values, n, affine_bits)
 
     def fork(self, c, exact_new):
@@ -148,8 +153,7 @@ class Compressed(Kind):
         # deferred: loads mlx.core, numpy (the light commands start without it)
         from longctx.kvcache.turbo import TurboQuantCache
 
-        return TurboQuantCache.from_arrays(ctx["preset"], template.layer, layer, ctx["head_dims"][i],
-                                           template.paths)
+        return TurboQuantCache.from_arrays(ctx["preset"], template.layer, layer, ctx["head_dims"][i], template.paths)
 
     def heads(self, c):
         return int(c.means[0].shape[1])
@@ -205,8 +209,7 @@ class Rotating(Kind):
 
     def from_arrays(self, template, i, arrays, layer, ctx):
         keys, values = arrays[f"{i}.k"], arrays[f"{i}.v"]
-        return rotating_like(template, keys.astype(ctx["dtype"]), values.astype(ctx["dtype"]),
-                             ctx["tokens"])
+        return rotating_like(template, keys.astype(ctx["dtype"]), values.astype(ctx["dtype"]), ctx["tokens"])
 
     def heads(self, c):
         return int(c.keys.shape[1])

@@ -54,18 +54,20 @@ def _turbo(name: str, description: str, **bits) -> Preset:
     return Preset(name, "turbo", f"TurboQuant: {description}", window=WINDOW, sink=SINK, **bits)
 
 
-PRESETS = {p.name: p for p in (
-    Preset("fp16", "fp16", "uncompressed keys and values, half precision"),
-    Preset("affine8", "affine", "mlx-lm 8-bit affine quantized cache (group 64)", affine_bits=8),
-    Preset("affine4", "affine", "mlx-lm 4-bit affine quantized cache (group 64)", affine_bits=4),
-    _turbo("tq4", "4-bit rotated Lloyd-Max keys and values", key_bits=4, value_bits=4),
-    _turbo("tq4k3v", "4-bit keys, 3-bit values", key_bits=4, value_bits=3),
-    _turbo("tq3", "3-bit keys and values", key_bits=3, value_bits=3),
-    _turbo("tq3+qjl", "3-bit keys + 1-bit QJL residual sketch, 3-bit values",
-           key_bits=3, key_qjl=True, value_bits=3),
-    _turbo("rvq2+2", "two-stage 2+2-bit keys, 3-bit values", key_bits=2, key_bits2=2, value_bits=3),
-    _turbo("tq5k4v", "5-bit keys, 4-bit values", key_bits=5, value_bits=4),
-)}
+PRESETS = {
+    p.name: p
+    for p in (
+        Preset("fp16", "fp16", "uncompressed keys and values, half precision"),
+        Preset("affine8", "affine", "mlx-lm 8-bit affine quantized cache (group 64)", affine_bits=8),
+        Preset("affine4", "affine", "mlx-lm 4-bit affine quantized cache (group 64)", affine_bits=4),
+        _turbo("tq4", "4-bit rotated Lloyd-Max keys and values", key_bits=4, value_bits=4),
+        _turbo("tq4k3v", "4-bit keys, 3-bit values", key_bits=4, value_bits=3),
+        _turbo("tq3", "3-bit keys and values", key_bits=3, value_bits=3),
+        _turbo("tq3+qjl", "3-bit keys + 1-bit QJL residual sketch, 3-bit values", key_bits=3, key_qjl=True, value_bits=3),
+        _turbo("rvq2+2", "two-stage 2+2-bit keys, 3-bit values", key_bits=2, key_bits2=2, value_bits=3),
+        _turbo("tq5k4v", "5-bit keys, 4-bit values", key_bits=5, value_bits=4),
+    )
+}
 DEFAULT_PRESET = "tq4"
 
 
@@ -90,6 +92,7 @@ def bits_per_channel(preset: Preset, head_dim: int, tokens: int | None = None) -
         return preset.affine_bits + 32 / group
     # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.quant.bits import kv_bits
+
     # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.quant.codec import QuantSpec
 

@@ -19,6 +19,7 @@ def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
         # deferred: loads mlx.core, numpy (the light commands start without it)
         from longctx.kvcache.attention import compressed_attention
+
         # deferred: loads mlx.core, numpy (the light commands start without it)
         from longctx.kvcache.turbo import CompressedKV
 
@@ -41,7 +42,6 @@ def install() -> int:
         how many modules were newly routed.
     """
     from mlx_lm.models import base
-
 
     softcap.install()  # Gemma-2 computes its soft-capped scores itself: a shim of its own
     original = base.scaled_dot_product_attention

@@ -21,6 +21,7 @@ def _wrap(original):
     def __call__(self, x, mask=None, cache=None):
         # deferred: loads mlx.core, numpy (the light commands start without it)
         from longctx.kvcache.attention import compressed_attention
+
         # deferred: loads mlx.core, numpy (the light commands start without it)
         from longctx.kvcache.turbo import TurboQuantCache
 
@@ -33,8 +34,9 @@ def _wrap(original):
         queries = self.rope(queries, offset=cache.offset)  # (B, H_q, L, D)
         keys = self.rope(keys, offset=cache.offset)  # (B, H_kv, L, D)
         view, _ = cache.update_and_fetch(keys, values)
-        out = compressed_attention(queries, view, scale=self.scale, mask=mask,
-                                   softcap=float(self.attn_logit_softcapping))  # (B, H_q, L, D)
+        out = compressed_attention(
+            queries, view, scale=self.scale, mask=mask, softcap=float(self.attn_logit_softcapping)
+        )  # (B, H_q, L, D)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     setattr(__call__, _ORIGINAL, original)

@@ -41,8 +41,7 @@ def _calls_routed_sdpa(cls) -> bool:
     code = getattr(call, "__code__", None)
     if code is None:
         return False
-    return any(ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval == _SDPA
-               for ins in dis.get_instructions(code))
+    return any(ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval == _SDPA for ins in dis.get_instructions(code))
 
 
 def _storage_blocker(attn) -> str | None:
@@ -98,17 +97,20 @@ def check(model, base_cache: list, preset_name: str, compressed: bool, turbo: bo
             raise UnsupportedModel(
                 f"This model ({kind}) keeps {type(c).__name__} state in layer {i} (recurrent or "
                 "linear-attention layers), which longctx cannot store yet; use a model with "
-                "standard attention layers.")
+                "standard attention layers."
+            )
         attn = attention_module(layers[i]) if i < len(layers) else None
         blocker = _storage_blocker(attn)
         if blocker:
             raise UnsupportedModel(
                 f"This model ({kind}) uses {blocker} in layer {i}, which longctx cannot store yet "
                 "(a cache holds keys and values of one head dim per layer); use a model with "
-                "standard attention layers.")
+                "standard attention layers."
+            )
         if compressed and type(c) is KVCache:
             blocker = _compressed_blocker(attn, turbo)
             if blocker:
                 raise UnsupportedModel(
                     f"This model ({kind}) uses {blocker} in layer {i}, which the compressed KV "
-                    f"preset '{preset_name}' does not support; ingest with --kv fp16.")
+                    f"preset '{preset_name}' does not support; ingest with --kv fp16."
+                )

@@ -46,8 +46,6 @@ def _on_gpu() -> bool:
     return _backend() != "cpu"
 
 
-
-
 # (arrays, bytes) queued by earlier layers' `sync` and not yet waited for, oldest first
 _PENDING: deque = deque()
 _INFLIGHT = [0]  # the bytes of _PENDING's entries
@@ -207,8 +205,7 @@ def _encode_chunk(keys, values, means, signs, boundaries, prev, old, window, hel
     out, centered = [], []
     for i, x in enumerate((keys, values)):
         tail = (old[2 * i][:, :, :held], old[2 * i + 1][:, :, :held]) if held else (None, None)
-        out.extend(prefill_encode(x, means[i], signs[i], boundaries[i],
-                                  prev[i] if prev else None, *tail))
+        out.extend(prefill_encode(x, means[i], signs[i], boundaries[i], prev[i] if prev else None, *tail))
         centered.append(x.astype(mx.float32) - means[i])
     seen = [mx.concatenate([window[i], c], axis=2) if window else c for i, c in enumerate(centered)]
     return out + seen + ([c[:, :, -w:] for c in centered] if w else [])
@@ -374,8 +371,10 @@ class TurboQuantCache:
         self.head_dim = keys.shape[-1]
         self.dtype = values.dtype
         if self.means is None:
-            self.means = (keys.astype(mx.float32).mean(axis=2, keepdims=True),
-                          values.astype(mx.float32).mean(axis=2, keepdims=True))
+            self.means = (
+                keys.astype(mx.float32).mean(axis=2, keepdims=True),
+                values.astype(mx.float32).mean(axis=2, keepdims=True),
+            )
         n = self.window_len + keys.shape[2]
         if n <= self.window_cap:  # decode steps and questions: into the window's buffers
             self._window_write(*_center_pair(keys, values, *self.means))
@@ -480,21 +479,38 @@ class TurboQuantCache:
         kc, vc = self.codecs()
         held = self.tail_len + (self.window_len if self._rot_window is not None else 0)
         w = self.window_cap
-        args = (keys, values, list(self.means), [kc.rotation.signs, vc.rotation.signs],
-                [kc.boundaries, vc.boundaries],
-                list(self._rot_window) if self._rot_window is not None else [],
-                [self.tail[i][name] for i in (0, 1) for name in ("idx", "norm")] if held else [],
-                list(self.window) if self.window is not None else [], held, w)
+        args = (
+            keys,
+            values,
+            list(self.means),
+            [kc.rotation.signs, vc.rotation.signs],
+            [kc.boundaries, vc.boundaries],
+            list(self._rot_window) if self._rot_window is not None else [],
+            [self.tail[i][name] for i in (0, 1) for name in ("idx", "norm")] if held else [],
+            list(self.window) if self.window is not None else [],
+            held,
+            w,
+        )
         if room or not compiling.prefill_compiled(self.paths):
             out = _encode_chunk(*args)
         else:
-            key = ("encode", keys.shape, keys.dtype, values.shape, values.dtype,
-                   self.means[0].shape, kc.key, vc.key, held,
-                   None if self.tail is None else self.tail[0]["idx"].shape,
-                   None if self._rot_window is None else self._rot_window[0].shape,
-                   None if self.window is None else self.window[0].shape, w, _backend())
-            out = compiling.call_compiled(_ENCODE, key, compiling.fresh(_encode_chunk),
-                                          _encode_chunk, args)
+            key = (
+                "encode",
+                keys.shape,
+                keys.dtype,
+                values.shape,
+                values.dtype,
+                self.means[0].shape,
+                kc.key,
+                vc.key,
+                held,
+                None if self.tail is None else self.tail[0]["idx"].shape,
+                None if self._rot_window is None else self._rot_window[0].shape,
+                None if self.window is None else self.window[0].shape,
+                w,
+                _backend(),
+            )
+            out = compiling.call_compiled(_ENCODE, key, compiling.fresh(_encode_chunk), _encode_chunk, args)
         rot_k, idx_k, norm_k, rot_v, idx_v, norm_v, seen_k, seen_v, *win = out
         self.window, self._wbuf = (seen_k, seen_v), None
         view = self.view(after_rot=(rot_k, rot_v))
@@ -559,18 +575,29 @@ class TurboQuantCache:
         if self.prefix_len:
             segments.append((self.prefix[0], self.prefix[1], self.prefix_len))
         if self.tail_len:
-            segments.append((_slice(self.tail[0], self.tail_len), _slice(self.tail[1], self.tail_len),
-                             self.tail_len))
+            segments.append((_slice(self.tail[0], self.tail_len), _slice(self.tail[1], self.tail_len), self.tail_len))
         buffer = None
         if self._wbuf is not None and self.window is not None:
             cap = self._wbuf[0].shape[2]
             if cap > self.window_len:
                 buffer = (*self._wbuf, _valid_mask(cap, self.window_len))
-        return CompressedKV(kc, vc, tuple(segments), self.offset, self.means[1], self.window, self.sink,
-                            self.dense_prefix, buffer, key_mean=self.means[0], dtype=self.dtype,
-                            sink_rot=self.rotated_sink16(),
-                            after_rot=after_rot if after_rot is not None else self._rot_window,
-                            plan=self._plan if buffer is not None else None, paths=self.paths)
+        return CompressedKV(
+            kc,
+            vc,
+            tuple(segments),
+            self.offset,
+            self.means[1],
+            self.window,
+            self.sink,
+            self.dense_prefix,
+            buffer,
+            key_mean=self.means[0],
+            dtype=self.dtype,
+            sink_rot=self.rotated_sink16(),
+            after_rot=after_rot if after_rot is not None else self._rot_window,
+            plan=self._plan if buffer is not None else None,
+            paths=self.paths,
+        )
 
     def _forget_step(self) -> None:
         """Drop the decode step's kept view fields and launch (they hold the window's buffers and
@@ -662,8 +689,7 @@ class TurboQuantCache:
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         from mlx_lm.models.cache import create_attention_mask
 
-        return create_attention_mask(N, offset=self.offset, return_array=return_array,
-                                     window_size=window_size)
+        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
 
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
@@ -720,12 +746,10 @@ class TurboQuantCache:
         segs = self.view().segments
         # the fused prefill's window is a view of the chunk's keys, left unevaluated (its rotated
         # rows, evaluated with the tail, stand for it)
-        window = (list(self._rot_window) if self._rot_window is not None
-                  else list(self.window) if self.window is not None else [])
+        window = list(self._rot_window) if self._rot_window is not None else list(self.window) if self.window is not None else []
         window += list(self.sink) if self.sink is not None else []
         window += [self._anchor] if self._anchor is not None else []  # a pipeline stage's send
-        return [*self.means, *window,
-                *(a for seg_k, seg_v, _ in segs for a in (*seg_k.values(), *seg_v.values()))]
+        return [*self.means, *window, *(a for seg_k, seg_v, _ in segs for a in (*seg_k.values(), *seg_v.values()))]
 
     @property
     def meta_state(self) -> tuple:
@@ -749,8 +773,9 @@ class TurboQuantCache:
         return out
 
     @classmethod
-    def from_arrays(cls, preset: Preset, layer: int, arrays: dict, head_dim: int,
-                    paths: Paths = DEFAULT_PATHS) -> "TurboQuantCache":
+    def from_arrays(
+        cls, preset: Preset, layer: int, arrays: dict, head_dim: int, paths: Paths = DEFAULT_PATHS
+    ) -> "TurboQuantCache":
         """A cache whose read-only prefix is `arrays` (as produced by `arrays()`)."""
         cache = cls(preset, layer, paths)
         cache.head_dim = head_dim
@@ -775,8 +800,7 @@ class TurboQuantCache:
                 and answer exact; they are never persisted, and `seal()` compresses them if they
                 ever are.
         """
-        child = TurboQuantCache.from_arrays(self.preset, self.layer, self.arrays(), self.head_dim,
-                                           self.paths)
+        child = TurboQuantCache.from_arrays(self.preset, self.layer, self.arrays(), self.head_dim, self.paths)
         child.window_cap = max(self.preset.window, self.window_cap if exact_new is None else exact_new)
         child.means = self.means
         child.sink = self.sink

@@ -29,8 +29,9 @@ SEED_BITS = 64
 CENTROID_BITS = 32
 
 
-def vector_bits(dim: int, bits: int, bits2: int = 0, qjl: bool = False,
-                qjl_dim: int | None = None, tokens: int | None = None) -> dict[str, Any]:
+def vector_bits(
+    dim: int, bits: int, bits2: int = 0, qjl: bool = False, qjl_dim: int | None = None, tokens: int | None = None
+) -> dict[str, Any]:
     """Storage breakdown of one codec configuration.
 
     Args:
@@ -84,5 +85,4 @@ def kv_bits(dim: int, key_spec: Any, value_spec: Any, tokens: int | None = None)
     """
     keys = spec_bits(dim, key_spec, tokens)
     values = spec_bits(dim, value_spec, tokens)
-    return {"keys": keys, "values": values,
-            "average": 0.5 * (keys["bits_per_channel"] + values["bits_per_channel"])}
+    return {"keys": keys, "values": values, "average": 0.5 * (keys["bits_per_channel"] + values["bits_per_channel"])}

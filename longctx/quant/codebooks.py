@@ -110,8 +110,7 @@ class _Density:
         zero = np.zeros(1)
         self.F = np.concatenate([zero, np.cumsum(mass)])
         self.G = np.concatenate([zero, np.cumsum(self.dens * (e1 - e0) * (e1 + e0) / 2)])
-        self.S = np.concatenate([zero, np.cumsum(self.dens * (e1 - e0) * (e1 * e1 + e1 * e0
-                                                                          + e0 * e0) / 3)])
+        self.S = np.concatenate([zero, np.cumsum(self.dens * (e1 - e0) * (e1 * e1 + e1 * e0 + e0 * e0) / 3)])
 
     def density(self, t: np.ndarray) -> np.ndarray:
         """The density at points t."""
@@ -125,9 +124,7 @@ class _Density:
         """(F, G, S) at points t inside [edges[0], edges[-1]]."""
         k = self._cell(t)
         e, d, dt = self.edges[k], self.dens[k], t - self.edges[k]
-        return (self.F[k] + d * dt,
-                self.G[k] + d * dt * (t + e) / 2,
-                self.S[k] + d * dt * (t * t + t * e + e * e) / 3)
+        return (self.F[k] + d * dt, self.G[k] + d * dt * (t + e) / 2, self.S[k] + d * dt * (t * t + t * e + e * e) / 3)
 
     def quantile(self, p: np.ndarray, lo: float, hi: float, cube_root: bool = False) -> np.ndarray:
         """Points splitting [lo, hi] at fractions p of the mass of the density (or its cbrt)."""
@@ -159,8 +156,9 @@ def _cells(dens: _Density, lo: float, hi: float, bounds: np.ndarray):
     return mass, cents, (F, G, S)
 
 
-def _lloyd(dens: _Density, lo: float, hi: float, levels: int, scale: float,
-           start: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+def _lloyd(
+    dens: _Density, lo: float, hi: float, levels: int, scale: float, start: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, float]:
     """Solve the Lloyd-Max conditions for `dens` restricted to [lo, hi].
 
     Lloyd's iteration converges slowly in the tails when there are many levels, so after a few
@@ -206,8 +204,7 @@ def _lloyd(dens: _Density, lo: float, hi: float, levels: int, scale: float,
                 step = np.full(n, np.nan)
             for damp in (1.0, 0.5, 0.25):
                 trial = bounds - damp * step
-                if (np.all(np.isfinite(trial)) and np.all(np.diff(trial) > 0)
-                        and trial[0] > lo and trial[-1] < hi):
+                if np.all(np.isfinite(trial)) and np.all(np.diff(trial) > 0) and trial[0] > lo and trial[-1] < hi:
                     c2 = _cells(dens, lo, hi, trial)[1]
                     if np.max(np.abs(trial - 0.5 * (c2[1:] + c2[:-1]))) < err:
                         bounds, accepted = trial, True
@@ -262,8 +259,7 @@ def _shared_residual(dim: int, stage1: Codebook, levels: int) -> tuple[np.ndarra
 
 
 @functools.lru_cache(maxsize=None)
-def residual_codebook(dim: int, bits1: int, bits2: int,
-                      conditional: bool = True) -> ResidualCodebook:
+def residual_codebook(dim: int, bits1: int, bits2: int, conditional: bool = True) -> ResidualCodebook:
     """Stage-2 codebooks for the error of `lloyd_max(dim, bits1)`.
 
     Conditional codebooks are Lloyd-Max for the coordinate's distribution inside each stage-1
@@ -307,8 +303,7 @@ def residual_codebook(dim: int, bits1: int, bits2: int,
         F, G, S = dens.moments(np.concatenate([[cuts[k]], absb, [cuts[k + 1]]]))
         c = cents[k] + stage1.centroids[k]
         mse += float(np.sum(np.diff(S) - 2 * c * np.diff(G) + c * c * np.diff(F)))
-    return ResidualCodebook(_frozen(cents), _frozen(bounds), max(mse, 0.0), bits1, bits2, dim,
-                            conditional)
+    return ResidualCodebook(_frozen(cents), _frozen(bounds), max(mse, 0.0), bits1, bits2, dim, conditional)
 
 
 def exact_one_bit_centroid(dim: int) -> float:
@@ -324,5 +319,4 @@ def as_mx(codebook: Codebook | ResidualCodebook) -> tuple[mx.array, mx.array]:
         (centroids, boundaries) float32, flattened: (2^bits,), (2^bits - 1,) for a Codebook;
         (2^bits1 * 2^bits2,), (2^bits1 * (2^bits2 - 1),) row-major for a ResidualCodebook.
     """
-    return (mx.array(codebook.centroids.astype(np.float32).ravel()),
-            mx.array(codebook.boundaries.astype(np.float32).ravel()))
+    return (mx.array(codebook.centroids.astype(np.float32).ravel()), mx.array(codebook.boundaries.astype(np.float32).ravel()))

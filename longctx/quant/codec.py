@@ -114,8 +114,7 @@ class VectorCodec:
             # One kernel instead of ~40 small MLX ops (a prefill chunk's encode on a GPU)
 
             lead = x.shape[:-1]
-            idx, norm = hadamard_quantize(x.reshape(-1, self.dim), self.rotation.signs,
-                                          self.boundaries)
+            idx, norm = hadamard_quantize(x.reshape(-1, self.dim), self.rotation.signs, self.boundaries)
             return {"idx": idx.reshape(*lead, idx.shape[-1]), "norm": norm.reshape(lead)}
         unit, norm = split_norm(x)  # (..., L, dim), (..., L)
         y = self.rotation.forward(unit)  # (..., L, P)
@@ -143,8 +142,7 @@ class VectorCodec:
     def _fused_shape(self) -> bool:
         # (the spec and dims of `fused_encode`, once: a prefill chunk asks it at every layer)
 
-        return (self.rvq is None and self.qjl is None and self.padded_dim == self.dim
-                and self.dim in DIMS)
+        return self.rvq is None and self.qjl is None and self.padded_dim == self.dim and self.dim in DIMS
 
     @functools.cached_property
     def key(self) -> int:

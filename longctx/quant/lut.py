@@ -41,8 +41,7 @@ def _field_table(values: bytes, bits: int, k: int) -> np.ndarray:
 _PER_LOOKUP = {1: 8, 2: 4, 4: 2, 8: 1, 3: 4, 5: 2, 6: 2, 7: 1}
 
 
-def lookup(words: mx.array, bits: int, n: int, table: np.ndarray,
-           out: np.ndarray | None = None) -> np.ndarray:
+def lookup(words: mx.array, bits: int, n: int, table: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """table[i] for the n packed `bits`-bit indices i of each row of `words`.
 
     Args:
@@ -83,8 +82,7 @@ def _numpy(arr: mx.array, mx_dtype, np_dtype) -> np.ndarray:
     return np.asarray(arr.astype(mx_dtype))
 
 
-def lookup_bytes(raw: np.ndarray, bits: int, n: int, table: np.ndarray,
-                 out: np.ndarray | None = None) -> np.ndarray:
+def lookup_bytes(raw: np.ndarray, bits: int, n: int, table: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """`lookup` on the bit stream `raw` (..., bytes) uint8, little-endian hosts, n % 32 == 0.
     numpy only: safe to run on a worker thread (numpy releases the GIL in the big loops)."""
     table = np.ascontiguousarray(table, dtype=np.float32)

@@ -115,8 +115,7 @@ def unpack(words: mx.array, bits: int, n: int) -> mx.array:
     lead = words.shape[:-1]
     groups = (n + GROUP - 1) // GROUP
     if words.shape[-1] != groups * bits:
-        raise ValueError(f"expected {groups * bits} words for n={n}, bits={bits}, "
-                         f"got {words.shape[-1]}")
+        raise ValueError(f"expected {groups * bits} words for n={n}, bits={bits}, got {words.shape[-1]}")
     w = words.astype(mx.uint32).reshape(*lead, groups, bits)  # (..., G, b)
     mask = (1 << bits) - 1
     t = _tables(bits)

@@ -73,8 +73,7 @@ def split_norm(x: mx.array) -> tuple[mx.array, mx.array]:
     return unit, mx.minimum(norm, FP16_MAX).astype(mx.float16)
 
 
-def encode_unit(x: mx.array, rotation: RandomHadamard,
-                codebook: Codebook) -> tuple[mx.array, mx.array]:
+def encode_unit(x: mx.array, rotation: RandomHadamard, codebook: Codebook) -> tuple[mx.array, mx.array]:
     """Normalize, rotate and quantize vectors.
 
     Args:
@@ -89,8 +88,7 @@ def encode_unit(x: mx.array, rotation: RandomHadamard,
     return quantize(rotation.forward(unit), codebook), norms
 
 
-def decode_unit(indices: mx.array, norms: mx.array, codebook: Codebook,
-                rotation: RandomHadamard | None = None) -> mx.array:
+def decode_unit(indices: mx.array, norms: mx.array, codebook: Codebook, rotation: RandomHadamard | None = None) -> mx.array:
     """Rebuild vectors from `encode_unit`'s output.
 
     Args:

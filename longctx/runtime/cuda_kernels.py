@@ -52,10 +52,20 @@ MLX_VERSIONS = ("0.32.4",)
 MAX_FILE_NAME = 245  # mlx get_ptx_path: longer module names become nested folders (not written)
 HASH_SEED = 0xC70F6907  # libstdc++'s seed for std::hash<std::string>
 
-CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t",
-              mx.int64: "int64_t", mx.uint8: "uint8_t", mx.uint16: "uint16_t",
-              mx.uint32: "uint32_t", mx.uint64: "uint64_t", mx.float16: "__half",
-              mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
+CUDA_TYPES = {
+    mx.bool_: "bool",
+    mx.int8: "int8_t",
+    mx.int16: "int16_t",
+    mx.int32: "int32_t",
+    mx.int64: "int64_t",
+    mx.uint8: "uint8_t",
+    mx.uint16: "uint16_t",
+    mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.float32: "float",
+}
 # the names mlx's template hash gives dtypes (its own type names for the two half types)
 TYPE_STRINGS = {**CUDA_TYPES, mx.float16: "float16_t", mx.bfloat16: "bfloat16_t"}
 
@@ -80,8 +90,7 @@ _LOCK = threading.Lock()
 
 
 def enabled() -> bool:
-    return (sys.platform.startswith("linux") and mx.__version__ in MLX_VERSIONS
-            and _ENABLED[0])
+    return sys.platform.startswith("linux") and mx.__version__ in MLX_VERSIONS and _ENABLED[0]
 
 
 def disable() -> None:
@@ -95,12 +104,16 @@ def install() -> None:
     _prelude.CUDA_PREPARE = prepare
 
 
-def mlx_source(kernel_name: str, header: str, body: str, input_names, inputs, output_names,
-               output_dtypes, template) -> str:
+def mlx_source(kernel_name: str, header: str, body: str, input_names, inputs, output_names, output_dtypes, template) -> str:
     """The source `mx.fast.cuda_kernel` generates for this launch (mlx 0.32 `build_kernel`)."""
-    parts = ['\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n',
-             header, "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",
-             "__global__ void ", kernel_name, "(\n"]
+    parts = [
+        '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n',
+        header,
+        "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",
+        "__global__ void ",
+        kernel_name,
+        "(\n",
+    ]
     for name, arr in zip(input_names, inputs):
         parts += ["    const ", CUDA_TYPES[arr.dtype], "* ", name, ",\n"]
         if arr.ndim > 0:
@@ -126,8 +139,7 @@ def mlx_source(kernel_name: str, header: str, body: str, input_names, inputs, ou
 
 def template_suffix(template) -> str:
     """mlx's `template_arguments_hash` (ints and dtypes)."""
-    return "".join(f"_{TYPE_STRINGS[v]}" if isinstance(v, mx.Dtype) else f"_{int(v)}"
-                   for _, v in template)
+    return "".join(f"_{TYPE_STRINGS[v]}" if isinstance(v, mx.Dtype) else f"_{int(v)}" for _, v in template)
 
 
 ARCH_LINE = "arch "  # the .txt's line naming the cubin's architecture (no tab: MLX skips it)
@@ -156,8 +168,10 @@ def cache_dir() -> Path:
     env = os.environ.get("MLX_PTX_CACHE_DIR")
     if env:
         return Path(env)
-    tmp = next((os.environ[k] for k in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if os.environ.get(k)),
-               "/tmp" if sys.platform != "win32" else tempfile.gettempdir())
+    tmp = next(
+        (os.environ[k] for k in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if os.environ.get(k)),
+        "/tmp" if sys.platform != "win32" else tempfile.gettempdir(),
+    )
     return Path(tmp) / "mlx" / mx.__version__ / "ptx"
 
 
@@ -192,8 +206,7 @@ class _Nvrtc:
         lib, prog = self.lib, ctypes.c_void_p()
         headers = (ctypes.c_char_p * 1)(DEVICE_HEADER.encode())
         names = (ctypes.c_char_p * 1)(DEVICE_HEADER_NAME.encode())
-        if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), (name + ".cu").encode(),
-                                  1, headers, names):
+        if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), (name + ".cu").encode(), 1, headers, names):
             raise RuntimeError("nvrtcCreateProgram failed")
         try:
             if lib.nvrtcAddNameExpression(prog, kernel.encode()):
@@ -236,8 +249,10 @@ def _include_paths(nvrtc: Path) -> list[str]:
     cuda = next((c for c in candidates if (c / "cuda_fp16.h").is_file()), None)
     if cuda is not None:
         found.append(str(cuda))
-        if not any(Path(p, "cuda", "std", "array").is_file() for p in found) and \
-                (cuda / "cccl" / "cuda" / "std" / "array").is_file():
+        if (
+            not any(Path(p, "cuda", "std", "array").is_file() for p in found)
+            and (cuda / "cccl" / "cuda" / "std" / "array").is_file()
+        ):
             found.append(str(cuda / "cccl"))  # (CUDA 13's pip headers keep CCCL there)
     return found
 
@@ -279,16 +294,14 @@ _FAILED: set = set()  # modules this process could not compile or write (not tri
 
 def _prepare(name, header, body, input_names, output_names, launch) -> str:
     if not enabled():
-        return _skip("off (cuda_kernels.disable()), not Linux, or an mlx version other "
-                     f"than {', '.join(MLX_VERSIONS)}")
+        return _skip(f"off (cuda_kernels.disable()), not Linux, or an mlx version other than {', '.join(MLX_VERSIONS)}")
     template = list(launch.template)
     if any(isinstance(v, bool) or not isinstance(v, (int, mx.Dtype)) for _, v in template):
         return _skip("template value that is not an int or a dtype")
     if not all(isinstance(a, mx.array) for a in launch.inputs):
         return _skip("an input that is not an array")
     kernel = "custom_kernel_" + name + template_suffix(template)
-    source = mlx_source(kernel, header, body, input_names, launch.inputs, output_names,
-                        launch.output_dtypes, template)
+    source = mlx_source(kernel, header, body, input_names, launch.inputs, output_names, launch.output_dtypes, template)
     module = module_name(kernel, source)
     if len(module) > MAX_FILE_NAME:
         return _skip("module name longer than one file name")
@@ -315,7 +328,7 @@ def _prepare(name, header, body, input_names, output_names, launch) -> str:
             tag = f".{os.getpid()}.{threading.get_ident()}.tmp"
             txt = f"mlx::core::cu::{kernel}\t{mangled}\n{ARCH_LINE}{arch}\n".encode()
             for suffix, data in ((".txt", txt), (".ptx", cubin)):  # the .ptx last: it marks
-                tmp = path.with_suffix(suffix + tag)               # the pair complete
+                tmp = path.with_suffix(suffix + tag)  # the pair complete
                 try:
                     tmp.write_bytes(data)
                     os.replace(tmp, path.with_suffix(suffix))

@@ -36,7 +36,6 @@ from longctx.errors import ConfigError, ResourceError
 from longctx import config
 
 
-
 PARALLEL = ("tensor", "pipeline", "data")
 _mode = ["tensor"]
 
@@ -107,13 +106,15 @@ def group():
         return None
     import mlx.core as mx
 
-
     backend = "ring" if "MLX_HOSTFILE" in os.environ else "any"
     timeout = config.get("peer_timeout")
     rank = os.environ.get("MLX_RANK")
     # `init` blocks in C, holding the GIL, while a peer is missing: a watchdog process ends it
-    with watchdog(timeout, f"error: rank {rank}: the other ranks did not connect within {timeout} s; "
-                           "start every rank (mlx.launch) and check the hostfile."):
+    with watchdog(
+        timeout,
+        f"error: rank {rank}: the other ranks did not connect within {timeout} s; "
+        "start every rank (mlx.launch) and check the hostfile.",
+    ):
         try:
             g = mx.distributed.init(strict=True, backend=backend)
         except RuntimeError as err:
@@ -134,13 +135,14 @@ class watchdog:
         import subprocess
         import sys
 
-        code = ("import os, signal, sys, time\n"
-                f"time.sleep({float(self.seconds)!r})\n"
-                f"os.kill({os.getpid()}, signal.SIGKILL)\n"
-                f"{self.cleanup}\n"
-                f"print({self.message!r}, file=sys.stderr)\n")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL)
+        code = (
+            "import os, signal, sys, time\n"
+            f"time.sleep({float(self.seconds)!r})\n"
+            f"os.kill({os.getpid()}, signal.SIGKILL)\n"
+            f"{self.cleanup}\n"
+            f"print({self.message!r}, file=sys.stderr)\n"
+        )
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         return self
 
     def __exit__(self, *exc):
@@ -194,8 +196,10 @@ def check_divides(config: dict, ranks: int) -> None:
     kv = int(cfg.get("num_key_value_heads") or heads)
     if heads % ranks or kv % ranks:
         valid = [n for n in range(1, kv + 1) if kv % n == 0 and heads % n == 0]
-        raise ConfigError(f"{ranks} ranks do not divide this model's {heads} query and {kv} KV heads; "
-                          f"run it on {' or '.join(map(str, valid))} ranks.")
+        raise ConfigError(
+            f"{ranks} ranks do not divide this model's {heads} query and {kv} KV heads; "
+            f"run it on {' or '.join(map(str, valid))} ranks."
+        )
 
 
 def split(model, config: dict) -> None:
@@ -214,7 +218,7 @@ def stage_layers(n_layers: int, ranks: int, rank: int) -> tuple[int, int]:
     ranks one more where it is uneven, rank N-1 the first layers and rank 0 the last."""
     base, extra = divmod(n_layers, ranks)
     split_ = [base + (1 if r < extra else 0) for r in range(ranks)]
-    lo = sum(split_[rank + 1:])
+    lo = sum(split_[rank + 1 :])
     return lo, lo + split_[rank]
 
 
@@ -235,11 +239,12 @@ def pipeline(model, config: dict) -> None:
     cfg = config.get("text_config", config)
     layers = int(cfg["num_hidden_layers"])
     if g.size() > layers:
-        raise ConfigError(f"{g.size()} pipeline stages exceed this model's {layers} layers; "
-                          f"run it on at most {layers} ranks.")
+        raise ConfigError(f"{g.size()} pipeline stages exceed this model's {layers} layers; run it on at most {layers} ranks.")
     if not hasattr(getattr(model, "model", None), "pipeline"):
-        raise ConfigError(f"mlx-lm has no pipeline parallelism for the '{config.get('model_type')}' family "
-                          f"(only {', '.join(pipeline_families())}); use --parallel tensor.")
+        raise ConfigError(
+            f"mlx-lm has no pipeline parallelism for the '{config.get('model_type')}' family "
+            f"(only {', '.join(pipeline_families())}); use --parallel tensor."
+        )
     import mlx.core as mx
 
     model.model.pipeline(g)
@@ -258,8 +263,9 @@ def shard(model, config: dict) -> None:
         return
     check_divides(config, g.size())
     if not hasattr(model, "shard"):
-        raise ConfigError(f"mlx-lm has no tensor-parallel sharding for the '{config.get('model_type')}' "
-                          "family; run it in one process.")
+        raise ConfigError(
+            f"mlx-lm has no tensor-parallel sharding for the '{config.get('model_type')}' family; run it in one process."
+        )
     import mlx.core as mx
 
     model.shard(g)
@@ -274,7 +280,6 @@ def agree(ok: bool, cleanup: str = "", what: str = "") -> bool:
     if g is None:
         return ok
     import mlx.core as mx
-
 
     timeout = config.get("peer_timeout")
     message = f"error: rank {g.rank()}: another rank stopped answering{what}; nothing of it is kept."

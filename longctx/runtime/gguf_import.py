@@ -67,8 +67,20 @@ ARCHITECTURES = {
     "phi3": Arch("phi3", renames={"ffn_up": "mlp.gate_up_proj"}),
 }
 # GGUF tensor type name -> MLX affine bits when kept quantized on a GPU (group size 64; 32 below 5 bits)
-_BITS = {"Q2_K": 3, "Q3_K": 4, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5,
-         "Q6_K": 6, "Q8_0": 8, "Q8_1": 8, "Q8_K": 8}
+_BITS = {
+    "Q2_K": 3,
+    "Q3_K": 4,
+    "Q4_0": 4,
+    "Q4_1": 4,
+    "Q4_K": 4,
+    "Q5_0": 5,
+    "Q5_1": 5,
+    "Q5_K": 5,
+    "Q6_K": 6,
+    "Q8_0": 8,
+    "Q8_1": 8,
+    "Q8_K": 8,
+}
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
@@ -77,8 +89,9 @@ def bits_for(type_name: str) -> int | None:
     if type_name in _FLOAT_TYPES:
         return None
     if type_name not in _BITS:
-        raise ModelError(f"GGUF tensor type {type_name} is not supported (known: "
-                         f"{', '.join(list(_FLOAT_TYPES) + sorted(_BITS))}).")
+        raise ModelError(
+            f"GGUF tensor type {type_name} is not supported (known: {', '.join(list(_FLOAT_TYPES) + sorted(_BITS))})."
+        )
     return _BITS[type_name]
 
 
@@ -133,16 +146,21 @@ def _llama3_rope(freqs, theta: float, dims: int, context: int) -> dict:
     import numpy as np
 
     factors = np.asarray(freqs, dtype=np.float64)
-    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     wavelen = 2 * math.pi * theta ** (np.arange(0, dims, 2) / dims)
     low, high = 8192 / 1.0, 8192 / 4.0
     smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
-    want = np.where(wavelen < high, 1.0, np.where(wavelen > low, scaling["factor"],
-                                                  1.0 / ((1 - smooth) / scaling["factor"] + smooth)))
+    want = np.where(
+        wavelen < high, 1.0, np.where(wavelen > low, scaling["factor"], 1.0 / ((1 - smooth) / scaling["factor"] + smooth))
+    )
     if factors.shape != want.shape or not np.allclose(factors, want, rtol=1e-3):
-        raise ModelError("This GGUF's rope_freqs do not match Llama-3's rope scaling; "
-                         "use an mlx-lm model directory instead.")
+        raise ModelError("This GGUF's rope_freqs do not match Llama-3's rope scaling; use an mlx-lm model directory instead.")
     return scaling
 
 
@@ -182,8 +200,11 @@ def _config(meta: dict, arch_name: str, tensors: dict, vocab: int) -> dict:
         config["attn_logit_softcapping"] = float(meta.get(p + "attn_logit_softcapping", 50.0))
         config["final_logit_softcapping"] = float(meta.get(p + "final_logit_softcapping", 30.0))
     if arch_name == "gemma3":
-        config.update(rope_local_base_freq=10000.0, sliding_window_pattern=6,
-                      sliding_window=int(meta.get(p + "attention.sliding_window", 512)))
+        config.update(
+            rope_local_base_freq=10000.0,
+            sliding_window_pattern=6,
+            sliding_window=int(meta.get(p + "attention.sliding_window", 512)),
+        )
         kind, factor = meta.get(p + "rope.scaling.type"), meta.get(p + "rope.scaling.factor")
         if kind and kind != "none" and factor:
             config["rope_scaling"] = {"rope_type": str(kind), "factor": float(factor)}
@@ -208,8 +229,9 @@ def _dequantized(t):
     return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
 
 
-def import_gguf(gguf_path: Path, out_dir: Path, model_id: str, weights_sha256: str,
-                quantized: bool = False, progress=None) -> Path:
+def import_gguf(
+    gguf_path: Path, out_dir: Path, model_id: str, weights_sha256: str, quantized: bool = False, progress=None
+) -> Path:
     """Convert `gguf_path` into an mlx-lm model directory at `out_dir` (atomically).
 
     Args:
@@ -229,9 +251,11 @@ def import_gguf(gguf_path: Path, out_dir: Path, model_id: str, weights_sha256: s
     reader, meta = read_gguf(gguf_path)
     arch_name = str(meta.get("general.architecture"))
     if arch_name not in ARCHITECTURES:
-        raise ModelError(f"GGUF architecture '{arch_name}' is not supported by the importer (known: "
-                         f"{', '.join(ARCHITECTURES)}); pass an mlx-lm model directory or a Hugging "
-                         "Face id with --model instead.")
+        raise ModelError(
+            f"GGUF architecture '{arch_name}' is not supported by the importer (known: "
+            f"{', '.join(ARCHITECTURES)}); pass an mlx-lm model directory or a Hugging "
+            "Face id with --model instead."
+        )
     arch = ARCHITECTURES[arch_name]
     for t in reader.tensors:
         bits_for(t.tensor_type.name)  # refuse an unknown type before any work
@@ -273,12 +297,20 @@ def import_gguf(gguf_path: Path, out_dir: Path, model_id: str, weights_sha256: s
         config["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
     if quant:
         config["quantization"] = {"group_size": 64, "bits": 4, **quant}
-    write_model_dir(out_dir, weights, {
-        "config.json": config,
-        "tokenizer.json": tokenizer_json,
-        "tokenizer_config.json": tokenizer_config,
-        "longctx.json": {"model_id": model_id, "source": str(gguf_path), "weights_sha256": weights_sha256,
-                         "dtype": "quantized" if quantized else "float32"},
-    })
+    write_model_dir(
+        out_dir,
+        weights,
+        {
+            "config.json": config,
+            "tokenizer.json": tokenizer_json,
+            "tokenizer_config.json": tokenizer_config,
+            "longctx.json": {
+                "model_id": model_id,
+                "source": str(gguf_path),
+                "weights_sha256": weights_sha256,
+                "dtype": "quantized" if quantized else "float32",
+            },
+        },
+    )
     report(total + 1, total + 1)
     return out_dir

@@ -23,14 +23,20 @@ _SPIECE_SPACE = "\u2581"
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 _CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-          r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
-          r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # `tokenizer.ggml.pre` -> (split regex or None for GPT-2's own, digits one by one, NFC first)
 PRE_TOKENIZERS = {
     "default": (None, False, False),
@@ -57,12 +63,15 @@ def _bpe_tokenizer(meta: dict, tokens: list[str], types: list[int]):
 
     pre = str(meta.get("tokenizer.ggml.pre", "default"))
     if pre not in PRE_TOKENIZERS:
-        raise ModelError(f"GGUF pre-tokenizer '{pre}' is not supported (known: "
-                         f"{', '.join(sorted(PRE_TOKENIZERS))}); use an mlx-lm model directory instead.")
+        raise ModelError(
+            f"GGUF pre-tokenizer '{pre}' is not supported (known: "
+            f"{', '.join(sorted(PRE_TOKENIZERS))}); use an mlx-lm model directory instead."
+        )
     regex, digits, nfc = PRE_TOKENIZERS[pre]
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               ignore_merges=regex is _LLAMA3))  # llama.cpp: Llama-3 only
+    tok = Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=regex is _LLAMA3)
+    )  # llama.cpp: Llama-3 only
     if nfc:
         tok.normalizer = normalizers.NFC()
     if regex is None:
@@ -70,8 +79,10 @@ def _bpe_tokenizer(meta: dict, tokens: list[str], types: list[int]):
         if digits:
             steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
     else:
-        steps = [pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        steps = [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
     return tok, False
@@ -83,8 +94,7 @@ def _merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tu
     vocab = {t: i for i, t in enumerate(tokens) if types[i] == NORMAL}
     found = []
     for piece, i in vocab.items():
-        local = [(piece[:k], piece[k:]) for k in range(1, len(piece))
-                 if piece[:k] in vocab and piece[k:] in vocab]
+        local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
         local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
         found.extend((-float(scores[i]), i, n, lr) for n, lr in enumerate(local))
     found.sort(key=lambda x: x[:3])
@@ -97,12 +107,16 @@ def _spm_tokenizer(meta: dict, tokens: list[str], types: list[int]):
 
     scores = [float(s) for s in meta["tokenizer.ggml.scores"]]
     unk = int(meta.get("tokenizer.ggml.unknown_token_id", 0))
-    bpe = BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_merges(tokens, scores, types),
-              unk_token=tokens[unk], byte_fallback=True, fuse_unk=True)
+    bpe = BPE(
+        vocab={t: i for i, t in enumerate(tokens)},
+        merges=_merges(tokens, scores, types),
+        unk_token=tokens[unk],
+        byte_fallback=True,
+        fuse_unk=True,
+    )
     tok = Tokenizer(bpe)
     if meta.get("tokenizer.ggml.add_space_prefix", True):
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPIECE_SPACE),
-                                               normalizers.Replace(" ", _SPIECE_SPACE)])
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPIECE_SPACE), normalizers.Replace(" ", _SPIECE_SPACE)])
     else:
         tok.normalizer = normalizers.Replace(" ", _SPIECE_SPACE)
     steps = [decoders.Replace(_SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -110,8 +124,7 @@ def _spm_tokenizer(meta: dict, tokens: list[str], types: list[int]):
         steps.append(decoders.Strip(" ", 1, 0))
     tok.decoder = decoders.Sequence(steps)
     # User-defined pieces (as llama.cpp wrote them, spaces and all) match whole in the raw text.
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types) if k == USER_DEFINED])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
     return tok, True
 
 
@@ -133,18 +146,22 @@ def tokenizer_files(meta: dict, context_length: int) -> tuple[dict, dict, list[i
     elif kind == "llama":
         tok, spm = _spm_tokenizer(meta, tokens, types)
     else:
-        raise ModelError(f"GGUF tokenizer '{kind}' is not supported (only byte-level BPE 'gpt2' "
-                         "and SentencePiece 'llama'); use an mlx-lm model directory instead.")
+        raise ModelError(
+            f"GGUF tokenizer '{kind}' is not supported (only byte-level BPE 'gpt2' "
+            "and SentencePiece 'llama'); use an mlx-lm model directory instead."
+        )
     unk = meta.get("tokenizer.ggml.unknown_token_id")
-    special = [i for i, k in enumerate(types) if k == CONTROL or (not spm and k == USER_DEFINED)
-               or (unk is not None and i == int(unk))]
+    special = [
+        i for i, k in enumerate(types) if k == CONTROL or (not spm and k == USER_DEFINED) or (unk is not None and i == int(unk))
+    ]
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
     bos = meta.get("tokenizer.ggml.bos_token_id")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", spm)) and bos is not None
     if add_bos:
         name = tokens[int(bos)]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{name} $A", pair=f"{name} $A $B", special_tokens=[(name, int(bos))])
+            single=f"{name} $A", pair=f"{name} $A $B", special_tokens=[(name, int(bos))]
+        )
 
     def name(key: str):
         idx = meta.get(key)

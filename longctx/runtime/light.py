@@ -76,8 +76,11 @@ def load_model(path: Path) -> tuple[object, dict] | None:
     config = json.loads((path / "config.json").read_text())
     quant = config.get("quantization")
     per_layer = {k: v for k, v in (quant or {}).items() if k not in ("group_size", "bits", "mode")}
-    if config.get("model_file") or config.get("quantization_config") or (
-            quant is not None and not all(isinstance(v, (dict, bool)) for v in per_layer.values())):
+    if (
+        config.get("model_file")
+        or config.get("quantization_config")
+        or (quant is not None and not all(isinstance(v, (dict, bool)) for v in per_layer.values()))
+    ):
         return None
     model_type = config.get("model_type", "")
     try:
@@ -93,13 +96,15 @@ def load_model(path: Path) -> tuple[object, dict] | None:
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     if quant is not None:
+
         def predicate(p, m):  # as mlx-lm: per-layer settings first, then layers with scales
             if p in per_layer:
                 return per_layer[p]
             return hasattr(m, "to_quantized") and f"{p}.scales" in weights
 
-        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],
-                    mode=quant.get("mode", "affine"), class_predicate=predicate)
+        nn.quantize(
+            model, group_size=quant["group_size"], bits=quant["bits"], mode=quant.get("mode", "affine"), class_predicate=predicate
+        )
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
 
@@ -128,8 +133,9 @@ class TextTokenizer:
         cfg = _read_json(path / "tokenizer_config.json")
         self.bos_token = _token_content(cfg.get("bos_token"))
         # As mlx-lm: generation_config.json's eos_token_id, else config.json's, plus the tokenizer's.
-        ids = (_read_json(path / "generation_config.json").get("eos_token_id")
-               or _read_json(path / "config.json").get("eos_token_id"))
+        ids = _read_json(path / "generation_config.json").get("eos_token_id") or _read_json(path / "config.json").get(
+            "eos_token_id"
+        )
         eos = set(ids if isinstance(ids, list) else [ids] if isinstance(ids, int) else [])
         name = _token_content(cfg.get("eos_token"))
         if name is not None and self._tok.token_to_id(name) is not None:

@@ -9,8 +9,7 @@ import tempfile
 from pathlib import Path
 
 
-def write_model_dir(out_dir: Path, weights: dict, json_files: dict[str, dict],
-                    copy_files: tuple[Path, ...] = ()) -> Path:
+def write_model_dir(out_dir: Path, weights: dict, json_files: dict[str, dict], copy_files: tuple[Path, ...] = ()) -> Path:
     """Create `out_dir` with `model.safetensors`, the JSON files and copies of `copy_files`.
 
     Concurrent writers are fine: if another process renamed its finished copy into place first,

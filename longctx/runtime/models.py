@@ -130,8 +130,9 @@ def _rope_ref(base: ModelRef, spec: str, option: str) -> ModelRef:
         raise ConfigError(f"Cannot read '{_ROPE_TAG}{option}'; write e.g. {_ROPE_TAG}linear:2.") from None
     config = json.loads((base.path / "config.json").read_text())
     if config.get("rope_scaling") or "text_config" in config:
-        raise ModelError(f"{base.model_id} already scales RoPE (or nests its config); longctx does "
-                         "not stack another scaling on it.")
+        raise ModelError(
+            f"{base.model_id} already scales RoPE (or nests its config); longctx does not stack another scaling on it."
+        )
     trained = int(config.get("max_position_embeddings") or 2048)
     mlx_kind = "linear" if kind == "linear" else "yarn"
     config["rope_scaling"] = {"type": mlx_kind, "rope_type": mlx_kind, "factor": scale}
@@ -142,8 +143,13 @@ def _rope_ref(base: ModelRef, spec: str, option: str) -> ModelRef:
     config["max_position_embeddings"] = int(trained * scale)
     tag = f"{kind}x{scale:g}"
     sha = hashlib.sha256(f"{base.weights_sha256}|rope|{kind}|{scale!r}".encode()).hexdigest()
-    meta = {"model_id": f"{base.model_id}+{tag}", "weights_sha256": sha, "base": str(base.path),
-            "rope_scaling": {"kind": kind, **config["rope_scaling"]}, "trained_context": trained}
+    meta = {
+        "model_id": f"{base.model_id}+{tag}",
+        "weights_sha256": sha,
+        "base": str(base.path),
+        "rope_scaling": {"kind": kind, **config["rope_scaling"]},
+        "trained_context": trained,
+    }
     out = subdir("models") / f"{base.path.name}-{tag}"
     if not (out / "longctx.json").exists() or json.loads((out / "longctx.json").read_text()) != meta:
         tmp = Path(tempfile.mkdtemp(prefix=".rope-", dir=out.parent))
@@ -194,10 +200,7 @@ def resolve(spec: str | None = None, progress=None) -> ModelRef:
     if path.is_dir():
         return _ref_for_dir(path, str(path.resolve()))
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
-        raise ModelError(
-            f"Model '{spec}' is neither an mlx-lm directory, a .gguf file nor a Hugging Face id "
-            "(owner/name)."
-        )
+        raise ModelError(f"Model '{spec}' is neither an mlx-lm directory, a .gguf file nor a Hugging Face id (owner/name).")
     try:
         from mlx_lm.utils import _download
 
@@ -239,13 +242,13 @@ def _cpu_variant(ref: ModelRef) -> Path:
     out = _cpu_variant_dir(ref)
     model, config = load_model(ref.path, lazy=True)
     dequantize_model(model)
-    weights = {
-        k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
-        for k, v in tree_flatten(model.parameters())
-    }
+    weights = {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in tree_flatten(model.parameters())}
     config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
-    extras = tuple(f for f in ref.path.iterdir()
-                   if f.suffix in (".json", ".jinja", ".model", ".txt", ".tiktoken") and f.name != "config.json")
+    extras = tuple(
+        f
+        for f in ref.path.iterdir()
+        if f.suffix in (".json", ".jinja", ".model", ".txt", ".tiktoken") and f.name != "config.json"
+    )
     write_model_dir(out, weights, {"config.json": config}, extras)
     return out
 
@@ -315,7 +318,6 @@ def _loaded(ref: ModelRef, model, tokenizer, config: dict, cpu: bool) -> LoadedM
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-
     distributed.split(model, config)  # under mlx.launch: this rank's share (heads or layers)
 
     dtypes = {p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)}
@@ -339,14 +341,12 @@ def _check_gpu_kernels(model) -> None:
         from mlx_lm.utils import dequantize_model
 
         dequantize_model(model)
-        model.update(tree_map(lambda p: p.astype(mx.float16) if p.dtype == mx.float32 else p,
-                              model.parameters()))
+        model.update(tree_map(lambda p: p.astype(mx.float16) if p.dtype == mx.float32 else p, model.parameters()))
         mx.eval(model.parameters())
 
 
 def _load(ref: ModelRef) -> LoadedModel:
     from mlx_lm.utils import load as mlx_load
-
 
     cpu = on_cpu()
     try:

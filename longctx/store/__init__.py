@@ -42,6 +42,7 @@ from longctx.store.index import IndexCorrupt, open_index
 
 __all__ = ["Entry", "Store", "entry_id", "rebuild_hint"]
 
+
 def _private_dir(path: Path) -> Path:
     """Create `path` 0700, or tighten it to 0700 if it is ours and looser."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -65,8 +66,10 @@ class Store:
             self.locks = _private_dir(self.root / "locks")
             self._index_dir = _private_dir(self.root / "index")
         except OSError as err:
-            raise StoreError(f"Cannot create the store in {root or 'the data directory'}: "
-                             f"{err.strerror or err}; set LONGCTX_HOME to a writable directory.") from err
+            raise StoreError(
+                f"Cannot create the store in {root or 'the data directory'}: "
+                f"{err.strerror or err}; set LONGCTX_HOME to a writable directory."
+            ) from err
         self._index = None
         if cleanup:
             self.cleanup()
@@ -98,13 +101,15 @@ class Store:
             yield
         except sqlite3.OperationalError as err:
             if "full" in str(err):
-                raise StoreError(f"The disk holding {self.root} is full; free some space or set "
-                                 "LONGCTX_HOME to a directory on a larger disk.") from err
+                raise StoreError(
+                    f"The disk holding {self.root} is full; free some space or set LONGCTX_HOME to a directory on a larger disk."
+                ) from err
             raise StoreError(f"The index in {self.root / 'index'} cannot be used ({err}).") from err
         except (sqlite3.Error, IndexCorrupt, ValueError, TypeError, zlib.error, OSError) as err:
             raise StoreError(
                 f"The index in {self.root / 'index'} is damaged ({err}); move that directory "
-                "aside and ingest your documents again.") from err
+                "aside and ingest your documents again."
+            ) from err
 
     def get_value(self, key: str, default=None):
         with self.guard():
@@ -236,8 +241,7 @@ class Store:
         """Raise StoreError unless the store's disk has room for `nbytes` more (plus a margin)."""
         fmt.check_free_space(self.caches, nbytes, what)
 
-    def load(self, entry: Entry, check: Callable[[dict], None] | None = None,
-             checks: str = fmt.CHECKS) -> tuple[dict, dict]:
+    def load(self, entry: Entry, check: Callable[[dict], None] | None = None, checks: str = fmt.CHECKS) -> tuple[dict, dict]:
         """An entry's arrays and metadata, every byte verified.
 
         Args:
@@ -254,8 +258,9 @@ class Store:
         pending.wait()
         return arrays, meta
 
-    def load_verifying(self, entry: Entry, check: Callable[[dict], None] | None = None,
-                       checks: str = fmt.CHECKS) -> tuple[dict, dict, fmt.PendingChecksums]:
+    def load_verifying(
+        self, entry: Entry, check: Callable[[dict], None] | None = None, checks: str = fmt.CHECKS
+    ) -> tuple[dict, dict, fmt.PendingChecksums]:
         """`load`, handing the arrays out while their checksums are still being computed: the
         header, the metadata and every size are checked before this returns; call `wait()` on
         the third value (it raises CacheCorrupt) before anything computed from the arrays is
@@ -266,9 +271,11 @@ class Store:
         # checks go on after, on a descriptor of their own).
         with self.read_lock(entry.id):
             if not path.exists() and self.get(entry.id) is None:
-                raise EntryNotFound(f"'{entry.name}' was removed from the store while it was "
-                                    "being opened (`longctx rm`, or evicted to keep the store "
-                                    "within LONGCTX_MAX_STORE); ingest it again.")
+                raise EntryNotFound(
+                    f"'{entry.name}' was removed from the store while it was "
+                    "being opened (`longctx rm`, or evicted to keep the store "
+                    "within LONGCTX_MAX_STORE); ingest it again."
+                )
             with fmt.open_cache(path, entry.name, hint) as reader:
                 meta = reader.header.meta
                 if check is not None:
@@ -318,5 +325,7 @@ def _check_is_entrys(reader: fmt.Reader, entry: Entry) -> None:
     meta = reader.header.meta
     differ = [k for k in _IDENTITY if meta[k] != str(getattr(entry, k))]
     if differ:
-        raise reader.corrupt(f"the file is not this entry's: its {', '.join(differ)} differ "
-                             f"(it holds '{meta.get('document_name', '?')}', {meta['tokens']} tokens)")
+        raise reader.corrupt(
+            f"the file is not this entry's: its {', '.join(differ)} differ "
+            f"(it holds '{meta.get('document_name', '?')}', {meta['tokens']} tokens)"
+        )

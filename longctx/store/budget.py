@@ -72,8 +72,7 @@ def default_budget(root: Path, store_bytes: int) -> int:
     most the store plus half the free space, so the store gives way as the disk fills instead of
     filling it: eviction starts while half of what is left is still free."""
     usage = shutil.disk_usage(root)
-    return max(0, min(int(usage.total * DEFAULT_DISK_FRACTION),
-                      store_bytes + int(usage.free * DEFAULT_FREE_FRACTION)))
+    return max(0, min(int(usage.total * DEFAULT_DISK_FRACTION), store_bytes + int(usage.free * DEFAULT_FREE_FRACTION)))
 
 
 SETTING = "setting"  # `evict`'s default limit: the configured budget
@@ -96,9 +95,10 @@ def units(entries: list[Entry], used: dict[str, float]) -> list[Unit]:
     groups: dict[str, list[Entry]] = {}
     for e in entries:
         groups.setdefault(getattr(e, "group", "") or e.id, []).append(e)
-    out = [Unit(key, tuple(members), sum(e.bytes for e in members),
-                max(used.get(e.id, e.created) for e in members))
-           for key, members in groups.items()]
+    out = [
+        Unit(key, tuple(members), sum(e.bytes for e in members), max(used.get(e.id, e.created) for e in members))
+        for key, members in groups.items()
+    ]
     return sorted(out, key=lambda u: (u.last_used, u.key))
 
 
@@ -128,8 +128,7 @@ def usage(store: Store) -> Usage:
     return Usage(items, when, total, budget(store.root, total))
 
 
-def evict(store: Store, limit: int | None | str = SETTING, keep: tuple[str, ...] = (),
-          dry_run: bool = False) -> Eviction:
+def evict(store: Store, limit: int | None | str = SETTING, keep: tuple[str, ...] = (), dry_run: bool = False) -> Eviction:
     """Evict least recently used units until the store is within its budget.
 
     Args:

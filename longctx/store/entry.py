@@ -61,8 +61,7 @@ class Entry:
                     return None
                 continue
             v = value[f.name]
-            ok = {"str": isinstance(v, str), "int": type(v) is int,
-                  "float": type(v) in (int, float)}.get(f.type, True)
+            ok = {"str": isinstance(v, str), "int": type(v) is int, "float": type(v) in (int, float)}.get(f.type, True)
             if not ok:
                 return None
             kwargs[f.name] = v
@@ -70,8 +69,7 @@ class Entry:
         return entry if ID_PATTERN.match(entry.id) and entry.file == f"{entry.id}.safetensors" else None
 
 
-def entry_id(document_sha256: str, weights_sha256: str, tokenizer_sha256: str, preset: str,
-             layout_sha256: str) -> str:
+def entry_id(document_sha256: str, weights_sha256: str, tokenizer_sha256: str, preset: str, layout_sha256: str) -> str:
     """Content address of a cache: 16 hex chars of sha256 over everything that shapes it."""
     key = "|".join((document_sha256, weights_sha256, tokenizer_sha256, preset, layout_sha256))
     return hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -52,8 +52,17 @@ from longctx.units import human_bytes
 
 FORMAT_VERSION = "3"  # 3: compressed layers' small arrays stacked (`longctx.kvcache`)
 READABLE_VERSIONS = ("2", "3")  # 2: every array per layer
-REQUIRED_META = ("format_version", "model_id", "weights_sha256", "tokenizer_sha256",
-                 "document_sha256", "tokens", "kv_config", "checksums", "header_sha256")
+REQUIRED_META = (
+    "format_version",
+    "model_id",
+    "weights_sha256",
+    "tokenizer_sha256",
+    "document_sha256",
+    "tokens",
+    "kv_config",
+    "checksums",
+    "header_sha256",
+)
 MAX_HEADER_BYTES = 16 << 20  # ~100 bytes per array: room for 100k+ arrays
 MAX_NDIM = 8
 CHUNK = 4 << 20  # bytes a checksum task reads at a time
@@ -68,12 +77,34 @@ _ZERO_SHA = "0" * 64
 CHECKS = "overlap"
 
 # safetensors dtype -> (bytes per element, numpy dtype used to carry the bytes into MLX)
-DTYPES = {"BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"), "U16": (2, "uint16"),
-          "I16": (2, "int16"), "U32": (4, "uint32"), "I32": (4, "int32"), "U64": (8, "uint64"),
-          "I64": (8, "int64"), "F16": (2, "float16"), "BF16": (2, "uint16"), "F32": (4, "float32")}
-_MX_NAMES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
-             "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64", "float16": "F16",
-             "bfloat16": "BF16", "float32": "F32"}
+DTYPES = {
+    "BOOL": (1, "bool"),
+    "U8": (1, "uint8"),
+    "I8": (1, "int8"),
+    "U16": (2, "uint16"),
+    "I16": (2, "int16"),
+    "U32": (4, "uint32"),
+    "I32": (4, "int32"),
+    "U64": (8, "uint64"),
+    "I64": (8, "int64"),
+    "F16": (2, "float16"),
+    "BF16": (2, "uint16"),
+    "F32": (4, "float32"),
+}
+_MX_NAMES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "uint16": "U16",
+    "int16": "I16",
+    "uint32": "U32",
+    "int32": "I32",
+    "uint64": "U64",
+    "int64": "I64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+}
 
 
 @dataclass(frozen=True)
@@ -141,7 +172,8 @@ def check_free_space(directory: Path, nbytes: int, what: str) -> None:
         raise StoreError(
             f"Not enough disk space for {what}: it needs {human_bytes(nbytes)} (plus a "
             f"{human_bytes(FREE_SPACE_MARGIN)} margin) but {directory} has {human_bytes(free)} free; free "
-            "some space or set LONGCTX_HOME to a directory on a larger disk.")
+            "some space or set LONGCTX_HOME to a directory on a larger disk."
+        )
 
 
 def _layout(specs: dict[str, tuple[str, tuple]], metadata: dict) -> tuple[dict, int, dict]:
@@ -149,11 +181,14 @@ def _layout(specs: dict[str, tuple[str, tuple]], metadata: dict) -> tuple[dict, 
     tensors, offset = {}, 0
     for name, (dtype, shape) in specs.items():
         nbytes = DTYPES[dtype][0] * math.prod(shape)
-        tensors[name] = {"dtype": dtype, "shape": list(shape),
-                         "data_offsets": [offset, offset + nbytes]}
+        tensors[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    meta = {**{k: str(v) for k, v in metadata.items()}, "format_version": FORMAT_VERSION,
-            "checksums": "", "header_sha256": _ZERO_SHA}
+    meta = {
+        **{k: str(v) for k, v in metadata.items()},
+        "format_version": FORMAT_VERSION,
+        "checksums": "",
+        "header_sha256": _ZERO_SHA,
+    }
     return tensors, offset, meta
 
 
@@ -208,8 +243,9 @@ def write(path: Path, arrays: dict, metadata: dict[str, str], tag: str = "") -> 
 
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{tag + '-' if tag else ''}{os.getpid()}-",
-                                   suffix=".safetensors", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(
+            prefix=f"{TEMP_PREFIX}{tag + '-' if tag else ''}{os.getpid()}-", suffix=".safetensors", dir=path.parent
+        )
         with os.fdopen(fd, "wb") as f:
             failpoint("write:opened")
             f.write(bytes(8 + head_len))  # placeholder: a crash here leaves an unreadable file
@@ -239,11 +275,12 @@ def write(path: Path, arrays: dict, metadata: dict[str, str], tag: str = "") -> 
         _fsync_dir(path.parent)
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StoreError(f"The disk filled up while writing the cache file {path.name} "
-                             f"({human_bytes(size)}) in {path.parent}; nothing was kept. Free some "
-                             "space or set LONGCTX_HOME to a directory on a larger disk.") from err
-        raise StoreError(f"Cannot write the cache file {path}: {err.strerror or err}; nothing "
-                         "was kept.") from err
+            raise StoreError(
+                f"The disk filled up while writing the cache file {path.name} "
+                f"({human_bytes(size)}) in {path.parent}; nothing was kept. Free some "
+                "space or set LONGCTX_HOME to a directory on a larger disk."
+            ) from err
+        raise StoreError(f"Cannot write the cache file {path}: {err.strerror or err}; nothing was kept.") from err
     finally:
         if tmp is not None:
             try:
@@ -340,7 +377,8 @@ class Reader:
                 f"The cache of '{self.label}' was written by {'a newer' if newer else 'an older'} "
                 f"longctx (cache format {version}; this one reads formats "
                 f"{' and '.join(READABLE_VERSIONS)}); "
-                f"{'upgrade longctx, or ' if newer else ''}{self.hint}.")
+                f"{'upgrade longctx, or ' if newer else ''}{self.hint}."
+            )
         raise self.corrupt("the header has no valid format version")
 
     def _tensors(self, header: dict, data_size: int) -> dict[str, Tensor]:
@@ -353,11 +391,9 @@ class Reader:
             dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
             if dtype not in DTYPES:
                 raise self.corrupt(f"array {name!r} has unknown dtype {dtype!r}")
-            if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-                    or not all(type(d) is int and d >= 0 for d in shape)):
+            if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
                 raise self.corrupt(f"array {name!r} has an invalid shape")
-            if (not isinstance(offsets, list) or len(offsets) != 2
-                    or not all(type(o) is int for o in offsets)):
+            if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
                 raise self.corrupt(f"array {name!r} has invalid offsets")
             begin, end = offsets
             if not 0 <= begin <= end:
@@ -382,8 +418,11 @@ class Reader:
             sums = json.loads(text)
         except (ValueError, RecursionError):
             raise self.corrupt("the checksum table is not valid JSON") from None
-        if (not isinstance(sums, dict) or set(sums) != set(tensors)
-                or not all(isinstance(v, str) and len(v) == 64 for v in sums.values())):
+        if (
+            not isinstance(sums, dict)
+            or set(sums) != set(tensors)
+            or not all(isinstance(v, str) and len(v) == 64 for v in sums.values())
+        ):
             raise self.corrupt("the checksum table does not list exactly the file's arrays")
         return sums
 
@@ -471,7 +510,7 @@ def _read_fully(fd: int, view: memoryview, offset: int, truncated) -> None:
         else:
             chunk = os.pread(fd, len(view) - done, offset + done)
             got = len(chunk)
-            view[done:done + got] = chunk
+            view[done : done + got] = chunk
         if not got:
             raise truncated()
         done += got
@@ -524,8 +563,9 @@ class PendingChecksums:
                         if stop.is_set():
                             return
                         view = memoryview(scratch)[: min(len(scratch), t.nbytes - lo)]
-                        _read_fully(fd, view, header.data_start + t.begin + lo,
-                                    lambda: corrupt(f"truncated inside array {t.name!r}"))
+                        _read_fully(
+                            fd, view, header.data_start + t.begin + lo, lambda: corrupt(f"truncated inside array {t.name!r}")
+                        )
                         digest.update(view)
                     if digest.hexdigest() != header.checksums[t.name]:
                         raise corrupt(f"array {t.name!r} fails its checksum")

@@ -69,8 +69,7 @@ class Group:
         try:
             names = {f.name for f in dataclasses.fields(cls)}
             group = cls(**{k: v for k, v in value.items() if k in names})
-            group = dataclasses.replace(group, files=tuple(group.files),
-                                        segments=tuple(group.segments))
+            group = dataclasses.replace(group, files=tuple(group.files), segments=tuple(group.segments))
             if not all(isinstance(s, dict) and isinstance(s.get("id"), str) for s in group.segments):
                 return None
             if not all(isinstance(f, dict) for f in group.files):
@@ -80,11 +79,11 @@ class Group:
             return None
 
 
-def group_id(file_shas: list[str], weights_sha256: str, tokenizer_sha256: str, preset: str,
-             layout_sha256: str, budget: int, name: str) -> str:
+def group_id(
+    file_shas: list[str], weights_sha256: str, tokenizer_sha256: str, preset: str, layout_sha256: str, budget: int, name: str
+) -> str:
     """Content address of a group (16 hex chars, like an entry id)."""
-    key = "|".join(["group", *file_shas, weights_sha256, tokenizer_sha256, preset, layout_sha256,
-                    str(budget), name])
+    key = "|".join(["group", *file_shas, weights_sha256, tokenizer_sha256, preset, layout_sha256, str(budget), name])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -111,8 +110,9 @@ def text(store, eid: str) -> str:
 
 def save(store, group: Group, segments: list[Entry]) -> Group:
     """Record `group` (its segments already saved); it becomes the latest document."""
-    group = dataclasses.replace(group, bytes=sum(e.bytes for e in segments),
-                                tokens=sum(e.tokens for e in segments), created=time.time())
+    group = dataclasses.replace(
+        group, bytes=sum(e.bytes for e in segments), tokens=sum(e.tokens for e in segments), created=time.time()
+    )
     store.set_value(_KEY + group.id, group.to_json())
     store.set_value("latest", group.id)
     return group

@@ -44,24 +44,28 @@ def kv_config(meta: dict[str, str]) -> dict:
     if not isinstance(cfg, dict) or cfg.get("kind") not in _KINDS or not isinstance(cfg.get("name"), str):
         raise ValueError("kv_config names no known kind")
     dims, heads = cfg.get("head_dims"), cfg.get("kv_heads")
-    if (not isinstance(dims, list) or not isinstance(heads, list) or not 1 <= len(dims) <= MAX_LAYERS
-            or len(heads) != len(dims)
-            or any(_int(d, 2, MAX_HEAD_DIM) is None for d in dims)
-            or any(_int(h, 1, MAX_KV_HEADS) is None for h in heads)):
+    if (
+        not isinstance(dims, list)
+        or not isinstance(heads, list)
+        or not 1 <= len(dims) <= MAX_LAYERS
+        or len(heads) != len(dims)
+        or any(_int(d, 2, MAX_HEAD_DIM) is None for d in dims)
+        or any(_int(h, 1, MAX_KV_HEADS) is None for h in heads)
+    ):
         raise ValueError("kv_config has invalid head_dims / kv_heads")
     for key in ("key_bits", "key_bits2", "value_bits", "affine_bits", "seed", "window", "sink"):
         if _int(cfg.get(key, 0), 0, 1 << 32) is None:
             raise ValueError(f"kv_config has an invalid {key}")
     windows = cfg.get("windows", [0] * len(dims))
-    if (not isinstance(windows, list) or len(windows) != len(dims)
-            or any(_int(w, 0, MAX_TOKENS) is None for w in windows)):
+    if not isinstance(windows, list) or len(windows) != len(dims) or any(_int(w, 0, MAX_TOKENS) is None for w in windows):
         raise ValueError("kv_config has invalid windows")
     if not isinstance(cfg.get("key_qjl", False), bool):
         raise ValueError("kv_config has an invalid key_qjl")
     if cfg["kind"] == "affine" and cfg.get("affine_bits") not in (2, 3, 4, 5, 6, 8):
         raise ValueError("kv_config has invalid affine bits")
-    if cfg["kind"] == "turbo" and not (1 <= cfg.get("key_bits", 0) <= 8 and 1 <= cfg.get("value_bits", 0) <= 8
-                                       and 0 <= cfg.get("key_bits2", 0) <= 8):
+    if cfg["kind"] == "turbo" and not (
+        1 <= cfg.get("key_bits", 0) <= 8 and 1 <= cfg.get("value_bits", 0) <= 8 and 0 <= cfg.get("key_bits2", 0) <= 8
+    ):
         raise ValueError("kv_config has invalid bit widths")
     return cfg
 
@@ -70,8 +74,10 @@ def _turbo_parts(cfg: dict, head_dim: int) -> tuple[dict, dict]:
     """(key parts, value parts): name -> (dtype, trailing shape), per `quant.codec`'s table."""
     # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.quant.packing import packed_words
+
     # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.quant.qjl import default_sketch_dim
+
     # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.quant.rotation import supported_size
 
@@ -86,8 +92,7 @@ def _turbo_parts(cfg: dict, head_dim: int) -> tuple[dict, dict]:
             out["rnorm"] = ("F16", ())
         return out
 
-    return (parts(cfg["key_bits"], cfg.get("key_bits2", 0), bool(cfg.get("key_qjl"))),
-            parts(cfg["value_bits"]))
+    return (parts(cfg["key_bits"], cfg.get("key_bits2", 0), bool(cfg.get("key_qjl"))), parts(cfg["value_bits"]))
 
 
 def expected(meta: dict[str, str]) -> dict[str, tuple[tuple[str, ...], tuple]]:
@@ -130,6 +135,7 @@ def expected(meta: dict[str, str]) -> dict[str, tuple[tuple[str, ...], tuple]]:
 
 def check(header: Header, label: str, hint: str) -> None:
     """Raise CacheCorrupt unless the header's arrays are exactly those its metadata implies."""
+
     def corrupt(problem: str) -> CacheCorrupt:
         return CacheCorrupt(f"The cache of '{label}' is corrupt ({problem}); {hint}.")
 
@@ -146,5 +152,4 @@ def check(header: Header, label: str, hint: str) -> None:
     for name, (dtypes, shape) in want.items():
         t = have[name]
         if t.dtype not in dtypes or t.shape != shape:
-            raise corrupt(f"array {name} is {t.dtype}{list(t.shape)}, expected "
-                          f"{'/'.join(dtypes)}{list(shape)}")
+            raise corrupt(f"array {name} is {t.dtype}{list(t.shape)}, expected {'/'.join(dtypes)}{list(shape)}")

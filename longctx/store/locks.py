@@ -34,8 +34,10 @@ def _open(directory: Path, eid: str) -> int:
 
 
 def _no_locking(directory: Path, err: OSError) -> StoreError:
-    return StoreError(f"Cannot lock files in {directory} ({err.strerror or err}); the data "
-                      "directory must be on a local disk: set LONGCTX_HOME to one.")
+    return StoreError(
+        f"Cannot lock files in {directory} ({err.strerror or err}); the data "
+        "directory must be on a local disk: set LONGCTX_HOME to one."
+    )
 
 
 def _take(directory: Path, fd: int, mode: int) -> bool:
