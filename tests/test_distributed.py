@@ -371,3 +371,28 @@ def test_a_data_parallel_rank_killed_leaves_no_group_and_the_other_fails_in_one_
         assert groups.groups(store) == []  # the segments saved stay, for the next ingest to reuse
     finally:
         store.close()
+
+
+# -- the demo model on the sample report: the README's question under the launcher -----------------
+
+REPORT = Path(__file__).resolve().parent.parent / "samples" / "report.pdf"
+
+
+@pytest.mark.slow
+def test_the_demo_model_answers_the_report_alike_on_three_tensor_ranks(tmp_path):
+    """SmolLM2-135M (9 query and 3 KV heads: N = 3) ingests the sample report on 3 ring ranks
+    and answers the README's question with one process's greedy answer, which names the chief
+    engineer; each rank holds a third of the cache. (The default model, 2 KV heads, runs N = 2
+    the same way: benchmarks/distributed.py, results/distributed_cpu.json.)"""
+    env = {**os.environ, "LONGCTX_HOME": str(tmp_path / "home"), "LONGCTX_MODEL": "smollm2", "LONGCTX_PEER_TIMEOUT": "60"}
+    question = "Who is the chief engineer of the cooperative?"
+    assert _cli(env, "ingest", str(REPORT), timeout=600).returncode == 0
+    one = _answer(_cli(env, "ask", question, "--json", "--max-tokens", "12", timeout=600))
+    assert "Marta Okonkwo" in one
+    res = _launch(env, 3, "ingest", str(REPORT), timeout=900)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    shards = sorted((e for e in _entries(env) if e["topology"]), key=lambda e: e["topology"])
+    whole = next(e for e in _entries(env) if not e["topology"])
+    assert [e["topology"] for e in shards] == ["tensor:3:0", "tensor:3:1", "tensor:3:2"]
+    assert all(abs(3 * e["bytes"] - whole["bytes"]) < 0.03 * whole["bytes"] for e in shards)  # a third each
+    assert _answer(_launch(env, 3, "ask", question, "--json", "--max-tokens", "12", timeout=900)) == one

@@ -74,7 +74,7 @@ def test_soft_capped_scores_never_take_a_kernel_path(monkeypatch):
     from longctx.kvcache import dense_gpu
 
     _, view = _filled_fork("tq4", prefix=150, new=1)
-    monkeypatch.setattr(attention, "use_fused", lambda mask, lq: True)
+    monkeypatch.setattr(attention, "use_fused", lambda mask, lq, *max_lq: True)
     monkeypatch.setattr(dense_gpu, "applies", lambda kv, mask: True)
     assert attention.choose_path(view, None, 1)[0] != "blocked"  # what an uncapped view gets
     path, why = attention.choose_path(view, None, 1, softcap=CAP)
