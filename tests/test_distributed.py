@@ -387,7 +387,7 @@ def test_the_demo_model_answers_the_report_alike_on_three_tensor_ranks(tmp_path)
     env = {**os.environ, "LONGCTX_HOME": str(tmp_path / "home"), "LONGCTX_MODEL": "smollm2", "LONGCTX_PEER_TIMEOUT": "60"}
     question = "Who is the chief engineer of the cooperative?"
     assert _cli(env, "ingest", str(REPORT), timeout=600).returncode == 0
-    one = _answer(_cli(env, "ask", question, "--json", "--max-tokens", "12", timeout=600))
+    one = _answer(_cli(env, "ask", question, "--json", "--max-tokens", "24", timeout=600))
     assert "Marta Okonkwo" in one
     res = _launch(env, 3, "ingest", str(REPORT), timeout=900)
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
@@ -395,4 +395,4 @@ def test_the_demo_model_answers_the_report_alike_on_three_tensor_ranks(tmp_path)
     whole = next(e for e in _entries(env) if not e["topology"])
     assert [e["topology"] for e in shards] == ["tensor:3:0", "tensor:3:1", "tensor:3:2"]
     assert all(abs(3 * e["bytes"] - whole["bytes"]) < 0.03 * whole["bytes"] for e in shards)  # a third each
-    assert _answer(_launch(env, 3, "ask", question, "--json", "--max-tokens", "12", timeout=900)) == one
+    assert _answer(_launch(env, 3, "ask", question, "--json", "--max-tokens", "24", timeout=900)) == one
