@@ -107,8 +107,13 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--profile-tokens", type=int, default=0, help="also profile an in-process prefill")
     ap.add_argument("--name", default=None, help="results file name (default real_model_<machine>)")
+    ap.add_argument(
+        "--home",
+        default=None,
+        help="LONGCTX_HOME for the runs (default: a new folder; one that holds the model's import saves it)",
+    )
     args = ap.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="longctx-real-"))
+    home = Path(args.home) if args.home else Path(tempfile.mkdtemp(prefix="longctx-real-"))
     env = {**os.environ, "LONGCTX_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     if args.model:
         env["LONGCTX_MODEL"] = args.model
