@@ -457,7 +457,6 @@ def main() -> None:
                 "TARGET_GROUPS": da.TARGET_GROUPS or "auto",
                 "SM_COUNT": da.SM_COUNT,
                 "NT": da.NT,
-                "PREFETCH": da.PREFETCH,
                 "MIN_SPLIT_TILES": da.MIN_SPLIT_TILES,
                 "MIN_BLOCKS": da.MIN_BLOCKS,
                 "STAGE_WORDS": da.STAGE_WORDS,

@@ -29,7 +29,7 @@ about one wave (SM_COUNT x the threadgroups an SM holds). A threadgroup stages i
 in tiles of TK keys (NT, or fewer where the staged rows would pass STAGE_WORDS):
   0. staging: the tile's packed key rows are read coalesced (consecutive threads, consecutive
      16-byte units; word by word where strides forbid) into registers and stored in threadgroup
-     memory at an odd row stride (conflict-free per-row reads). With PREFETCH the next tile's
+     memory at an odd row stride (conflict-free per-row reads). The next tile's
      rows and this tile's value words are issued before the scores, so they are in flight while
      the tile computes; the rows are stored after the max barrier, when nobody reads the tile.
   1. scores: thread t scores staged row t: decodes its codes with compile-time shifts (a 3- or
@@ -76,7 +76,6 @@ MIN_BLOCKS = 5  # CUDA, single-stage keys, <= 4 rows per threadgroup: threadgrou
 #                 fit (__launch_bounds__ caps registers: 5 -> 96); 0: the compiler's (128)
 TARGET_GROUPS = 0  # threadgroups per launch to aim for; 0: SM_COUNT x resident threadgroups
 MIN_SPLIT_TILES = 1  # fewest tiles one split walks (more: fewer splits where the cache is short)
-PREFETCH = True  # issue the next tile's key rows and this tile's value words before the scores
 STAGE_WORDS = 2304  # threadgroup words for a tile's staged key rows (sets keys per tile)
 # a decode step's exact tokens (sink, window) spread over the splits of `decode_attend_partials`
 # (`attend_step`; False: `decode_finish` attends them, one threadgroup per KV head)
@@ -120,7 +119,7 @@ _SPEC = KernelSpec(
   constexpr int NV = TK / G;        // keys per thread and tile in the value phase
   constexpr bool VSTR = (32 % (DPT * BV)) != 0;  // a thread's value bits may straddle two words
   constexpr int VB = NV < (VSTR ? 8 : 16) ? NV : (VSTR ? 8 : 16);  // value words per batch
-  constexpr bool VPRE = PF && VB == NV;  // the tile's value words load before the scores
+  constexpr bool VPRE = VB == NV;  // the tile's value words load before the scores
   constexpr uint32_t MASK1 = (1u << B1) - 1u;
   constexpr uint32_t MASK2 = (1u << B2X) - 1u;
   constexpr uint32_t MASKV = (1u << BV) - 1u;
@@ -301,8 +300,8 @@ _SPEC = KernelSpec(
 
   for (int t0 = k0; t0 < k1; t0 += TK) {
     const int tn = t0 + TK;  // the next tile
-    // Loads in flight during the scores (PF): the next tile's key rows, this tile's value words.
-    if (PF && tn < k1) {
+    // Loads in flight during the scores: the next tile's key rows, this tile's value words.
+    if (tn < k1) {
       LC_DA_LOAD_K(tn);
     }
     if (VPRE) {
@@ -398,9 +397,6 @@ _SPEC = KernelSpec(
     LC_BARRIER();
     // Every thread is past its reads of the staged rows: stage the next tile's.
     if (tn < k1) {
-      if (!PF) {
-        LC_DA_LOAD_K(tn);
-      }
       LC_DA_STORE_K();
     }
     LC_UNROLL for (int r = 0; r < R; ++r) {
@@ -1013,7 +1009,6 @@ def _launch(
         ("NT", NT),
         ("DPT", _dpt(P, per_block, value_bits)),
         ("TK", tk),
-        ("PF", int(PREFETCH)),
         ("ROTQ", int(signs is not None)),
         ("QT", q.dtype),
     ]

@@ -31,8 +31,7 @@ owns dim d of each of the group's rows (template R: the group's rows, RA: all ro
   2. the inverse butterfly over each row: the stages between dims of one warp as lane exchanges
      (`lc_simd_xor`), the others through threadgroup memory (4 barriers at P = 128, was 14);
   3. the exact tokens in tiles of P keys: thread t scores key t against the R rows, walking its
-     row (or, `SCORE_BY_WARP`, measured no faster: warp w scores keys w, w + P / 32,
-     ... of the tile, its lanes splitting the dims, a warp sum per row), tile max through
+     row, tile max through
      simdgroup max and the warps' partials, weights to threadgroup memory, then thread d adds
      w[key][row] * v[key][d] (consecutive reads across threads);
   4. the two states merged, normalized, the mean added, written.
@@ -59,9 +58,6 @@ MAX_ROW_DIMS = 2048  # rows x P: 3 x 2048 floats = 24 KiB of threadgroup memory
 # Llama-3.1-8B, too few to hide it; one row each measured faster at every length:
 # benchmarks/diagnostics/step_timeline.py, its results in git history)
 ROWS_PER_GROUP = 1
-# the exact tokens' scores a warp per key (whole-row loads, a warp sum per row); False: a thread
-# per key, walking its row
-SCORE_BY_WARP = False  # (measured no faster: docs/performance.md)
 
 # The kernel in three parts: its threadgroup arrays, which rows a threadgroup takes, and the body,
 # which `decode_step_mma`'s whole step runs as its last threadgroup's tail (arrays
@@ -256,50 +252,13 @@ EXACT = (
   const int64_t svo = bb * sink_v_strides[0] + hh * sink_v_strides[1];
   const int64_t wko = bb * win_k_strides[0] + hh * win_k_strides[1];
   const int64_t wvo = bb * win_v_strides[0] + hh * win_v_strides[1];
-  // Scores, SW (`SCORE_BY_WARP`): warp w takes the tile's keys w, w + NW, ...; its lanes split
-  // the dims (lane + 32 j), so a warp reads each key row with whole-row loads, and a warp sum
-  // gives the key's score per row, passed through `wts` to thread d = the key's index in the
-  // tile (q's dims for this lane in registers where they are few, R * P / 32 <= 32). Else
-  // thread d walks key d's row, 8 dims' loads in flight (each warp load then touches 32 rows).
-  constexpr int DL = P / 32;
-  constexpr bool QREG = SW && R * DL <= 32;
-  float ql[QREG ? R : 1][QREG ? DL : 1];
-  if (QREG) {
-    LC_UNROLL for (int r = 0; r < (QREG ? R : 1); ++r) {
-      LC_UNROLL for (int j = 0; j < (QREG ? DL : 1); ++j)
-        ql[r][j] = qs[r * P + (int)lc_lane + 32 * j];
-    }
-  }
+  // Scores: thread d walks key d's row, 8 dims' loads in flight (a warp per key, whole-row
+  // loads and a warp sum, measured no faster: docs/experiments/2026-12-07-finish-warp-keys.diff).
   for (int t0 = 0; t0 < E; t0 += P) {
     const int key = t0 + d;
     float s[R];
     LC_UNROLL for (int r = 0; r < R; ++r) s[r] = 0.0f;
-    if (SW) {
-      const int nkt = E - t0 < P ? E - t0 : P;
-      LC_UNROLL_N(2) for (int kk = (int)lc_warp; kk < nkt; kk += NW) {  // warp-uniform
-        const int k = t0 + kk;
-        float kv[DL];
-        if (k < ns) {
-          LC_UNROLL for (int j = 0; j < DL; ++j)
-            kv[j] = LC_TOF(sink_k[sko + k * sink_k_strides[2]
-                                  + ((int)lc_lane + 32 * j) * sink_k_strides[3]]);
-        } else {
-          LC_UNROLL for (int j = 0; j < DL; ++j)
-            kv[j] = LC_TOF(win_k[wko + (k - ns) * win_k_strides[2]
-                                 + ((int)lc_lane + 32 * j) * win_k_strides[3]]);
-        }
-        LC_UNROLL for (int r = 0; r < R; ++r) {
-          float part = 0.0f;
-          LC_UNROLL for (int j = 0; j < DL; ++j)
-            part += (QREG ? ql[QREG ? r : 0][QREG ? j : 0] : qs[r * P + (int)lc_lane + 32 * j])
-                    * kv[j];
-          const float sr = lc_simd_sum(part);
-          if (lc_lane == 0u) wts[kk * R + r] = sr;
-        }
-      }
-      LC_BARRIER();
-      LC_UNROLL for (int r = 0; r < R; ++r) s[r] = key < E ? wts[d * R + r] : 0.0f;
-    } else if (key < ns) {
+    if (key < ns) {
       LC_UNROLL_N(8) for (int i = 0; i < P; ++i) {
         const float kv = LC_TOF(sink_k[sko + key * sink_k_strides[2] + i * sink_k_strides[3]]);
         LC_UNROLL for (int r = 0; r < R; ++r) s[r] += qs[r * P + i] * kv;
@@ -517,7 +476,7 @@ def decode_finish(m_p, l_p, acc_p, q, sink, window, signs, mean, scale, out_dtyp
     scales = constant((scale * LOG2E, 1.0 / math.sqrt(P)), mx.float32)
     inputs = [m_p, l_p, acc_p, q, *exact, window_count, signs, mean, scales]
     rt = ROWS_PER_GROUP if ROWS_PER_GROUP and R % ROWS_PER_GROUP == 0 else R
-    template = [("P", P), ("R", rt), ("RA", R), *exact_template, ("OT", out_dtype), ("QT", q.dtype), ("SW", int(SCORE_BY_WARP))]
+    template = [("P", P), ("R", rt), ("RA", R), *exact_template, ("OT", out_dtype), ("QT", q.dtype)]
     return run(
         _SPEC,
         Launch(inputs, template, (B * H * (R // rt) * P, 1, 1), (P, 1, 1), [(B, H, R, P)], [out_dtype]),

@@ -79,36 +79,33 @@ def test_qjl_encode(emulated, dim):
     assert mx.array_equal(signs, want[0]) and mx.array_equal(rnorm, want[1])
 
 
-CASES = [  # B, H, R, P, L, preset, lq, causal_base, target_groups, prefetch
-    (1, 2, 4, 128, 300, "tq4", 1, None, None, 1),
-    (1, 2, 4, 128, 300, "tq4", 1, None, None, 0),
-    (1, 1, 3, 64, 200, "tq3+qjl", 1, None, None, 1),
-    (2, 2, 8, 64, 130, "rvq2+2", 2, None, None, 0),
-    (1, 2, 6, 128, 260, "tq3", 3, 250, None, 0),
-    (1, 1, 20, 64, 129, "tq4k3v", 4, None, None, 0),  # 20 rows: two row blocks of 10
-    (1, 1, 20, 64, 129, "tq4k3v", 4, 100, None, 0),  # causal: block 2 starts mid-token (row 10)
-    (1, 2, 17, 128, 260, "tq4", 1, None, None, 0),  # 3 row blocks of 6: the last has 5 rows
-    (1, 2, 19, 64, 300, "tq3+qjl", 19, 250, None, 0),  # blocks of 10 + 9, causal, QJL
-    (1, 1, 2, 256, 150, "tq4", 1, None, None, 0),
-    (1, 2, 4, 128, 1000, "tq4", 1, None, 2, 0),  # chunks of several tiles: rescaling
-    (1, 2, 4, 128, 1000, "tq3+qjl", 1, None, 2, 1),
-    (1, 2, 4, 128, 1000, "rvq2+2", 1, None, 2, 1),  # staged rows of both stages, several tiles
-    (1, 2, 4, 128, 1000, "rvq2+2", 1, None, 2, 0),
-    (1, 1, 4, 256, 700, "tq4", 1, None, 2, 1),  # 64-key tiles (STAGE_WORDS)
-    (1, 1, 6, 64, 700, "rvq2+2", 3, 40, 3, 0),  # later splits fully masked
-    (1, 1, 4, 64, 300, "tq4", 2, -1, None, 1),  # row 0 of each head sees nothing
-    (1, 2, 4, 128, 300, "tq5k4v", 1, None, None, 1),  # 5-bit keys straddle words
+CASES = [  # B, H, R, P, L, preset, lq, causal_base, target_groups
+    (1, 2, 4, 128, 300, "tq4", 1, None, None),
+    (1, 1, 3, 64, 200, "tq3+qjl", 1, None, None),
+    (2, 2, 8, 64, 130, "rvq2+2", 2, None, None),
+    (1, 2, 6, 128, 260, "tq3", 3, 250, None),
+    (1, 1, 20, 64, 129, "tq4k3v", 4, None, None),  # 20 rows: two row blocks of 10
+    (1, 1, 20, 64, 129, "tq4k3v", 4, 100, None),  # causal: block 2 starts mid-token (row 10)
+    (1, 2, 17, 128, 260, "tq4", 1, None, None),  # 3 row blocks of 6: the last has 5 rows
+    (1, 2, 19, 64, 300, "tq3+qjl", 19, 250, None),  # blocks of 10 + 9, causal, QJL
+    (1, 1, 2, 256, 150, "tq4", 1, None, None),
+    (1, 2, 4, 128, 1000, "tq4", 1, None, 2),  # chunks of several tiles: rescaling
+    (1, 2, 4, 128, 1000, "tq3+qjl", 1, None, 2),
+    (1, 2, 4, 128, 1000, "rvq2+2", 1, None, 2),  # staged rows of both stages, several tiles
+    (1, 1, 4, 256, 700, "tq4", 1, None, 2),  # 64-key tiles (STAGE_WORDS)
+    (1, 1, 6, 64, 700, "rvq2+2", 3, 40, 3),  # later splits fully masked
+    (1, 1, 4, 64, 300, "tq4", 2, -1, None),  # row 0 of each head sees nothing
+    (1, 2, 4, 128, 300, "tq5k4v", 1, None, None),  # 5-bit keys straddle words
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[5]}-P{c[3]}-R{c[2]}-L{c[4]}")
 def test_decode_attend(emulated, monkeypatch, case):
-    B, H, R, P, L, name, lq, causal_base, target, prefetch = case
+    B, H, R, P, L, name, lq, causal_base, target = case
     b1, b2, qjl, bv = preset_bits(name)
     q, qp, keys, values, kt, vt = random_segment(B, H, R, P, L, b1, b2, bv, qjl, seed=L)
     if target:
         monkeypatch.setattr(da, "TARGET_GROUPS", target)
-    monkeypatch.setattr(da, "PREFETCH", bool(prefetch))
     kw = dict(key_bits=b1, key_bits2=b2, value_bits=bv, scale=P**-0.5, q_proj=qp, lq=lq, causal_base=causal_base)
     errs = state_errors(
         da.decode_attend(q, keys, values, kt, vt, **kw), da.decode_attend_reference(q, keys, values, kt, vt, **kw)
@@ -305,14 +302,11 @@ def test_decode_step(monkeypatch, case, kernel):
         (50, 2, 32, 40, 30),
     ],
 )  # a sink over two tiles
-@pytest.mark.parametrize("by_warp", [True, False], ids=["warp-per-key", "thread-per-key"])
-def test_decode_finish_merges_many_splits(emulated, monkeypatch, S, R, P, n_sink, n_win, by_warp):
+def test_decode_finish_merges_many_splits(emulated, S, R, P, n_sink, n_win):
     """The finish kernel's split merge over more splits than threads (blocks of P splits), with
     empty splits (m = -inf, l = 0, acc = 0) among them and a row whose splits are all empty,
-    equals its MLX reference; the exact tokens scored a warp per key or a thread per key."""
+    equals its MLX reference, the exact tokens included."""
     from longctx.kernels import decode_finish as dfin
-
-    monkeypatch.setattr(dfin, "SCORE_BY_WARP", by_warp)
 
     rng = np.random.default_rng(S + R + P)
     N, H = 2, 2

@@ -102,7 +102,6 @@ def compiled_attention(queries: mx.array, kv: CompressedKV, scale: float, mask) 
         offset if mask is not None else None,
         queries.dtype,
         backend(),
-        da.PREFETCH,
         da.MIN_BLOCKS,
         da.STAGE_WORDS,
         da.TARGET_GROUPS,
