@@ -81,6 +81,23 @@ STAGE_WORDS = 2304  # threadgroup words for a tile's staged key rows (sets keys 
 # (`attend_step`; False: `decode_finish` attends them, one threadgroup per KV head)
 EXACT_IN_SPLITS = True
 
+
+def four_bit_pair(p: int, key_codec, value_codec) -> bool:
+    """Whether keys and values are single-stage 4-bit codes of one codebook with no QJL, at
+    D = P = `p`: what the pair-table kernels (`decode_attend_mma`, `decode_attend_simdgroup`) take."""
+    kc, vc = key_codec, value_codec
+    return (
+        kc.rvq is None
+        and vc.rvq is None
+        and not kc.spec.qjl
+        and not vc.spec.qjl
+        and kc.spec.bits == 4
+        and vc.spec.bits == 4
+        and kc.codebook is vc.codebook
+        and kc.dim == vc.dim == kc.padded_dim == vc.padded_dim == p
+    )
+
+
 _SPEC = KernelSpec(
     name="lc_decode_attend",
     inputs=(

@@ -602,23 +602,7 @@ def applies(p: int, rows: int, key_codec, value_codec) -> bool:
     """Whether a decode step's partials can run here: a CUDA backend (or an executor standing in
     for it), single-stage 4-bit keys and values sharing one codebook (the pair table), no QJL,
     D = P in DIMS, 1..8 rows."""
-    kc, vc = key_codec, value_codec
-    return (
-        backend() == "cuda"
-        and p in DIMS
-        and 1 <= rows <= MAX_ROWS
-        and kc.rvq is None
-        and vc.rvq is None
-        and not kc.spec.qjl
-        and not vc.spec.qjl
-        and kc.spec.bits == 4
-        and vc.spec.bits == 4
-        and kc.codebook is vc.codebook
-        and kc.dim == p
-        and vc.dim == p
-        and kc.padded_dim == p
-        and vc.padded_dim == p
-    )
+    return backend() == "cuda" and p in DIMS and 1 <= rows <= MAX_ROWS and da.four_bit_pair(p, key_codec, value_codec)
 
 
 def applies_shape(queries, keys, values, table) -> bool:
