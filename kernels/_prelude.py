@@ -81,6 +81,9 @@ CUDA_HEADER = r"""
 #define LC_LD_U4(p, off) (*reinterpret_cast<const uint4*>((p) + (off)))
 #define LC_ST_U4(p, off, v) (*reinterpret_cast<uint4*>((p) + (off)) = (v))
 #define LC_F2H_BITS(x) ((uint32_t)__half_as_ushort(__float2half_rn(x)))
+#define LC_BYTE(w, i) __byte_perm((w), 0u, 0x4440u | (uint32_t)(i))
+// a float of threadgroup array `a` at byte offset `off` (a table read by a code already x4)
+#define LC_AT_BYTE(a, off) (*reinterpret_cast<const float*>(reinterpret_cast<const char*>(a) + (off)))
 LC_FN float lc_simd_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
@@ -132,6 +135,8 @@ inline uint4 lc_ld_u4(const constant uint32_t* p, int64_t off) {
 #define LC_LD_U4(p, off) lc_ld_u4((p), (int64_t)(off))
 #define LC_ST_U4(p, off, v) (*((device uint4*)((p) + (off))) = (v))
 #define LC_F2H_BITS(x) ((uint32_t)as_type<ushort>(half(x)))
+#define LC_BYTE(w, i) ((((uint32_t)(w)) >> (8u * (uint32_t)(i))) & 255u)
+#define LC_AT_BYTE(a, off) (*((threadgroup const float*)((threadgroup const char*)(a) + (off))))
 inline float lc_simd_sum(float x) { return simd_sum(x); }
 inline float lc_simd_max(float x) { return simd_max(x); }
 inline uint32_t lc_simd_ballot(bool p, uint32_t lane) { return simd_or(p ? (1u << lane) : 0u); }

@@ -32,9 +32,15 @@ in tiles of TK keys (NT, or fewer where the staged rows would pass STAGE_WORDS):
      memory at an odd row stride (conflict-free per-row reads). The next tile's
      rows and this tile's value words are issued before the scores, so they are in flight while
      the tile computes; the rows are stored after the max barrier, when nobody reads the tile.
-  1. scores: thread t scores staged row t: decodes its codes with compile-time shifts (a 3- or
-     5-bit code may straddle two words), looks each up in the table and accumulates R dot
-     products (one 16-byte broadcast read of q per dim for 4 rows); norm, QJL term, causal mask.
+  1. scores: single-stage keys without QJL (P >= 64, full tiles; `PAIR`): the two half-warps
+     split the dims and each lane scores two staged rows over its half, so that one 16-byte
+     read of q (a dim, 4 rows) serves two keys; a shuffle adds the halves, and each lane keeps
+     one of the two keys for the softmax. Otherwise thread t scores staged row t over all dims.
+     Codes are decoded with compile-time shifts (a 3- or 5-bit code may straddle two words), each
+     looked up in the table, R dot products accumulated; then norm, QJL term, causal mask.
+     4-bit codes (keys and values) are read as byte offsets into their table: two masks turn a
+     word's 8 codes into 4 * code per byte (even codes, odd codes), then one byte extract
+     (CUDA: PRMT) per code replaces a shift, a mask and an address computation.
   2. softmax: per-row tile max by simdgroup max + a fixed-order max over the 4 warp partials; the
      running max m (identical in every thread) moves, acc and each thread's partial l are scaled by
      exp2(m_old - m_new), and w = exp2(s - m) * norm_v goes to threadgroup memory.
@@ -48,12 +54,11 @@ registers (MLX writes the signature, so the header redefines `__global__`).
 Limits: P in 32/64/128/256; rows per threadgroup <= min(16, 1024 / max(P, M)) (more rows: more
 row blocks in the same launch); b1 + b2 <= 8, bv <= 8.
 
-Where its time goes (CUDA, Llama-3.1-8B shapes, 128k, tq4; ncu, its reports in git history; timings
-from benchmarks/attend.py in attend_h200.json and docs/performance.md): one wave, DRAM far from its
-peak; ~20 warp instructions per key-dim pair (K and V: 8 FMAs, two table reads, a q read, code
-extraction), and the top stall is the short scoreboard (threadgroup-memory reads), not global loads:
-issue- and MIO-bound, not bandwidth-bound (hence `decode_attend_mma`'s tensor cores for the default
-preset on CUDA).
+Where its time goes (CUDA, Llama-3.1-8B shapes, 128k, tq4; ncu on an H100, figures in
+docs/performance.md): one wave, DRAM at a third of its peak; ~19 thread instructions per key-dim
+pair (K and V: 8 FMAs, 2.9 threadgroup-memory reads, 2 byte extracts, the rest addressing and
+softmax): issue-bound, not bandwidth-bound (hence `decode_attend_mma`'s tensor cores for the
+default preset on CUDA).
 """
 
 from __future__ import annotations
@@ -72,8 +77,8 @@ LOG2E = 1.4426950408889634
 NT = 128  # threads per threadgroup
 # Launch constants (chosen by the sweeps in git history; variants in docs/experiments/).
 SM_COUNT = 132  # multiprocessors to fill (MLX exposes no count; an H200 has 132)
-MIN_BLOCKS = 5  # CUDA, single-stage keys, <= 4 rows per threadgroup: threadgroups per SM to
-#                 fit (__launch_bounds__ caps registers: 5 -> 96); 0: the compiler's (128)
+MIN_BLOCKS = 4  # CUDA, single-stage keys, <= 4 rows per threadgroup: threadgroups per SM to
+#                 fit (__launch_bounds__ caps registers: 4 -> 128); 0: uncapped
 TARGET_GROUPS = 0  # threadgroups per launch to aim for; 0: SM_COUNT x resident threadgroups
 MIN_SPLIT_TILES = 1  # fewest tiles one split walks (more: fewer splits where the cache is short)
 STAGE_WORDS = 2304  # threadgroup words for a tile's staged key rows (sets keys per tile)
@@ -140,6 +145,18 @@ _SPEC = KernelSpec(
   constexpr uint32_t MASK1 = (1u << B1) - 1u;
   constexpr uint32_t MASK2 = (1u << B2X) - 1u;
   constexpr uint32_t MASKV = (1u << BV) - 1u;
+  // 4-bit codes are read as byte offsets into their table: a word's 8 codes become two words of
+  // 4 code * 4 bytes (even codes, odd codes), one mask each, then one byte extract per code.
+  constexpr bool NIBK = B1 == 4 && B2 == 0;
+  constexpr bool NIBV = BV == 4 && !VSTR;
+  constexpr uint32_t NIBM = 0x3c3c3c3cu;
+  // Paired scores: the two half-warps split the dims, each lane scores two keys of the tile
+  // (A = 16 * warp + lane % 16 and A + NT / 2) over its half, so each read of q serves two keys;
+  // a shuffle adds the halves and the lane keeps key A (lanes < 16) or B for the softmax.
+  // Single-stage keys without QJL, whole 32-dim groups per half, full tiles.
+  constexpr bool PAIR = !QJL && B2 == 0 && P % 64 == 0 && TK == NT && NT == 128;
+  constexpr int PH = P / 2;        // dims per half
+  constexpr int WKH = B1 * PH / 32;  // words of a key's half row
 
   LC_SHARED LC_F4 q_s[P * R4];  // q[d][rows 4j..4j+3] (padding rows 0): one 16-byte read
   LC_SHARED float qp_s[QJL ? M * R : 1];
@@ -305,6 +322,9 @@ _SPEC = KernelSpec(
   const int vsh = (d0 * BV) & 31;
   const bool vstraddle = VSTR && vsh + DPT * BV > 32;
   const int kt = tid < TK ? tid : 0;  // the staged row this thread scores (threads past TK: none)
+  const int hf = (int)(lc_lane >> 4u);  // PAIR: the half-warp, the half of the dims
+  const int ka = (int)lc_warp * 16 + (int)(lc_lane & 15u);  // PAIR: key A of this lane's pair
+  const int myk = PAIR ? ka + hf * (NT / 2) : tid;  // the tile key whose softmax this thread does
   uint32_t vr[VB];
   uint32_t vr2[VSTR ? VB : 1];
 #define LC_DA_LOAD_V(tt, jb)                                                                 \
@@ -324,15 +344,64 @@ _SPEC = KernelSpec(
     if (VPRE) {
       LC_DA_LOAD_V(t0, 0);
     }
-    const int key = t0 + tid;
-    const bool ok = tid < TK && key < k1;
+    const int key = t0 + myk;
+    const bool ok = myk < TK && key < k1;
     const int kc = ok ? key : k0;
     const float kn = LC_H2F(knp[kc * kns]);
     const float vn = LC_H2F(vnp[kc * vns]);
 
-    // 1. Scores (base-2 logits): thread tid scores staged row tid against the R rows.
+    // 1. Scores (base-2 logits): thread tid scores staged row tid against the R rows (PAIR:
+    // rows ka and ka + NT / 2 over its half of the dims, then keeps row myk's).
     float s[4 * R4];
     LC_UNROLL for (int r = 0; r < 4 * R4; ++r) s[r] = 0.0f;
+    if (PAIR) {
+      // Table value of dim d of a 32-dim group's words `w` (B1 words).
+#define LC_DA_HTAB(w, d, out)                                                                \
+  if (NIBK) {                                                                                \
+    const uint32_t eo = ((d) & 1) ? ((w[(d) >> 3] >> 2) & NIBM) : ((w[(d) >> 3] << 2) & NIBM); \
+    out = LC_AT_BYTE(ktab_s, LC_BYTE(eo, ((d) & 7) >> 1));                                   \
+  } else {                                                                                   \
+    const int i_ = (d) & 31;                                                                 \
+    const int sh_ = (i_ * B1) & 31;                                                          \
+    const int wi_ = (i_ * B1) >> 5;                                                          \
+    uint32_t c_ = w[wi_] >> sh_;                                                             \
+    if (sh_ + B1 > 32) c_ |= w[wi_ + 1] << (32 - sh_);                                       \
+    out = ktab_s[c_ & MASK1];                                                                \
+  }
+      float sb[4 * R4];
+      LC_UNROLL for (int r = 0; r < 4 * R4; ++r) sb[r] = 0.0f;
+      LC_UNROLL for (int g = 0; g < PH / 32; ++g) {  // 32 dims at a time: B1 words per row
+        uint32_t wa[B1];
+        uint32_t wb[B1];
+        LC_UNROLL for (int b = 0; b < B1; ++b) {
+          wa[b] = kst_s[ka * WKP + hf * WKH + g * B1 + b];
+          wb[b] = kst_s[(ka + NT / 2) * WKP + hf * WKH + g * B1 + b];
+        }
+        LC_UNROLL for (int i = 0; i < 32; ++i) {
+          float ta, tb;
+          LC_DA_HTAB(wa, i, ta);
+          LC_DA_HTAB(wb, i, tb);
+          const int dq = (hf * PH + g * 32 + i) * R4;
+          LC_UNROLL for (int j = 0; j < R4; ++j) {
+            const LC_F4 qv = q_s[dq + j];
+            s[4 * j] += qv.x * ta;
+            s[4 * j + 1] += qv.y * ta;
+            s[4 * j + 2] += qv.z * ta;
+            s[4 * j + 3] += qv.w * ta;
+            sb[4 * j] += qv.x * tb;
+            sb[4 * j + 1] += qv.y * tb;
+            sb[4 * j + 2] += qv.z * tb;
+            sb[4 * j + 3] += qv.w * tb;
+          }
+        }
+      }
+#undef LC_DA_HTAB
+      LC_UNROLL for (int r = 0; r < R; ++r) {
+        const float a = s[r] + lc_simd_xor(s[r], 16);
+        const float b = sb[r] + lc_simd_xor(sb[r], 16);
+        s[r] = hf ? b : a;
+      }
+    } else {
     uint32_t w1[WK];
     uint32_t w2[B2 > 0 ? WK2 : 1];
     LC_UNROLL for (int b = 0; b < WK; ++b) w1[b] = kst_s[kt * WKP + b];
@@ -362,9 +431,19 @@ _SPEC = KernelSpec(
   }
     // Software-pipelined by one dim: dim d + 1's table value and q are read before dim d's
     // FMAs, so the threadgroup-memory latency overlaps arithmetic within the warp.
-    uint32_t c0;
-    LC_DA_CODE(0, c0);
-    float kv_n = ktab_s[c0];
+    // Dim d's table value (4-bit keys: the code as a byte offset, see NIBK).
+#define LC_DA_KTAB(d, out)                                                                   \
+  if (NIBK) {                                                                                \
+    const uint32_t wd = w1[(d) >> 3];                                                        \
+    const uint32_t eo = ((d) & 1) ? ((wd >> 2) & NIBM) : ((wd << 2) & NIBM);                 \
+    out = LC_AT_BYTE(ktab_s, LC_BYTE(eo, ((d) & 7) >> 1));                                   \
+  } else {                                                                                   \
+    uint32_t c_;                                                                             \
+    LC_DA_CODE(d, c_);                                                                       \
+    out = ktab_s[c_];                                                                        \
+  }
+    float kv_n;
+    LC_DA_KTAB(0, kv_n);
     LC_F4 q_n[R4];
     LC_UNROLL for (int j = 0; j < R4; ++j) q_n[j] = q_s[j];
     LC_UNROLL for (int g = 0; g < P / 32; ++g) LC_UNROLL for (int i = 0; i < 32; ++i) {
@@ -373,9 +452,7 @@ _SPEC = KernelSpec(
       LC_F4 qv[R4];
       LC_UNROLL for (int j = 0; j < R4; ++j) qv[j] = q_n[j];
       if (d + 1 < P) {
-        uint32_t cn;
-        LC_DA_CODE(d + 1, cn);
-        kv_n = ktab_s[cn];
+        LC_DA_KTAB(d + 1, kv_n);
         LC_UNROLL for (int j = 0; j < R4; ++j) q_n[j] = q_s[(d + 1) * R4 + j];
       }
       LC_UNROLL for (int j = 0; j < R4; ++j) {
@@ -385,7 +462,9 @@ _SPEC = KernelSpec(
         s[4 * j + 3] += qv[j].w * kv;
       }
     }
+#undef LC_DA_KTAB
 #undef LC_DA_CODE
+    }
     LC_UNROLL for (int r = 0; r < R; ++r) s[r] *= kn;
     if (QJL) {
       float cq[R];
@@ -423,10 +502,13 @@ _SPEC = KernelSpec(
       const float mu = mn == -LC_INF ? 0.0f : mn;
       const float alpha = LC_EXP2(m_run[r] - mu);
       const float p = LC_EXP2(s[r] - mu);
-      if (tid < TK) scratch[tid * R + r] = p * vn;
+      if (myk < TK) scratch[myk * R + r] = p * vn;
       l_loc[r] = l_loc[r] * alpha + p;
+      // (m_run is the same in every thread: a uniform branch; most tiles leave it unchanged)
+      if (mn != m_run[r]) {
+        LC_UNROLL for (int i = 0; i < DPT; ++i) acc[r * DPT + i] *= alpha;
+      }
       m_run[r] = mn;
-      LC_UNROLL for (int i = 0; i < DPT; ++i) acc[r * DPT + i] *= alpha;
     }
     LC_BARRIER();
 
@@ -441,8 +523,11 @@ _SPEC = KernelSpec(
         if (VSTR && vstraddle) bits |= vr2[VSTR ? j : 0] << (32 - vsh);
         float wv[R];
         LC_UNROLL for (int r = 0; r < R; ++r) wv[r] = scratch[kk * R + r];
+        const uint32_t ve = (bits << 2) & NIBM;  // NIBV: even codes' byte offsets
+        const uint32_t vo = (bits >> 2) & NIBM;  // odd codes'
         LC_UNROLL for (int i = 0; i < DPT; ++i) {
-          const float cv = vtab_s[(bits >> (i * BV)) & MASKV];
+          const float cv = NIBV ? LC_AT_BYTE(vtab_s, LC_BYTE((i & 1) ? vo : ve, i >> 1))
+                                : vtab_s[(bits >> (i * BV)) & MASKV];
           LC_UNROLL for (int r = 0; r < R; ++r) acc[r * DPT + i] += wv[r] * cv;
         }
       }

@@ -92,7 +92,6 @@ LC_FN void lc_cp_async16(uint32_t* smem, const uint32_t* gmem) {
 #define LC_CP_WAIT(n) asm volatile("cp.async.wait_group %0;\n" ::"n"(n))
 #define LC_CP_WAIT0() asm volatile("cp.async.wait_all;\n" ::)
 #define LC_SYNCWARP() __syncwarp()
-#define LC_BYTE(w, i) __byte_perm((w), 0u, 0x4440u | (uint32_t)(i))
 #define LC_U2 uint2
 #define LC_LD_U2(p) (*reinterpret_cast<const uint2*>(p))
 #define LC_ST_X4(p, v) (*reinterpret_cast<uint4*>(p) = make_uint4((v), (v), (v), (v)))

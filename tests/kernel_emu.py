@@ -161,6 +161,7 @@ static inline void lc_cp_async16(uint32_t* s, const uint32_t* g) {
 #define LC_CP_WAIT0()
 #define LC_SYNCWARP() lc_warps[lc_e_tid >> 5].bar->arrive_and_wait()
 #define LC_BYTE(w, i) ((((uint32_t)(w)) >> (8u * (uint32_t)(i))) & 255u)
+#define LC_AT_BYTE(a, off) (*reinterpret_cast<const float*>(reinterpret_cast<const char*>(a) + (off)))
 struct lc_u2 { uint32_t x, y; };
 #define LC_U2 lc_u2
 static inline lc_u2 lc_ld_u2(const uint32_t* p) {
