@@ -36,7 +36,7 @@ def prefill_exact(
     return cache, stats.seconds
 
 
-def compressed(model, exact: list, preset: str, chunk: int = engine.DEFAULT_CHUNK, upto: int | None = None) -> list:
+def compressed(model, exact: list, preset, chunk: int = engine.DEFAULT_CHUNK, upto: int | None = None) -> list:
     """The sealed cache an ingest under `preset` stores for the prefix `exact` holds (its first
     `upto` tokens: the exact cache of a shorter prefix is a truncation of a longer one's)."""
     import mlx.core as mx
@@ -44,7 +44,8 @@ def compressed(model, exact: list, preset: str, chunk: int = engine.DEFAULT_CHUN
     # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache.turbo import TurboQuantCache
 
-    cache = kvcache.make(model, kvcache.get_preset(preset))
+    preset_ = kvcache.get_preset(preset) if isinstance(preset, str) else preset
+    cache = kvcache.make(model, preset_)
     for src, dst in zip(exact, cache):
         n = src.offset if upto is None else min(upto, src.offset)
         keys, values = src.keys[..., :n, :], src.values[..., :n, :]
@@ -57,7 +58,6 @@ def compressed(model, exact: list, preset: str, chunk: int = engine.DEFAULT_CHUN
     kvcache.seal(cache)
     # what a restore from the entry's file yields (the arrays), prepared for answers as
     # `session.restore` prepares it (on the CPU: the prefix decoded once)
-    preset_ = kvcache.get_preset(preset)
     dtype = next(c for c in exact if hasattr(c, "keys")).keys.dtype
     cache = kvcache.from_arrays(kvcache.to_arrays(cache, preset_), model, preset_, dtype)
     mx.eval([c.state for c in cache])
@@ -73,22 +73,30 @@ def _logp(model, tokens: list[int], cache: list):
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def answer_scores(model, caches: dict[str, list], continuation: list[int], step: int = 16) -> dict:
-    """Per preset: ppl, KL(first preset || preset), top-1 agreement over `continuation[1:]`,
-    teacher-forced from an answering fork in steps of `step` tokens (a question and its answer)."""
+def answer_scores(
+    model, caches: dict[str, list | Callable[[], list]], continuation: list[int], step: int = 16, ref: list | None = None
+) -> dict:
+    """Per preset: ppl, KL(reference || preset), top-1 agreement over `continuation[1:]`,
+    teacher-forced in steps of `step` tokens (a question and its answer) from an answering fork of
+    each cache, or from the fresh cache a function builds (caches `kvcache.fork` cannot fork).
+
+    The reference is the first preset's log-probs, appended to `ref`; pass an earlier call's `ref`
+    to score more caches against the same reference.
+    """
     import mlx.core as mx
 
     inputs, targets = continuation[:-1], mx.array(continuation[1:])
-    ref, out = [], {}
+    ref = [] if ref is None else ref
+    out = {}
     for name, cache in caches.items():
-        fork = kvcache.fork(cache)
+        fork = cache() if callable(cache) else kvcache.fork(cache)
         nll = kl = 0.0
         top1 = 0
         start = time.perf_counter()
         for j, lo in enumerate(range(0, len(inputs), step)):
             logp = _logp(model, inputs[lo : lo + step], fork)
             mx.eval(logp)
-            if not out:
+            if j == len(ref):
                 ref.append(logp)
             t = targets[lo : lo + step]
             nll += float(-mx.take_along_axis(logp, t[:, None], axis=-1).sum())

@@ -40,9 +40,17 @@ class Preset:
     window: int = 0  # newest tokens kept uncompressed in memory (never on disk)
     sink: int = 0  # first tokens of the sequence kept uncompressed (in memory and on disk)
     seed: int = 0x7C0FFEE
+    key_bits_layers: tuple = ()  # (layer, bits) pairs: layers whose keys take other bits
+
+    def key_bits_of(self, layer: int) -> int:
+        """The key bits of `layer` (`key_bits` unless `key_bits_layers` names it)."""
+        return dict(self.key_bits_layers).get(layer, self.key_bits)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.key_bits_layers:  # files written before the field read the same
+            del d["key_bits_layers"]
+        return d
 
 
 WINDOW = 128

@@ -180,9 +180,9 @@ _CODECS: dict = {}
 
 def codecs_for(preset: Preset, head_dim: int, layer: int) -> tuple[VectorCodec, VectorCodec]:
     """Key and value codecs of one layer; seeds differ per layer and between keys and values."""
-    key = (preset.name, head_dim, layer)
+    key = (preset.name, preset.key_bits_layers, head_dim, layer)
     if key not in _CODECS:
-        kspec = QuantSpec(bits=preset.key_bits, bits2=preset.key_bits2, qjl=preset.key_qjl)
+        kspec = QuantSpec(bits=preset.key_bits_of(layer), bits2=preset.key_bits2, qjl=preset.key_qjl)
         vspec = QuantSpec(bits=preset.value_bits)
         seed = preset.seed + 7919 * layer
         _CODECS[key] = (VectorCodec(head_dim, kspec, seed), VectorCodec(head_dim, vspec, seed + 1))
