@@ -352,10 +352,8 @@ _SPEC = KernelSpec(
 
     // 1. Scores (base-2 logits): thread tid scores staged row tid against the R rows (PAIR:
     // rows ka and ka + NT / 2 over its half of the dims, then keeps row myk's).
-    float s[4 * R4];
-    LC_UNROLL for (int r = 0; r < 4 * R4; ++r) s[r] = 0.0f;
-    if (PAIR) {
-      // Table value of dim d of a 32-dim group's words `w` (B1 words).
+    // Table value of single-stage dim d of words `w` (4-bit: the code as a byte offset, see NIBK;
+    // otherwise d < 32, `w` the B1 words of its 32-dim group).
 #define LC_DA_HTAB(w, d, out)                                                                \
   if (NIBK) {                                                                                \
     const uint32_t eo = ((d) & 1) ? ((w[(d) >> 3] >> 2) & NIBM) : ((w[(d) >> 3] << 2) & NIBM); \
@@ -368,6 +366,9 @@ _SPEC = KernelSpec(
     if (sh_ + B1 > 32) c_ |= w[wi_ + 1] << (32 - sh_);                                       \
     out = ktab_s[c_ & MASK1];                                                                \
   }
+    float s[4 * R4];
+    LC_UNROLL for (int r = 0; r < 4 * R4; ++r) s[r] = 0.0f;
+    if (PAIR) {
       float sb[4 * R4];
       LC_UNROLL for (int r = 0; r < 4 * R4; ++r) sb[r] = 0.0f;
       LC_UNROLL for (int g = 0; g < PH / 32; ++g) {  // 32 dims at a time: B1 words per row
@@ -395,7 +396,6 @@ _SPEC = KernelSpec(
           }
         }
       }
-#undef LC_DA_HTAB
       LC_UNROLL for (int r = 0; r < R; ++r) {
         const float a = s[r] + lc_simd_xor(s[r], 16);
         const float b = sb[r] + lc_simd_xor(sb[r], 16);
@@ -434,9 +434,7 @@ _SPEC = KernelSpec(
     // Dim d's table value (4-bit keys: the code as a byte offset, see NIBK).
 #define LC_DA_KTAB(d, out)                                                                   \
   if (NIBK) {                                                                                \
-    const uint32_t wd = w1[(d) >> 3];                                                        \
-    const uint32_t eo = ((d) & 1) ? ((wd >> 2) & NIBM) : ((wd << 2) & NIBM);                 \
-    out = LC_AT_BYTE(ktab_s, LC_BYTE(eo, ((d) & 7) >> 1));                                   \
+    LC_DA_HTAB(w1, d, out);                                                                  \
   } else {                                                                                   \
     uint32_t c_;                                                                             \
     LC_DA_CODE(d, c_);                                                                       \
@@ -465,6 +463,7 @@ _SPEC = KernelSpec(
 #undef LC_DA_KTAB
 #undef LC_DA_CODE
     }
+#undef LC_DA_HTAB
     LC_UNROLL for (int r = 0; r < R; ++r) s[r] *= kn;
     if (QJL) {
       float cq[R];
