@@ -64,19 +64,23 @@ def exact_cache(lm, ids: list[int], save: Path) -> list:
     return cache
 
 
+def unrope(lm, c, n: int):
+    """(post-RoPE keys (H, n, D), the same before RoPE, cos, sin (n, D/2)) of the first n keys of
+    layer cache `c` (mlx-lm's non-traditional RoPE: halves rotated; positions from 0)."""
+    theta = float(getattr(lm.model.args, "rope_theta", 10000.0))
+    k = np.array(c.keys[0, :, :n, :].astype(mx.float32))
+    d = k.shape[-1]
+    ang = np.arange(n)[:, None] * (theta ** (-np.arange(0, d, 2) / d))[None, :]
+    cos, sin = np.cos(ang), np.sin(ang)
+    a, b = k[..., : d // 2], k[..., d // 2 :]
+    return k, np.concatenate([a * cos + b * sin, b * cos - a * sin], axis=-1), cos, sin  # R(-pos) k
+
+
 def pre_rope_gain(lm, cache: list, n: int) -> list[dict]:
     """Per layer: centred key energy post-RoPE (what the codec sees) vs pre-RoPE centring."""
-    args = lm.model.args
-    theta = float(getattr(args, "rope_theta", 10000.0))
     out = []
     for c in cache:
-        k = np.array(c.keys[0, :, :n, :].astype(mx.float32))  # (H, n, D), post-RoPE
-        d = k.shape[-1]
-        inv = theta ** (-np.arange(0, d, 2) / d)  # (D/2,)
-        ang = np.arange(n)[:, None] * inv[None, :]  # (n, D/2)
-        cos, sin = np.cos(ang), np.sin(ang)
-        a, b = k[..., : d // 2], k[..., d // 2 :]  # mlx-lm's non-traditional RoPE halves
-        pre = np.concatenate([a * cos + b * sin, b * cos - a * sin], axis=-1)  # R(-pos) k
+        k, pre, _, _ = unrope(lm, c, n)
         post_c = k - k.mean(1, keepdims=True)
         pre_c = pre - pre.mean(1, keepdims=True)
         out.append(
@@ -91,17 +95,11 @@ def pre_rope_gain(lm, cache: list, n: int) -> list[dict]:
 
 def pre_rope_offsets(lm, cache: list, n: int) -> list:
     """Per layer, (1, H, n, D) float32: R(pos) mu, mu the mean of the first n keys before RoPE."""
-    theta = float(getattr(lm.model.args, "rope_theta", 10000.0))
     out = []
     for c in cache:
-        k = np.array(c.keys[0, :, :n, :].astype(mx.float32))
-        d = k.shape[-1]
-        ang = np.arange(n)[:, None] * (theta ** (-np.arange(0, d, 2) / d))[None, :]
-        cos, sin = np.cos(ang), np.sin(ang)
-        a, b = k[..., : d // 2], k[..., d // 2 :]
-        pre = np.concatenate([a * cos + b * sin, b * cos - a * sin], axis=-1)
+        _, pre, cos, sin = unrope(lm, c, n)
         mu = pre.mean(1, keepdims=True)  # (H, 1, D)
-        ma, mb = mu[..., : d // 2], mu[..., d // 2 :]
+        ma, mb = np.split(mu, 2, axis=-1)
         out.append(mx.array(np.concatenate([ma * cos - mb * sin, ma * sin + mb * cos], axis=-1)[None].astype(np.float32)))
     return out
 
