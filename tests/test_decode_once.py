@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from longctx import kvcache
+from longctx.kvcache import attend_blocked, attend_cpu
 from longctx.kvcache.attention import compressed_attention
 from longctx.kvcache.presets import get_preset
 from longctx.kvcache.turbo import TurboQuantCache
@@ -204,3 +205,39 @@ def test_decoding_after_head_rows_equals_concatenation(spec):
     got = codec.decode_scoring(enc, head=head)
     want = mx.concatenate([head, codec.decode_scoring(enc)], axis=2)
     assert np.array_equal(np.array(got), np.array(want))
+
+
+@pytest.mark.parametrize("lq,lk,mask", [(1, 700, None), (37, 300, "causal"), (64, 64, "causal"), (16, 900, None)])
+@pytest.mark.parametrize("writes_through", [True, False])
+def test_exact_cpu_attention_equals_mlx_sdpa(monkeypatch, lq, lk, mask, writes_through):
+    """The CPU's numpy-softmax attention over uncompressed keys (fp16 caches, the layer-major
+    prefill's staging cache) is MLX's SDPA: grouped heads, causal masks, both numpy modes."""
+    monkeypatch.setattr(attend_blocked, "numpy_writes_through", lambda: writes_through)
+    mx.random.seed(3)
+    q = mx.random.normal((1, 6, lq, 64))
+    k = mx.random.normal((1, 2, lk, 64)) * 3
+    v = mx.random.normal((1, 2, lk, 64))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    got = attend_cpu.exact_attention(q, k, v, 0.125, mask)
+    assert got.shape == want.shape and got.dtype == q.dtype
+    assert mx.allclose(got, want, atol=2e-5, rtol=1e-4).item()
+
+
+def test_model_attention_routes_long_exact_calls_on_the_cpu(monkeypatch):
+    """mlx-lm's attention calls with an uncompressed cache take `exact_attention` on the CPU
+    past its size threshold, and MLX's SDPA below it or with an array mask."""
+    from longctx.kvcache import routing
+    from mlx_lm.models import base
+
+    calls = []
+    real = attend_cpu.exact_attention
+    monkeypatch.setattr(attend_cpu, "exact_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(attend_cpu, "EXACT_MIN_SCORES", 6 * 8 * 100)
+    sdpa = routing._wrap(base.scaled_dot_product_attention)
+    q, k = mx.random.normal((1, 6, 8, 32)), mx.random.normal((1, 2, 100, 32))
+    want = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.2, mask="causal")
+    assert mx.allclose(sdpa(q, k, k, cache=None, scale=0.2, mask="causal"), want, atol=2e-5).item()
+    assert calls == [1]
+    sdpa(q[:, :, :4], k, k, cache=None, scale=0.2, mask="causal")  # below the threshold
+    sdpa(q, k, k, cache=None, scale=0.2, mask=mx.zeros((8, 100)))  # an array mask
+    assert calls == [1]

@@ -79,3 +79,78 @@ def attention(queries: mx.array, kv: CompressedKV, scale: float, mask) -> mx.arr
     out = (acc / mx.array(total)) @ uv
     out = out.reshape(B, Hkv, r, Lq, D) + kv.value_mean[:, :, None]
     return out.reshape(B, Hq, Lq, D).astype(queries.dtype)
+
+
+EXACT_MIN_SCORES = 1 << 20  # scores per call from which exact attention on the CPU goes through numpy
+
+
+def exact_applies(queries, keys, mask, sinks) -> bool:
+    """Whether `exact_attention` takes an uncompressed attention call (`kvcache.routing`): the
+    CPU, no attention sinks, a mask that is none or causal, grouped heads, and enough scores
+    that MLX's exponentials would dominate (short calls keep MLX's SDPA)."""
+    if sinks is not None or not (mask is None or (isinstance(mask, str) and mask == "causal")):
+        return False
+    if mx.default_device().type != mx.DeviceType.cpu or queries.ndim != 4 or keys.ndim != 4:
+        return False
+    if queries.shape[1] % keys.shape[1] or keys.shape[2] < queries.shape[2]:
+        return False
+    return queries.shape[1] * queries.shape[2] * keys.shape[2] >= EXACT_MIN_SCORES
+
+
+def _exp_rows(scores: np.ndarray, pool) -> np.ndarray:
+    """scores <- exp(scores - row max) in place; returns the row sums. Rows are split between
+    the pool's threads (numpy's loops release the GIL; MLX's BLAS is idle meanwhile)."""
+    rows = scores.reshape(-1, scores.shape[-1])
+    sums = np.empty((rows.shape[0], 1), dtype=np.float32)
+
+    def part(lo: int, hi: int) -> None:
+        x = rows[lo:hi]
+        np.subtract(x, x.max(axis=-1, keepdims=True), out=x)
+        np.exp(x, out=x)
+        np.sum(x, axis=-1, keepdims=True, out=sums[lo:hi])
+
+    n = rows.shape[0]
+    if pool is None or n < 2:
+        part(0, n)
+    else:
+        half = n // 2
+        job = pool.submit(part, 0, half)
+        part(half, n)
+        job.result()
+    return sums.reshape(scores.shape[:-1] + (1,))
+
+
+@functools.lru_cache(maxsize=1)
+def _pool():
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=1) if (os.cpu_count() or 1) > 1 else None
+
+
+def exact_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
+    """Softmax attention over uncompressed keys and values on the CPU, exponentials in numpy.
+
+    What the model's SDPA computes (an fp16 cache's attention, and the exact staging cache of a
+    layer-major prefill), for long calls: MLX's CPU SDPA spends most of its time in `exp`
+    (~5x numpy's per element; at 16k cached tokens the softmax was ~80% of a 512-token chunk's
+    attention: benchmarks/diagnostics/cpu_profile.py). The score matmuls stay in MLX (its BLAS);
+    the scores are exponentiated in place, split over two threads, and never copied.
+    """
+    B, Hq, Lq, D = queries.shape
+    Hkv, Lk = keys.shape[1], keys.shape[2]
+    r = Hq // Hkv
+    q = (queries.astype(mx.float32) * scale).reshape(B, Hkv, r * Lq, D)
+    s = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # (B, Hkv, r*Lq, Lk), fresh
+    mx.eval(s)
+    sn = np.asarray(s)
+    through = attend_blocked.numpy_writes_through() and sn.flags.writeable and sn.flags.c_contiguous
+    if not through:
+        sn = np.array(sn)
+    if mask is not None and Lq > 1:  # causal: query i (position Lk - Lq + i) sees keys <= it
+        tail = sn.reshape(B, Hkv, r, Lq, Lk)[..., Lk - Lq :]  # a view: written through
+        np.copyto(tail, np.float32(-np.inf), where=np.triu(np.ones((Lq, Lq), dtype=bool), 1))
+    sums = _exp_rows(sn, _pool())
+    p = s if through else mx.array(sn)
+    out = (p @ values.astype(mx.float32)) / mx.array(sums)
+    return out.reshape(B, Hq, Lq, D).astype(queries.dtype)

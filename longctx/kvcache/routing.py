@@ -18,6 +18,7 @@ _ORIGINAL = "_longctx_original"
 def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kw):
         # deferred: loads mlx.core, numpy (the light commands start without it)
+        from longctx.kvcache import attend_cpu
         from longctx.kvcache.attention import compressed_attention
 
         # deferred: loads mlx.core, numpy (the light commands start without it)
@@ -27,6 +28,8 @@ def _wrap(original):
             if sinks is not None:
                 raise NotImplementedError("attention sinks are not supported by compressed caches")
             return compressed_attention(queries, keys, scale=scale, mask=mask)
+        if attend_cpu.exact_applies(queries, keys, mask, sinks) and not kw:
+            return attend_cpu.exact_attention(queries, keys, values, scale, mask)
         if sinks is not None:
             kw["sinks"] = sinks
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
