@@ -2,9 +2,11 @@
 
 mlx-lm model modules do `from .base import scaled_dot_product_attention` and call it with the
 values returned by `cache.update_and_fetch`. Every such module's name is rebound to a wrapper
-that sends `CompressedKV` views to `compressed_attention` and everything else to mlx-lm's own
-function, unchanged. Gemma-2's attention, which computes its scores itself, is wrapped by
-`kvcache.softcap`. Idempotent; call it after a model's module is imported.
+that sends `CompressedKV` views to `compressed_attention`, long uncompressed calls on the CPU
+(an fp16 cache, the layer-major prefill's exact staging cache) to `attend_cpu.exact_attention`
+(numpy exponentials), and everything else to mlx-lm's own function, unchanged. Gemma-2's
+attention, which computes its scores itself, is wrapped by `kvcache.softcap`. Idempotent; call it
+after a model's module is imported.
 """
 
 from __future__ import annotations
