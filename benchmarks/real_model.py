@@ -75,7 +75,8 @@ def ask(env: dict, question: str, doc: str) -> dict:
     total = time.perf_counter() - start
     if proc.returncode:
         raise SystemExit(f"ask failed: {err.decode()}")
-    m = re.search(r"restored in ([0-9.]+) s, first token after ([0-9.]+) s", err.decode())
+    # (rich wraps the line at the terminal's width: any whitespace between the words)
+    m = re.search(r"restored\s+in\s+([0-9.]+)\s+s,\s+first\s+token\s+after\s+([0-9.]+)\s+s", err.decode())
     return {
         "answer": (first + rest).decode().strip(),
         "first_byte_seconds": first_byte,

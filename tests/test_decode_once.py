@@ -241,3 +241,19 @@ def test_model_attention_routes_long_exact_calls_on_the_cpu(monkeypatch):
     sdpa(q[:, :, :4], k, k, cache=None, scale=0.2, mask="causal")  # below the threshold
     sdpa(q, k, k, cache=None, scale=0.2, mask=mx.zeros((8, 100)))  # an array mask
     assert calls == [1]
+
+
+def test_an_fp16_cache_routes_the_models_attention(tiny_model, monkeypatch):
+    """`kvcache.make` with the fp16 preset routes the model's attention too, so an fp16 ingest
+    on the CPU takes `exact_attention` past its threshold, with the same logits."""
+    from longctx.runtime import models
+
+    lm = models.load(models.resolve(str(tiny_model)))
+    ids = mx.array([list(range(3, 40))], dtype=mx.int32)
+    want = lm.model(ids, cache=kvcache.make(lm.model, get_preset("fp16")))
+    calls = []
+    real = attend_cpu.exact_attention
+    monkeypatch.setattr(attend_cpu, "exact_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(attend_cpu, "EXACT_MIN_SCORES", 1)
+    got = lm.model(ids, cache=kvcache.make(lm.model, get_preset("fp16")))
+    assert calls and mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()

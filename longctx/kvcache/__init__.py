@@ -100,6 +100,7 @@ def make(model, preset: Preset, paths=None) -> list:
 
     base = make_prompt_cache(model)
     support.check(model, base, preset.name, compressed=preset.kind != "fp16", turbo=preset.kind == "turbo")
+    routing.install()  # compressed views to our attention; long exact calls on the CPU too (fp16)
     if preset.kind == "fp16":
         return base
     if preset.kind == "affine":
@@ -111,7 +112,6 @@ def make(model, preset: Preset, paths=None) -> list:
     # deferred: loads mlx.core, numpy (the light commands start without it)
     from longctx.kvcache.turbo import TurboQuantCache
 
-    routing.install()
     first = first_layer(model)  # codec seeds follow the layer's number in the whole model
     extra = () if paths is None else (paths,)
     return [TurboQuantCache(preset, first + i, *extra) if type(c) is KVCache else c for i, c in enumerate(base)]
