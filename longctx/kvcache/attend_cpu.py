@@ -86,9 +86,12 @@ EXACT_MIN_SCORES = 1 << 20  # scores per call from which exact attention on the 
 
 def exact_applies(queries, keys, mask, sinks) -> bool:
     """Whether `exact_attention` takes an uncompressed attention call (`kvcache.routing`): the
-    CPU, no attention sinks, a mask that is none or causal, grouped heads, and enough scores
-    that MLX's exponentials would dominate (short calls keep MLX's SDPA)."""
+    CPU, plain arrays (not an affine cache's tuples), no attention sinks, a mask that is none or
+    causal, grouped heads, and enough scores that MLX's exponentials would dominate (short calls
+    keep MLX's SDPA)."""
     if sinks is not None or not (mask is None or (isinstance(mask, str) and mask == "causal")):
+        return False
+    if not (isinstance(queries, mx.array) and isinstance(keys, mx.array)):  # e.g. mlx-lm's quantized cache
         return False
     if mx.default_device().type != mx.DeviceType.cpu or queries.ndim != 4 or keys.ndim != 4:
         return False
