@@ -78,7 +78,7 @@ def attention_parts(length: int, hq: int, hkv: int, d: int) -> dict:
 
 
 def fresh_ask_parts(model_ref, lm, length: int, preset_name: str) -> dict:
-    from longctx import engine, kvcache
+    from longctx import kvcache
 
     out = {}
     t = time.perf_counter()
@@ -117,7 +117,6 @@ def fresh_ask_parts(model_ref, lm, length: int, preset_name: str) -> dict:
     logits = lm.model(mx.array([[int(mx.argmax(logits[0, -1]))]], dtype=mx.int32), cache=cache)
     mx.eval(logits)
     out["answer_token_seconds"] = time.perf_counter() - t
-    _ = engine
     return out
 
 

@@ -241,12 +241,10 @@ def decode_once(cache: list, max_bytes: int = DECODE_ONCE_MAX) -> int:
     Returns:
         bytes decoded (0 when skipped or nothing to decode).
     """
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
     import mlx.core as mx
 
     # deferred: loads mlx.core, numpy (the light commands start without it)
+    from longctx.kvcache.attend_cpu import helper_pool
     from longctx.kvcache.turbo import TurboQuantCache
 
     layers = [c for c in cache if isinstance(c, TurboQuantCache)]
@@ -257,14 +255,10 @@ def decode_once(cache: list, max_bytes: int = DECODE_ONCE_MAX) -> int:
     sinks = [c.rotated_sink() if c.prefix_len else None for c in layers]
     mx.eval([a for s in sinks if s for a in s])
     # Keys and values of a layer decode side by side (numpy's loops release the GIL).
-    pool = ThreadPoolExecutor(max_workers=1) if (os.cpu_count() or 1) > 1 else None
-    try:
-        for c, sink in zip(layers, sinks):
-            total += c.decode_prefix(pool, sink)
-            mx.eval(c.dense_prefix or [])  # layer by layer: the numpy buffers are freed as we go
-    finally:
-        if pool is not None:
-            pool.shutdown()
+    pool = helper_pool()
+    for c, sink in zip(layers, sinks):
+        total += c.decode_prefix(pool, sink)
+        mx.eval(c.dense_prefix or [])  # layer by layer: the numpy buffers are freed as we go
     return total
 
 

@@ -124,7 +124,9 @@ def _exp_rows(scores: np.ndarray, pool) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=1)
-def _pool():
+def helper_pool():
+    """One helper thread for numpy work beside the caller's (None on one core), kept for the
+    process: the exact attention's exponentials and `kvcache.decode_once`'s value decoding."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -153,7 +155,7 @@ def exact_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
     if mask is not None and Lq > 1:  # causal: query i (position Lk - Lq + i) sees keys <= it
         tail = sn.reshape(B, Hkv, r, Lq, Lk)[..., Lk - Lq :]  # a view: written through
         np.copyto(tail, np.float32(-np.inf), where=np.triu(np.ones((Lq, Lq), dtype=bool), 1))
-    sums = _exp_rows(sn, _pool())
+    sums = _exp_rows(sn, helper_pool())
     p = s if through else mx.array(sn)
     out = (p @ values.astype(mx.float32)) / mx.array(sums)
     return out.reshape(B, Hq, Lq, D).astype(queries.dtype)
